@@ -1,0 +1,163 @@
+"""`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
+
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, PRNGKeyArray, Shaped, UInt8
+
+from ._checks import check_amax, check_block, check_float, check_rounding
+from ._format import _e2m1
+from ._format._constants import BLOCK
+from ._format._nvfp4 import (
+    dequantize_blocks,
+    pad_to_blocks,
+    quantize_blocks,
+    to_blocks,
+)
+from ._format._pack import pack, unpack
+
+
+class NVFP4Array(eqx.Module):
+    """An array in NVFP4: packed E2M1 codes, E4M3 block scales and a float32 tensor scale.
+
+    Create one with [`nvfp4x.to_nvfp4`][]. It is an `eqx.Module`, so it passes through
+    `jax.jit`, `jax.vmap`, tree maps and `eqx.tree_serialise_leaves`.
+
+    **Fields:**
+
+    - `codes`: `uint8`, two E2M1 codes per byte, element `2i` in the low nibble. Its shape
+      is the logical shape with the blocked axes padded to multiples of 16, last axis halved.
+    - `scales`: `float8_e4m3fn` decode scales, one per block: shape `(..., K_pad/16)` for
+      `block=(1, 16)` and `(..., R_pad/16, C_pad/16)` for `block=(16, 16)`.
+    - `tensor_scale`: float32 decode scale `s_dec = 1 / S_enc` (a scalar; one per slice
+      when the array was made under `jax.vmap`).
+    - `block`, `logical_tail`, `dtype` (static): the layout, the unpadded sizes of the
+      blocked axes, and the dtype of the array that was quantised.
+    """
+
+    codes: UInt8[Array, "..."]
+    scales: Shaped[Array, "..."]
+    tensor_scale: Float[Array, "*batch"]
+    block: tuple[int, int] = eqx.field(static=True)
+    logical_tail: tuple[int, ...] = eqx.field(static=True)
+    dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape (without padding)."""
+        return tuple(self.codes.shape[: -len(self.logical_tail)]) + self.logical_tail
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: packed codes + block scales + tensor scale(s)."""
+        return int(self.codes.nbytes + self.scales.nbytes + self.tensor_scale.nbytes)
+
+    def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
+        """The array's values `(e2m1 × block_scale) × tensor_scale`, in the logical shape.
+
+        **Arguments:**
+
+        - `dtype`: the output dtype; by default the dtype that was quantised.
+
+        **Returns:** an array of shape `self.shape`.
+        """
+        q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
+        ts = self.tensor_scale.reshape(
+            self.tensor_scale.shape + (1,) * (self.codes.ndim - self.tensor_scale.ndim)
+        )
+        scale = self.scales.astype(jnp.float32)
+        if self.block[0] == 1:
+            x = (q * scale[..., None]).reshape(self.codes.shape[:-1] + (-1,)) * ts
+        else:
+            x = (q * scale[..., :, None, :, None]).reshape(
+                self.codes.shape[:-1] + (-1,)
+            ) * ts
+        index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
+        return x[index].astype(self.dtype if dtype is None else dtype)
+
+    def __repr__(self) -> str:
+        return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
+
+
+def _prepare(x, block, rounding, key, amax):
+    x = check_float(x)
+    block = check_block(block, x.ndim)
+    check_rounding(rounding, key)
+    return x, block, check_amax(amax)
+
+
+def to_nvfp4(
+    x: ArrayLike,
+    *,
+    block: Sequence[int] = (1, BLOCK),
+    rounding: str = "nearest",
+    key: PRNGKeyArray | None = None,
+    amax: ArrayLike | None = None,
+) -> NVFP4Array:
+    """Quantise an array to NVFP4, bit for bit as Blackwell's cast does (spec §2).
+
+    **Arguments:**
+
+    - `x`: a floating-point array (float32, bfloat16, float16). Any leading axes are batch
+      axes; blocked axes that are not multiples of 16 are zero-padded internally.
+    - `block`: `(1, 16)`, blocks of 16 along the last axis (activations, gradients), or
+      `(16, 16)`, 16x16 tiles over the last two axes (weights).
+    - `rounding`: `"nearest"` (round half to even) or `"stochastic"` (unbiased; needs `key`).
+    - `key`: a PRNG key for stochastic rounding.
+    - `amax`: a precomputed tensor amax (from calibration, or reduced across devices with
+      `jax.lax.pmax`); by default `max(|x|)`.
+
+    **Returns:** an [`nvfp4x.NVFP4Array`][].
+
+    ```python
+    q = nvfp4x.to_nvfp4(jnp.linspace(-1, 1, 64))
+    q.codes.shape, q.scales.dtype, q.dequantize().shape   # (32,), float8_e4m3fn, (64,)
+    ```
+    """
+    x, block, amax = _prepare(x, block, rounding, key, amax)
+    xp = pad_to_blocks(x, block)
+    q, scale_b, s_dec = quantize_blocks(xp, block, rounding, key, amax)
+    codes = _e2m1.encode(q)
+    if block[0] == 1:
+        codes = codes.reshape(xp.shape)
+    else:
+        codes = codes.reshape(xp.shape)
+    tail = x.shape[-1:] if block[0] == 1 else x.shape[-2:]
+    return NVFP4Array(
+        codes=pack(codes),
+        scales=scale_b.astype(jnp.float8_e4m3fn),
+        tensor_scale=s_dec,
+        block=block,
+        logical_tail=tuple(tail),
+        dtype=x.dtype,
+    )
+
+
+def fake_quantize(
+    x: ArrayLike,
+    *,
+    block: Sequence[int] = (1, BLOCK),
+    rounding: str = "nearest",
+    key: PRNGKeyArray | None = None,
+    amax: ArrayLike | None = None,
+) -> Shaped[Array, "..."]:
+    """Quantise to NVFP4 and dequantise again in one fused step, without packing.
+
+    Takes the same arguments as [`nvfp4x.to_nvfp4`][] and returns
+    `to_nvfp4(x, ...).dequantize()` (the same bits), in `x`'s dtype and shape. The
+    training path uses it.
+    """
+    x, block, amax = _prepare(x, block, rounding, key, amax)
+    xp = pad_to_blocks(x, block)
+    q, scale_b, s_dec = quantize_blocks(xp, block, rounding, key, amax)
+    y = dequantize_blocks(q, scale_b, s_dec, block)
+    index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
+    return y[index].astype(x.dtype)

@@ -1,0 +1,28 @@
+"""Named limits of the formats nvfp4x implements (spec §1, §6)."""
+
+import numpy as np
+
+#: Elements per NVFP4 block (along one axis).
+BLOCK = 16
+#: Elements per MXFP8 block.
+MX_BLOCK = 32
+#: Largest E2M1 magnitude.
+E2M1_MAX = 6.0
+#: Largest finite E4M3 (`float8_e4m3fn`) magnitude.
+E4M3_MAX = 448.0
+#: Largest finite E5M2 magnitude.
+E5M2_MAX = 57344.0
+#: Smallest normal E4M3 magnitude; below it E4M3 is subnormal with step 2^-9.
+E4M3_MIN_NORMAL = 2.0**-6
+#: `E4M3_MAX * E2M1_MAX`: the largest magnitude one NVFP4 block can hold at unit tensor scale.
+NVFP4_RANGE = E4M3_MAX * E2M1_MAX
+#: Smallest normal E5M2 magnitude; below it E5M2 is subnormal with step 2^-16.
+E5M2_MIN_NORMAL = 2.0**-14
+#: float32's largest finite value.
+FLT_MAX = float(np.finfo(np.float32).max)
+#: `f32(1/6)`, the constant of the block-scale formula.
+INV_E2M1_MAX = float(np.float32(1.0) / np.float32(6.0))
+#: Magnitudes of the E2M1 codes 0..7; bit 3 of a code is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: The sign vector of the random Hadamard transform, as Transformer Engine uses it.
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)

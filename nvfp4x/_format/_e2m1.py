@@ -1,0 +1,61 @@
+"""FP4 E2M1 element rounding, codes and decoding, on float32 arrays.
+
+Rounding works on the E2M1 grid directly: between 0 and 2 the grid step is 0.5, between
+2 and 4 it is 1, between 4 and 6 it is 2. Scaling by a power of two is exact, so
+`round_half_even(a / step) * step` is exact round-to-nearest-even on the grid (every tie
+lands on the value with an even code).
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, UInt8
+
+from ._constants import E2M1_MAX
+
+
+def _step(a: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    return jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
+
+
+def round_nearest(v: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """Round to the nearest E2M1 value (ties to even), saturating at ±6. NaN stays NaN."""
+    a = jnp.abs(v)
+    step = _step(a)
+    q = jnp.minimum(jnp.round(a / step) * step, E2M1_MAX)
+    return jnp.copysign(q, v)
+
+
+def round_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """Round to one of the two neighbouring E2M1 values, up with probability equal to the
+    position of `|v|` between them, using uniform samples `u` in [0, 1). Saturates at ±6.
+
+    `E[round_stochastic(v, U)] == v` for `|v| <= 6`.
+    """
+    a = jnp.minimum(jnp.abs(v), E2M1_MAX)
+    step = _step(a)
+    lo = jnp.floor(a / step) * step
+    p = (a - lo) / step
+    q = jnp.where(u < p, lo + step, lo)
+    q = jnp.where(jnp.isnan(v), v, q)
+    return jnp.copysign(q, v)
+
+
+def encode(q: Float[Array, "*s"]) -> UInt8[Array, "*s"]:
+    """The 4-bit code (0..15) of a value already on the E2M1 grid. NaN gets code 0."""
+    a = jnp.abs(q)
+    mag = jnp.where(a <= 2.0, 2.0 * a, jnp.minimum(a + 2.0, 7.0))
+    mag = jnp.where(jnp.isnan(q), 0.0, mag).astype(jnp.uint8)
+    sign = jnp.where(jnp.signbit(q) & ~jnp.isnan(q), 8, 0).astype(jnp.uint8)
+    return mag | sign
+
+
+def decode(code: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
+    """The float32 value of 4-bit E2M1 codes."""
+    m = (code & 7).astype(jnp.float32)
+    mag = jnp.where(m <= 4.0, 0.5 * m, jnp.where(m == 7.0, 6.0, m - 2.0))
+    return jnp.where((code & 8) != 0, -mag, mag)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "..."]:
+    """Uniform float32 samples in [0, 1) for stochastic rounding."""
+    return jax.random.uniform(key, shape, dtype=jnp.float32)

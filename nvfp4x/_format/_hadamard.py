@@ -1,0 +1,34 @@
+"""The random Hadamard transform of spec §4: `H = diag(s) @ H16 / 4` on 16-row chunks."""
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from ._constants import BLOCK, RHT_SIGNS
+
+
+def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
+    """The 16x16 orthogonal matrix `diag(signs) @ H16 / 4` (float32)."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < BLOCK:
+        h = np.block([[h, h], [h, -h]])
+    return (np.asarray(signs, np.float32)[:, None] * h / 4.0).astype(np.float32)
+
+
+def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+    """Apply `H` to consecutive 16-element chunks of `x` along `axis` (float32).
+
+    The axis is zero-padded to a multiple of 16 and the padded length is kept: padding
+    rows are mixed into the transform, so cutting them off again would lose information.
+    For two operands transformed along their shared contraction axis, the padded zero
+    rows contribute nothing, and `rht(a).T @ rht(b) == a.T @ b` up to rounding.
+    """
+    x = jnp.moveaxis(x.astype(jnp.float32), axis, 0)
+    n = x.shape[0]
+    pad = -n % BLOCK
+    if pad:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, *x.shape[1:])
+    h = jnp.asarray(hadamard_matrix())
+    y = jnp.einsum("ij,cj...->ci...", h, chunks, precision="highest")
+    return jnp.moveaxis(y.reshape(x.shape), 0, axis)

@@ -1,0 +1,113 @@
+"""The NVFP4 quantiser of spec §2–3, in plain `jax.numpy` (the reference path).
+
+Everything is float32, in the order the spec writes it. The functions here work on
+arrays whose blocked axes are already padded to multiples of 16.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from . import _e2m1
+from ._constants import BLOCK, FLT_MAX, INV_E2M1_MAX, NVFP4_RANGE
+from ._e4m3 import round_e4m3
+
+Block = tuple[int, int]
+Rounding = Literal["nearest", "stochastic"]
+BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, BLOCK))
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+
+
+def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
+    """`max(|x|)` over the whole array, ignoring NaN (as CUDA's `fmaxf` does, so one NaN
+    poisons only its own block). An infinity counts."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(a), 0.0, a), initial=0.0)
+
+
+def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
+    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`."""
+    amax = jnp.asarray(amax, jnp.float32)
+    s_enc = jnp.minimum(NVFP4_RANGE / amax, FLT_MAX)
+    return jnp.where((amax == 0.0) | (s_enc == 0.0), jnp.float32(1.0), s_enc)
+
+
+def pad_to_blocks(x: Array, block: Block) -> Array:
+    """Zero-pad the blocked axes of `x` to multiples of 16."""
+    pads = [(0, 0)] * x.ndim
+    pads[-1] = (0, -x.shape[-1] % BLOCK)
+    if block[0] == BLOCK:
+        pads[-2] = (0, -x.shape[-2] % BLOCK)
+    if any(p[1] for p in pads):
+        x = jnp.pad(x, pads)
+    return x
+
+
+def to_blocks(x: Array, block: Block) -> Array:
+    """View a padded array as blocks: `(..., K/16, 16)` for 1x16, `(..., R/16, 16, C/16, 16)`
+    for 16x16."""
+    *lead, c = x.shape
+    if block[0] == 1:
+        return x.reshape(*lead, c // BLOCK, BLOCK)
+    *lead, r = lead
+    return x.reshape(*lead, r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+
+
+def from_blocks(xb: Array, block: Block) -> Array:
+    """Inverse of `to_blocks`."""
+    if block[0] == 1:
+        return xb.reshape(*xb.shape[:-2], xb.shape[-2] * BLOCK)
+    *lead, r, _, c, _ = xb.shape
+    return xb.reshape(*lead, r * BLOCK, c * BLOCK)
+
+
+def _block_axes(block: Block) -> tuple[int, ...]:
+    return (-1,) if block[0] == 1 else (-3, -1)
+
+
+def _expand(scale: Array, block: Block) -> Array:
+    """Broadcast a block grid against `to_blocks` output."""
+    return scale[..., None] if block[0] == 1 else scale[..., :, None, :, None]
+
+
+def quantize_blocks(
+    xp: Float[Array, "..."],
+    block: Block,
+    rounding: Rounding,
+    key: jax.Array | None,
+    amax: Float[Array, ""] | None,
+) -> tuple[Float[Array, "..."], Float[Array, "..."], Float[Array, ""]]:
+    """Quantise a padded float32 array.
+
+    **Returns:** `(q, scale_b, s_dec)`: `q` the E2M1 values (float32, on the grid, in the
+    `to_blocks` view), `scale_b` the block scales (float32 copies of E4M3 values; NaN for
+    a block holding a non-finite value), `s_dec` the float32 tensor decode scale.
+    """
+    xp = xp.astype(jnp.float32)
+    xb = to_blocks(xp, block)
+    axes = _block_axes(block)
+    if amax is None:
+        amax = tensor_amax(xp)
+    s_enc = encode_scale(amax)
+    s_dec = 1.0 / s_enc
+    bamax = jnp.max(jnp.abs(xb), axis=axes)  # NaN and inf propagate: the non-finite flag
+    scale_b = round_e4m3(jnp.minimum(bamax * (s_enc * INV_E2M1_MAX), 448.0))
+    scale_b = jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
+    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
+    v = xb * _expand(inv_b, block)
+    if rounding == "nearest":
+        q = _e2m1.round_nearest(v)
+    else:
+        if key is None:
+            raise ValueError("`rounding='stochastic'` needs a PRNG key: pass `key=...`.")
+        q = _e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape))
+    return q, scale_b, s_dec
+
+
+def dequantize_blocks(
+    q: Float[Array, "..."], scale_b: Float[Array, "..."], s_dec: Float[Array, ""], block: Block
+) -> Float[Array, "..."]:
+    """`(e2m1_value * block_scale) * s_dec` in float32, back in the padded (unblocked) view."""
+    return from_blocks((q * _expand(scale_b, block)) * s_dec, block)
