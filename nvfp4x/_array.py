@@ -3,7 +3,6 @@
 from collections.abc import Sequence
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -77,9 +76,7 @@ class NVFP4Array(eqx.Module):
         if self.block[0] == 1:
             x = (q * scale[..., None]).reshape(self.codes.shape[:-1] + (-1,)) * ts
         else:
-            x = (q * scale[..., :, None, :, None]).reshape(
-                self.codes.shape[:-1] + (-1,)
-            ) * ts
+            x = (q * scale[..., :, None, :, None]).reshape(self.codes.shape[:-1] + (-1,)) * ts
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return x[index].astype(self.dtype if dtype is None else dtype)
 

@@ -1,0 +1,158 @@
+"""Operand formats: what a recipe names for each GEMM operand, and how one is quantised.
+
+A `Format` is a small immutable value. `quantize_operand` turns an operand into
+`(values, scale)` with `values` the block-scaled element values (exact in bfloat16 for
+every quantised format) and `scale` the float32 tensor decode scale, so that the operand
+is `values * scale` and a GEMM can apply `scale_a * scale_b` to its float32 accumulator,
+as Blackwell's block-scaled GEMMs do.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ._format._constants import BLOCK, MX_BLOCK
+from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
+from ._format._nvfp4 import from_blocks, pad_to_blocks, quantize_blocks, tensor_amax
+
+#: Format names a recipe may use, with what each is.
+FORMATS = {
+    "nvfp4": "FP4 E2M1 elements, E4M3 scale per 16 elements, float32 tensor scale",
+    "mxfp8": "FP8 E4M3 elements, E8M0 power-of-two scale per 32 elements",
+    "fp8_e4m3": "FP8 E4M3 with one current (amax) scale per tensor",
+    "fp8_e5m2": "FP8 E5M2 with one current (amax) scale per tensor",
+    "bf16": "bfloat16, no scaling",
+    "float32": "float32, no quantisation",
+}
+QUANTISED = ("nvfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How one GEMM operand is stored: a format name, its block layout and rounding.
+
+    **Arguments:**
+
+    - `name`: one of `"nvfp4"`, `"mxfp8"`, `"fp8_e4m3"`, `"fp8_e5m2"`, `"bf16"`, `"float32"`.
+    - `block`: for NVFP4, `(1, 16)` (16 elements along the GEMM's contraction axis) or
+      `(16, 16)` (16x16 tiles of a weight: the same numbers in every GEMM). MXFP8 uses
+      `(1, 32)`; the other formats have no blocks (`None`).
+    - `rounding`: `"nearest"` or `"stochastic"` (NVFP4 only).
+    """
+
+    name: str
+    block: tuple[int, int] | None = None
+    rounding: str = "nearest"
+
+    def __post_init__(self):
+        if self.name not in FORMATS:
+            raise ValueError(f"Unknown format `{self.name!r}`; use one of {sorted(FORMATS)}.")
+        default = {"nvfp4": (1, BLOCK), "mxfp8": (1, MX_BLOCK)}.get(self.name)
+        block = default if self.block is None else tuple(self.block)
+        allowed = {"nvfp4": ((1, BLOCK), (BLOCK, BLOCK)), "mxfp8": ((1, MX_BLOCK),)}.get(
+            self.name, (None,)
+        )
+        if block not in allowed:
+            raise ValueError(
+                f"`block={self.block!r}` is not valid for format `{self.name}`; allowed: {allowed}."
+            )
+        object.__setattr__(self, "block", block)
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(
+                f"`rounding={self.rounding!r}` is unknown; use 'nearest' or 'stochastic'."
+            )
+        if self.rounding == "stochastic" and self.name != "nvfp4":
+            raise ValueError(
+                f"Stochastic rounding is implemented for `nvfp4` only, not `{self.name}`."
+            )
+
+    @property
+    def quantised(self) -> bool:
+        return self.name in QUANTISED
+
+    def __str__(self) -> str:
+        if self.name == "nvfp4":
+            sr = ", SR" if self.rounding == "stochastic" else ""
+            return f"nvfp4 {self.block[0]}x{self.block[1]}{sr}"
+        return self.name
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage cost per element, scales included (tensor scales not counted)."""
+        return {
+            "nvfp4": 4 + 8 / 16,
+            "mxfp8": 8 + 8 / 32,
+            "fp8_e4m3": 8.0,
+            "fp8_e5m2": 8.0,
+            "bf16": 16.0,
+            "float32": 32.0,
+        }[self.name]
+
+
+def quantize_operand(
+    a: Float[Array, "..."],
+    fmt: Format | None,
+    axis: int,
+    key: jax.Array | None = None,
+) -> tuple[Array, Float[Array, ""] | None]:
+    """Quantise a GEMM operand whose contraction axis is `axis`.
+
+    **Returns:** `(values, scale)`: the operand is `values * scale`. `values` has `a`'s
+    shape; it is bfloat16 for quantised formats (their values are exact there), `a` cast to the
+    format's dtype otherwise (`a` itself for `fmt=None`); `scale` is `None` when the
+    format has no tensor scale.
+    """
+    if fmt is None:
+        return a, None
+    if fmt.name == "bf16":
+        return a.astype(jnp.bfloat16), None
+    if fmt.name == "float32":
+        return a.astype(jnp.float32), None
+    if fmt.name in ("fp8_e4m3", "fp8_e5m2"):
+        q, scale = quantize_fp8(a, fmt.name[4:], tensor_amax(a))
+        return q.astype(jnp.bfloat16), scale
+    if fmt.block == (BLOCK, BLOCK):
+        if a.ndim != 2:
+            raise ValueError(f"16x16 blocks need a 2-D operand (a weight), got shape {a.shape}.")
+        xp = pad_to_blocks(a, fmt.block)
+        q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None)
+        vals = from_blocks(q * sb[..., :, None, :, None], fmt.block)
+        return vals[: a.shape[0], : a.shape[1]].astype(jnp.bfloat16), s_dec
+    moved = jnp.moveaxis(a, axis, -1)
+    n = moved.shape[-1]
+    if fmt.name == "mxfp8":
+        q, scale = quantize_mxfp8(mx_pad(moved))
+        vals = (q.reshape(*scale.shape, MX_BLOCK) * scale[..., None]).reshape(q.shape)
+        return jnp.moveaxis(vals[..., :n], -1, axis).astype(jnp.bfloat16), None
+    xp = pad_to_blocks(moved, fmt.block)
+    q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None)
+    vals = from_blocks(q * sb[..., None], fmt.block)
+    return jnp.moveaxis(vals[..., :n], -1, axis).astype(jnp.bfloat16), s_dec
+
+
+def scaled_dot(
+    a: Array,
+    a_scale: Array | None,
+    b: Array,
+    b_scale: Array | None,
+    dims: tuple[tuple[int, ...], tuple[int, ...]],
+    *,
+    fast: bool,
+) -> Float[Array, "..."]:
+    """`dot_general(a, b)` accumulated in float32, then times `a_scale * b_scale`.
+
+    With `fast=True` and both operands in bfloat16 (quantised values always are: they are
+    exact there), the product runs on bfloat16 operands; otherwise (the reference) both
+    are promoted to float32 or wider first. The two differ only in float32 summation order.
+    """
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if not (fast and a.dtype == bf16 and b.dtype == bf16):
+        dtype = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
+        a, b = a.astype(dtype), b.astype(dtype)
+    out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+    scales = [s for s in (a_scale, b_scale) if s is not None]
+    if len(scales) == 2:
+        return out * (scales[0] * scales[1])
+    return out * scales[0] if scales else out

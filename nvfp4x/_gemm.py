@@ -1,0 +1,227 @@
+"""The quantised dot product `y = x @ W.T` with its own rules for fprop, dgrad and wgrad.
+
+Three GEMMs (spec §5), for `x: (tokens..., k)`, `W: (n, k)`, `dy: (tokens..., n)`:
+
+| GEMM  | math                          | operands quantised (layout)                       |
+| ----- | ----------------------------- | ------------------------------------------------- |
+| fprop | `y[t,n] = Σ_k x[t,k] W[n,k]`  | x along k (recipe.input); W (recipe.weight)       |
+| dgrad | `dx[t,k] = Σ_n dy[t,n] W[n,k]` | dy along n (recipe.grad, may be stochastic); W    |
+| wgrad | `dW[n,k] = Σ_t dy[t,n] x[t,k]` | dy and x along t, after the RHT if recipe.rht     |
+
+Design: JAX primitives rather than `custom_vjp`, because the numbers must not depend on
+whether a layer is called on a batch or `jax.vmap`-ed over it (Equinox layers are called
+per example). A tensor amax or a 16-token wgrad block must cover everything the layer
+processes in one call, and only a primitive's batching rule can see that:
+
+- `_qdot_p(x, W, seed)` (fprop). Batching: a vmapped axis of `x` alone is folded into
+  the token axes (one call over the stacked batch, bit for bit); a vmapped `W` (an
+  ensemble, or `vmap` over stacked layers) makes independent problems, counted by the
+  static `nbatch` (leading axes of every operand).
+- JVP: `y' = _tx_p(x', W) + _tw_p(x, W')`, two primitives linear in `x'` and `W'`
+  (straight-through: the quantiser's Jacobian is the identity). Their transposes run
+  the quantised dgrad and wgrad. Under `jax.grad(jax.vmap(f))` the batch has been
+  folded before differentiation, so dgrad and wgrad see every token at once; under
+  `jax.vmap(jax.grad(f))` the transposes are traced per example and give per-example
+  gradients.
+- Stochastic rounding keys: `seed` (two uint32 words, zero when the caller gave no key)
+  is folded with a checksum of `dy`, so every step rounds with fresh thresholds even in a
+  loop that never mentions keys, and the same key and data give the same bits.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array, Float, UInt32
+
+from ._format._hadamard import rht
+from ._formats import quantize_operand, scaled_dot
+from ._policy import Recipe
+
+
+def _grad_key(seed: UInt32[Array, "2"], dy: Array, tag: int) -> jax.Array:
+    bits = lax.bitcast_convert_type(dy.astype(jnp.float32), jnp.uint32)
+    checksum = jnp.sum(bits, dtype=jnp.uint32)
+    key = jax.random.wrap_key_data(seed, impl="threefry2x32")
+    return jax.random.fold_in(jax.random.fold_in(key, tag), checksum)
+
+
+def _needs_key(recipe: Recipe) -> bool:
+    return recipe.grad is not None and recipe.grad.rounding == "stochastic"
+
+
+# --- the reference maths of each GEMM, for one problem (no independent batch axes) ---
+
+
+def fprop(x: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "..."]:
+    """fprop: `Q(x) @ Q(W).T`, x quantised along k, W per `recipe.weight`."""
+    xv, xs = quantize_operand(x, recipe.input, axis=-1)
+    wv, ws = quantize_operand(w, recipe.weight, axis=-1)
+    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), fast=fast)
+
+
+def tangent_x(xt: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Array:
+    """Forward-mode tangent along x: `x' @ Q(W).T` (straight-through)."""
+    wv, ws = quantize_operand(w, recipe.weight, axis=-1)
+    return scaled_dot(xt, None, wv, ws, ((xt.ndim - 1,), (1,)), fast=fast)
+
+
+def tangent_w(x: Array, wt: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Array:
+    """Forward-mode tangent along W: `Q(x) @ W'.T` (straight-through)."""
+    xv, xs = quantize_operand(x, recipe.input, axis=-1)
+    return scaled_dot(xv, xs, wt, None, ((x.ndim - 1,), (1,)), fast=fast)
+
+
+def dgrad(dy: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "..."]:
+    """dgrad: `Q(dy) @ Q(W)`, dy quantised along n (stochastically if the recipe says)."""
+    key = _grad_key(seed, dy, 1) if _needs_key(recipe) else None
+    gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
+    wv, ws = quantize_operand(w, recipe.weight, axis=0)
+    return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), fast=fast)
+
+
+def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "n k"]:
+    """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
+    g = dy.reshape(-1, dy.shape[-1])
+    a = x.reshape(-1, x.shape[-1])
+    if recipe.rht:
+        g, a = rht(g, axis=0), rht(a, axis=0)
+    key = _grad_key(seed, dy, 2) if _needs_key(recipe) else None
+    gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
+    xv, xs = quantize_operand(a, recipe.input, axis=0)
+    return scaled_dot(gv, gs, xv, xs, ((0,), (0,)), fast=fast)
+
+
+def _vmapped(fn, nbatch: int):
+    for _ in range(nbatch):
+        fn = jax.vmap(fn)
+    return fn
+
+
+# --- primitives ---
+
+
+def _abstract(a, b, seed, *, recipe, fast, nbatch):
+    del seed, recipe, fast
+    return jax.core.ShapedArray(a.shape[:-1] + (b.shape[-2],), jnp.float32)
+
+
+def _combine_seeds(seed: Array, axis: int) -> Array:
+    """One seed from a batch of seeds (every key counts)."""
+    seed = jnp.moveaxis(seed, axis, 0)
+    weights = (2 * jnp.arange(seed.shape[0], dtype=jnp.uint32) + 1).reshape(
+        (-1,) + (1,) * (seed.ndim - 1)
+    )
+    return jnp.sum(seed * weights, axis=0, dtype=jnp.uint32)
+
+
+def _batch_rule(prim, args, dims, *, recipe, fast, nbatch):
+    a, b, seed = args
+    da, db, ds = dims
+    nm = None  # batching.not_mapped
+    params = dict(recipe=recipe, fast=fast)
+    if db is nm:
+        # Fold a vmapped activation axis into the token axes: one problem over the batch.
+        if ds is not nm:
+            seed = _combine_seeds(seed, ds)
+        if da is nm:
+            return prim.bind(a, b, seed, nbatch=nbatch, **params), nm
+        a = jnp.moveaxis(a, da, nbatch)
+        return prim.bind(a, b, seed, nbatch=nbatch, **params), nbatch
+    # A vmapped weight: independent problems, as a new leading batch axis.
+    size = b.shape[db]
+
+    def lead(v, d):
+        if d is nm:
+            return jnp.broadcast_to(v, (size,) + v.shape)
+        return jnp.moveaxis(v, d, 0)
+
+    a, b, seed = lead(a, da), lead(b, db), lead(seed, ds)
+    return prim.bind(a, b, seed, nbatch=nbatch + 1, **params), 0
+
+
+def _make_primitive(name: str, fn) -> Primitive:
+    prim = Primitive(name)
+
+    def impl(a, b, seed, *, recipe, fast, nbatch):
+        return _vmapped(functools.partial(fn, recipe=recipe, fast=fast), nbatch)(a, b, seed)
+
+    prim.def_impl(jax.jit(impl, static_argnames=("recipe", "fast", "nbatch")))
+    prim.def_abstract_eval(_abstract)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+    batching.primitive_batchers[prim] = functools.partial(_batch_rule, prim)
+    return prim
+
+
+qdot_p = _make_primitive("nvfp4x_qdot", fprop)
+tx_p = _make_primitive("nvfp4x_qdot_tangent_x", tangent_x)
+tw_p = _make_primitive("nvfp4x_qdot_tangent_w", tangent_w)
+
+
+def _qdot_jvp(primals, tangents, *, recipe, fast, nbatch):
+    a, b, seed = primals
+    ta, tb, _ = tangents
+    params = dict(recipe=recipe, fast=fast, nbatch=nbatch)
+    y = qdot_p.bind(a, b, seed, **params)
+    parts = []
+    if type(ta) is not ad.Zero:
+        parts.append(tx_p.bind(ta, b, seed, **params))
+    if type(tb) is not ad.Zero:
+        parts.append(tw_p.bind(a, tb, seed, **params))
+    if not parts:
+        return y, ad.Zero.from_primal_value(y)
+    return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def _tx_transpose(ct, a, b, seed, *, recipe, fast, nbatch):
+    if ad.is_undefined_primal(b):
+        raise NotImplementedError("nvfp4x: second-order derivatives are not supported.")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(a.aval), None, None]
+    fn = _vmapped(functools.partial(dgrad, recipe=recipe, fast=fast), nbatch)
+    return [fn(ct, b, seed).astype(a.aval.dtype), None, None]
+
+
+def _tw_transpose(ct, a, b, seed, *, recipe, fast, nbatch):
+    if ad.is_undefined_primal(a):
+        raise NotImplementedError("nvfp4x: second-order derivatives are not supported.")
+    if type(ct) is ad.Zero:
+        return [None, ad.Zero(b.aval), None]
+    fn = _vmapped(functools.partial(wgrad, recipe=recipe, fast=fast), nbatch)
+    return [None, fn(ct, a, seed).astype(b.aval.dtype), None]
+
+
+ad.primitive_jvps[qdot_p] = _qdot_jvp
+ad.primitive_transposes[tx_p] = _tx_transpose
+ad.primitive_transposes[tw_p] = _tw_transpose
+
+
+def qdot(
+    x: Float[Array, "*tokens k"],
+    w: Float[Array, "n k"],
+    *,
+    recipe: Recipe,
+    seed: UInt32[Array, "2"] | None = None,
+    fast: bool = True,
+) -> Float[Array, "*tokens n"]:
+    """`x @ w.T` under `recipe`: fprop, dgrad and wgrad each quantise their own operands.
+
+    **Arguments:**
+
+    - `x`: activations `(tokens..., k)`; `w`: weight `(n, k)` (Equinox layout).
+    - `recipe`: the formats of W, x and dy, and whether wgrad uses the RHT.
+    - `seed`: two uint32 words mixed into the stochastic-rounding keys of dgrad
+      (dy along n) and wgrad (dy along tokens); fresh thresholds are drawn every call
+      anyway, because a checksum of `dy` is folded in.
+    - `fast`: run the GEMMs on bfloat16 operands (exact for quantised values) instead of
+      the float32 reference; only the summation order differs.
+
+    **Returns:** float32 `(tokens..., n)`, accumulated in float32 and multiplied by both
+    operands' tensor scales.
+    """
+    if seed is None:
+        seed = jnp.zeros((2,), jnp.uint32)
+    return qdot_p.bind(x, w, seed, recipe=recipe, fast=fast, nbatch=0)

@@ -1,0 +1,113 @@
+"""`QuantizedLinear`: `eqx.nn.Linear` whose three GEMMs follow a recipe."""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._gemm import qdot
+from ._policy import Recipe
+
+
+class QuantizedLinear(eqx.Module):
+    """A linear layer `y = x @ W.T + b` whose fprop, dgrad and wgrad GEMMs quantise their
+    operands as `recipe` says (spec §5).
+
+    Made by [`nvfp4x.quantize`][] from an `eqx.nn.Linear`; turned back by
+    [`nvfp4x.dequantize`][]. The master `weight` and `bias` stay in their own dtype and
+    are what an optimiser steps.
+
+    **Fields:** `weight` `(out_features, in_features)` (or stacked `(L, out, in)`),
+    `bias` or None, `in_features`, `out_features`, `use_bias`, `recipe` (static) and
+    `fast` (static: run the GEMMs on bfloat16 operands, exact for quantised values;
+    `False` runs the float32 reference).
+
+    The layer acts on one example `(in_features,)` like `eqx.nn.Linear`, and also on a
+    batch `(..., in_features)`. `jax.vmap(layer)(xs)` gives the same bits as `layer(xs)`:
+    the tensor scales and wgrad's token blocks cover the whole call either way.
+    """
+
+    weight: Float[Array, "*stack out in"]
+    bias: Float[Array, "*stack out"] | None
+    in_features: int | Literal["scalar"] = eqx.field(static=True)
+    out_features: int | Literal["scalar"] = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+    recipe: Recipe = eqx.field(static=True)
+    fast: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        if not isinstance(self.recipe, Recipe):
+            raise TypeError(
+                f"`recipe` must be an `nvfp4x.Recipe`, got {type(self.recipe).__name__}."
+            )
+
+    @classmethod
+    def from_linear(
+        cls, linear: eqx.nn.Linear, recipe: Recipe, *, fast: bool = True
+    ) -> "QuantizedLinear":
+        """Wrap an `eqx.nn.Linear` (its arrays are shared, not copied)."""
+        return cls(
+            weight=linear.weight,
+            bias=linear.bias,
+            in_features=linear.in_features,
+            out_features=linear.out_features,
+            use_bias=linear.use_bias,
+            recipe=recipe,
+            fast=fast,
+        )
+
+    def to_linear(self) -> eqx.nn.Linear:
+        """The plain `eqx.nn.Linear` with these master weights."""
+        skeleton = eqx.filter_eval_shape(
+            eqx.nn.Linear,
+            self.in_features,
+            self.out_features,
+            self.use_bias,
+            key=jax.random.key(0),
+        )
+        return eqx.tree_at(
+            lambda m: (m.weight, m.bias),
+            skeleton,
+            (self.weight, self.bias),
+            is_leaf=lambda v: v is None,
+        )
+
+    def __call__(
+        self,
+        x: Float[Array, "*batch in"] | Float[Array, "*batch"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        """**Arguments:**
+
+        - `x`: `(in_features,)` or a batch `(..., in_features)` (for `in_features="scalar"`:
+          `()` or `(...)`).
+        - `key`: optional PRNG key for the stochastic rounding of the backward pass. Without
+          one, rounding is still fresh every step (a checksum of the gradient seeds it).
+
+        **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`
+        and the weight.
+        """
+        if self.in_features == "scalar":
+            x = x[..., None]
+        k = 1 if self.in_features == "scalar" else self.in_features
+        if x.ndim == 0 or x.shape[-1] != k:
+            raise ValueError(
+                f"QuantizedLinear expects inputs of shape (..., {self.in_features}) "
+                f"(last axis = in_features), got {x.shape}."
+            )
+        if self.weight.ndim != 2:
+            raise ValueError(
+                f"This layer's weight is stacked {self.weight.shape}; call it inside "
+                "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis, as the "
+                "unquantised stack would be."
+            )
+        seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
+        y = qdot(x, self.weight, recipe=self.recipe, seed=seed, fast=self.fast)
+        if self.bias is not None:
+            y = y + self.bias.astype(jnp.float32)
+        if self.out_features == "scalar":
+            y = y[..., 0]
+        return y.astype(jnp.promote_types(x.dtype, self.weight.dtype))

@@ -1,0 +1,226 @@
+"""Recipes (a format per GEMM operand) and policies (module path -> recipe)."""
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+from ._format._constants import BLOCK
+from ._formats import Format
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The formats of one linear layer's three GEMM operands.
+
+    **Arguments:**
+
+    - `weight`: format of the weight `W` (used by fprop and dgrad); `None` keeps its dtype.
+    - `input`: format of the activation `x` (fprop along features, wgrad along tokens).
+    - `grad`: format of the output gradient `dy` (dgrad along output features, wgrad
+      along tokens).
+    - `rht`: apply the random Hadamard transform to both wgrad operands along the token
+      axis before quantising them.
+    - `name`: a label shown by [`nvfp4x.summary`][].
+
+    Recipes are immutable and hashable; change one with `dataclasses.replace` or
+    [`nvfp4x.Recipe.replace`][].
+    """
+
+    weight: Format | None
+    input: Format | None
+    grad: Format | None
+    rht: bool = False
+    name: str = "custom"
+
+    def __post_init__(self):
+        for field in ("weight", "input", "grad"):
+            fmt = getattr(self, field)
+            if fmt is not None and not isinstance(fmt, Format):
+                raise TypeError(
+                    f"`Recipe.{field}` must be an `nvfp4x.Format` or None, got "
+                    f"{type(fmt).__name__}."
+                )
+        for field in ("input", "grad"):
+            fmt = getattr(self, field)
+            if fmt is not None and fmt.block == (BLOCK, BLOCK):
+                raise ValueError(
+                    f"`Recipe.{field}` cannot use 16x16 blocks: they are for weights. Use "
+                    "`block=(1, 16)`."
+                )
+        if self.weight is not None and self.weight.rounding == "stochastic":
+            raise ValueError("Stochastic rounding of weights is not supported; use 'nearest'.")
+        if self.input is not None and self.input.rounding == "stochastic":
+            raise ValueError("Stochastic rounding of activations is not supported; use 'nearest'.")
+
+    def replace(self, **changes: Any) -> "Recipe":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        def f(x):
+            return "-" if x is None else str(x)
+
+        rht = ", rht" if self.rht else ""
+        return f"{self.name}(w={f(self.weight)}, x={f(self.input)}, dy={f(self.grad)}{rht})"
+
+
+def _nvfp4(block=(1, BLOCK), rounding="nearest") -> Format:
+    return Format("nvfp4", block, rounding)
+
+
+class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp4x.recipes.x()`
+    """Ready-made recipes. Each call returns an immutable [`nvfp4x.Recipe`][]."""
+
+    @staticmethod
+    def nvfp4_training(
+        *,
+        rht: bool = True,
+        stochastic_rounding: bool = True,
+        weight_block: Sequence[int] = (BLOCK, BLOCK),
+    ) -> Recipe:
+        """NVIDIA's NVFP4 training recipe (spec §5): W in 16x16 blocks, x and dy in 1x16
+        blocks along each GEMM's contraction axis, dy stochastically rounded, and the
+        random Hadamard transform on both wgrad operands along the token axis.
+
+        **Arguments:**
+
+        - `rht`: Hadamard transform of the wgrad operands.
+        - `stochastic_rounding`: round `dy` stochastically (else to nearest).
+        - `weight_block`: `(16, 16)` (default) or `(1, 16)`.
+        """
+        return Recipe(
+            weight=_nvfp4(tuple(weight_block)),
+            input=_nvfp4(),
+            grad=_nvfp4(rounding="stochastic" if stochastic_rounding else "nearest"),
+            rht=rht,
+            name="nvfp4_training",
+        )
+
+    @staticmethod
+    def nvfp4_inference(*, weight_block: Sequence[int] = (1, BLOCK)) -> Recipe:
+        """Weights and inputs in NVFP4 with round-to-nearest (W4A4); gradients, if taken,
+        flow unquantised through the quantised operands (straight-through)."""
+        return Recipe(
+            weight=_nvfp4(tuple(weight_block)), input=_nvfp4(), grad=None, name="nvfp4_inference"
+        )
+
+    @staticmethod
+    def nvfp4_weight_only(*, weight_block: Sequence[int] = (1, BLOCK)) -> Recipe:
+        """NVFP4 weights, inputs in their own dtype (W4A16)."""
+        return Recipe(
+            weight=_nvfp4(tuple(weight_block)), input=None, grad=None, name="nvfp4_weight_only"
+        )
+
+    @staticmethod
+    def mxfp8() -> Recipe:
+        """MXFP8 (E4M3, 32-element power-of-two blocks) for all three operands."""
+        f = Format("mxfp8")
+        return Recipe(weight=f, input=f, grad=f, name="mxfp8")
+
+    @staticmethod
+    def fp8() -> Recipe:
+        """FP8 with current per-tensor scaling: E4M3 forward (W, x), E5M2 gradients."""
+        return Recipe(
+            weight=Format("fp8_e4m3"),
+            input=Format("fp8_e4m3"),
+            grad=Format("fp8_e5m2"),
+            name="fp8",
+        )
+
+    @staticmethod
+    def bf16() -> Recipe:
+        """No quantisation: all three GEMMs on bfloat16 operands, float32 accumulation."""
+        f = Format("bf16")
+        return Recipe(weight=f, input=f, grad=f, name="bf16")
+
+    @staticmethod
+    def float32() -> Recipe:
+        """No quantisation: all three GEMMs in float32."""
+        f = Format("float32")
+        return Recipe(weight=f, input=f, grad=f, name="float32")
+
+    @staticmethod
+    def get(name: str) -> Recipe:
+        """The default recipe of a name, e.g. `recipes.get("nvfp4_training")`."""
+        if name not in RECIPE_NAMES:
+            raise ValueError(f"Unknown recipe `{name!r}`; use one of {RECIPE_NAMES}.")
+        return getattr(recipes, name)()
+
+
+RECIPE_NAMES = (
+    "nvfp4_training",
+    "nvfp4_inference",
+    "nvfp4_weight_only",
+    "mxfp8",
+    "fp8",
+    "bf16",
+    "float32",
+)
+
+RecipeLike = Union[Recipe, str, None]
+
+
+def as_recipe(value: Any, where: str) -> Recipe | None:
+    """Accept a `Recipe`, a recipe name or `None`; raise a clear error otherwise."""
+    if value is None or isinstance(value, Recipe):
+        return value
+    if isinstance(value, str):
+        if value not in RECIPE_NAMES:
+            raise ValueError(f"{where}: unknown recipe `{value!r}`; use one of {RECIPE_NAMES}.")
+        return recipes.get(value)
+    raise TypeError(
+        f"{where} gave {type(value).__name__} `{value!r}`; expected an `nvfp4x.Recipe` (e.g. "
+        "`nvfp4x.recipes.nvfp4_training()`), a recipe name, or None."
+    )
+
+
+class Policy:
+    """Ordered rules mapping module paths to recipes.
+
+    **Arguments:**
+
+    - `rules`: `(regex, recipe | None)` pairs. A layer's path (such as
+      `blocks[3].mlp.layers[0]`) is matched with `re.fullmatch`; the first matching rule
+      wins; `None` leaves the layer as it is; a layer no rule matches is left as it is.
+    - `strict`: if True (default), `quantize` raises a `ValueError` naming any rule that
+      matched no layer (a typo in a path usually).
+
+    ```python
+    policy = nvfp4x.Policy([
+        (r".*lm_head", None),
+        (r"blocks\\[(10|11)\\]\\..*", nvfp4x.recipes.bf16()),
+        (r".*", nvfp4x.recipes.nvfp4_training()),
+    ])
+    ```
+    """
+
+    def __init__(self, rules: Sequence[tuple[str, RecipeLike]], *, strict: bool = True):
+        compiled = []
+        for i, rule in enumerate(rules):
+            if not (isinstance(rule, tuple | list) and len(rule) == 2):
+                raise TypeError(f"Policy rule {i} must be a `(regex, recipe)` pair, got {rule!r}.")
+            pattern, recipe = rule
+            try:
+                regex = re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(
+                    f"Policy rule {i}: regex `{pattern!r}` does not compile: {e}."
+                ) from e
+            compiled.append((regex, as_recipe(recipe, f"Policy rule {i} (`{pattern}`)")))
+        self.rules = tuple(compiled)
+        self.strict = strict
+
+    def lookup(self, path: str) -> tuple[int | None, Recipe | None]:
+        """`(index of the first matching rule, its recipe)`, or `(None, None)`."""
+        for i, (regex, recipe) in enumerate(self.rules):
+            if regex.fullmatch(path):
+                return i, recipe
+        return None, None
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"({r.pattern!r}, {rec})" for r, rec in self.rules)
+        return f"Policy([{rules}])"
+
+
+PolicyLike = Union[Policy, Recipe, str, Callable[[str, Any], RecipeLike]]
