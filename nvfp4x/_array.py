@@ -122,11 +122,7 @@ def to_nvfp4(
     x, block, amax = _prepare(x, block, rounding, key, amax)
     xp = pad_to_blocks(x, block)
     q, scale_b, s_dec = quantize_blocks(xp, block, rounding, key, amax)
-    codes = _e2m1.encode(q)
-    if block[0] == 1:
-        codes = codes.reshape(xp.shape)
-    else:
-        codes = codes.reshape(xp.shape)
+    codes = _e2m1.encode(q).reshape(xp.shape)
     tail = x.shape[-1:] if block[0] == 1 else x.shape[-2:]
     return NVFP4Array(
         codes=pack(codes),

@@ -3,7 +3,7 @@
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from ._format._constants import BLOCK
 from ._formats import Format
@@ -158,7 +158,7 @@ RECIPE_NAMES = (
     "float32",
 )
 
-RecipeLike = Union[Recipe, str, None]
+RecipeLike = Recipe | str | None
 
 
 def as_recipe(value: Any, where: str) -> Recipe | None:
@@ -223,4 +223,4 @@ class Policy:
         return f"Policy([{rules}])"
 
 
-PolicyLike = Union[Policy, Recipe, str, Callable[[str, Any], RecipeLike]]
+PolicyLike = Policy | Recipe | str | Callable[[str, Any], RecipeLike]

@@ -20,7 +20,7 @@ def path_str(path: tuple) -> str:
             out += ("." if out else "") + k.name
         elif isinstance(k, jax.tree_util.SequenceKey):
             out += f"[{k.idx}]"
-        elif isinstance(k, jax.tree_util.DictKey) or isinstance(k, jax.tree_util.FlattenedIndexKey):
+        elif isinstance(k, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
             out += f"[{k.key}]"
         else:
             out += str(k)
