@@ -5,8 +5,15 @@ import importlib.metadata
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
 from ._format._hadamard import hadamard_matrix as hadamard_matrix, rht as rht
 from ._formats import FORMATS as FORMATS, Format as Format
+from ._frozen import FrozenLinear as FrozenLinear, freeze as freeze, load as load, save as save
 from ._gemm import qdot as qdot
 from ._linear import QuantizedLinear as QuantizedLinear
+from ._packed import (
+    FP8Array as FP8Array,
+    MXFP8Array as MXFP8Array,
+    to_fp8 as to_fp8,
+    to_mxfp8 as to_mxfp8,
+)
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
 from ._transform import dequantize as dequantize, quantize as quantize, summary as summary
 

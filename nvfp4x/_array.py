@@ -80,6 +80,16 @@ class NVFP4Array(eqx.Module):
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return x[index].astype(self.dtype if dtype is None else dtype)
 
+    def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
+        """`(block_values, tensor_scale)`: the E2M1 values times their block scales, in
+        bfloat16 (exact there), and the tensor decode scale; the GEMM operand form."""
+        q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
+        scale = self.scales.astype(jnp.float32)
+        expanded = scale[..., None] if self.block[0] == 1 else scale[..., :, None, :, None]
+        vals = (q * expanded).reshape(self.codes.shape[:-1] + (-1,))
+        index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
+        return vals[index].astype(jnp.bfloat16), self.tensor_scale
+
     def __repr__(self) -> str:
         return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
 

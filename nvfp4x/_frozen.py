@@ -1,13 +1,199 @@
-"""Frozen (inference) layers: packed weights, no master copy. Filled in by the inference work."""
+"""Inference form: `freeze` packs each quantised weight (NVFP4: 4.5 bits per parameter)
+and drops the master copy; `save` / `load` checkpoints that refuse a mismatched file."""
+
+import functools
+import io
+import json
+from typing import Any, Literal
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._linear import QuantizedLinear
+from ._array import NVFP4Array, to_nvfp4
+from ._formats import quantize_operand, scaled_dot
+from ._gemm import _vmapped
+from ._linear import QuantizedLinear, apply_linear
+from ._packed import FP8Array, MXFP8Array, to_fp8, to_mxfp8
+from ._policy import Recipe
+
+PackedWeight = NVFP4Array | MXFP8Array | FP8Array | Array
+
+
+class FrozenLinear(eqx.Module):
+    """A [`nvfp4x.QuantizedLinear`][] for inference: the weight is held only in its GEMM
+    format (an [`nvfp4x.NVFP4Array`][] for NVFP4: codes, block scales, tensor scale) and
+    dequantised inside the forward, one layer at a time. Made by [`nvfp4x.freeze`][].
+
+    Its forward equals the unfrozen layer's forward bit for bit. It cannot be
+    differentiated: the master weights are gone.
+    """
+
+    weight: Any
+    bias: Float[Array, "*stack out"] | None
+    in_features: int | Literal["scalar"] = eqx.field(static=True)
+    out_features: int | Literal["scalar"] = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+    recipe: Recipe = eqx.field(static=True)
+    fast: bool = eqx.field(static=True, default=True)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight (and bias)."""
+        leaves = jax.tree_util.tree_leaves((self.weight, self.bias))
+        return int(sum(leaf.nbytes for leaf in leaves))
+
+    def __call__(
+        self,
+        x: Float[Array, "*batch in"] | Float[Array, "*batch"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        """Like [`nvfp4x.QuantizedLinear`][]'s call; `key` is unused (no backward pass)."""
+        del key
+        leaves, wdef = jax.tree_util.tree_flatten(self.weight)
+        if len(self.weight_shape) != 2:
+            raise ValueError(
+                f"This layer's weight is stacked {self.weight_shape}; call it inside "
+                "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis."
+            )
+
+        def matmul(x2):
+            return frozen_p.bind(
+                x2, *leaves, wdef=wdef, recipe=self.recipe, fast=self.fast, nbatch=0
+            )
+
+        dtype = self.weight.dtype
+        return apply_linear(self, x, matmul, dtype)
+
+
+def weight_operand(w: PackedWeight, recipe: Recipe):
+    if isinstance(w, NVFP4Array | MXFP8Array | FP8Array):
+        return w.operand()
+    return quantize_operand(w, recipe.weight, axis=-1)
+
+
+def _frozen_fprop(x, *leaves, wdef, recipe, fast):
+    # The barrier ties the packed weight to this layer's input: XLA cannot decode every
+    # layer's weight up front, so only one dequantised weight is alive at a time.
+    x, leaves = lax.optimization_barrier((x, leaves))
+    wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), recipe)
+    xv, xs = quantize_operand(x, recipe.input, axis=-1)
+    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), fast=fast)
+
+
+def _frozen_impl(x, *leaves, wdef, recipe, fast, nbatch):
+    fn = functools.partial(_frozen_fprop, wdef=wdef, recipe=recipe, fast=fast)
+    return _vmapped(fn, nbatch)(x, *leaves)
+
+
+def _frozen_abstract(x, *leaves, wdef, recipe, fast, nbatch):
+    w = jax.tree_util.tree_unflatten(wdef, leaves)
+    n = w.shape[-2] if not isinstance(w, NVFP4Array | MXFP8Array | FP8Array) else None
+    if n is None:
+        n = jax.tree_util.tree_unflatten(
+            wdef, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves]
+        ).shape[-2]
+    return jax.core.ShapedArray(x.shape[:-1] + (n,), jnp.float32)
+
+
+def _frozen_batch(args, dims, *, wdef, recipe, fast, nbatch):
+    x, *leaves = args
+    dx, *dl = dims
+    params = dict(wdef=wdef, recipe=recipe, fast=fast)
+    if all(d is None for d in dl):
+        x = jnp.moveaxis(x, dx, nbatch)
+        return frozen_p.bind(x, *leaves, nbatch=nbatch, **params), nbatch
+    size = next(a.shape[d] for a, d in zip(leaves, dl, strict=True) if d is not None)
+
+    def lead(v, d):
+        return jnp.broadcast_to(v, (size,) + v.shape) if d is None else jnp.moveaxis(v, d, 0)
+
+    x = lead(x, dx)
+    leaves = [lead(v, d) for v, d in zip(leaves, dl, strict=True)]
+    return frozen_p.bind(x, *leaves, nbatch=nbatch + 1, **params), 0
+
+
+def _frozen_jvp(primals, tangents, **params):
+    if any(type(t) is not ad.Zero for t in tangents):
+        raise TypeError(
+            "nvfp4x: a frozen model (`FrozenLinear`, made by `nvfp4x.freeze`) holds packed "
+            "weights without master copies and cannot be differentiated. Differentiate the "
+            "`QuantizedLinear` model before freezing it."
+        )
+    y = frozen_p.bind(*primals, **params)
+    return y, ad.Zero.from_primal_value(y)
+
+
+frozen_p = Primitive("nvfp4x_frozen_qdot")
+frozen_p.def_impl(jax.jit(_frozen_impl, static_argnames=("wdef", "recipe", "fast", "nbatch")))
+frozen_p.def_abstract_eval(_frozen_abstract)
+mlir.register_lowering(frozen_p, mlir.lower_fun(_frozen_impl, multiple_results=False))
+batching.primitive_batchers[frozen_p] = _frozen_batch
+ad.primitive_jvps[frozen_p] = _frozen_jvp
+
+
+def pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
+    """The weight in its GEMM format, per stacked slice (each slice its own tensor scale)."""
+    fmt = recipe.weight
+    if fmt is None:
+        return w
+    if fmt.name == "nvfp4":
+        fn = functools.partial(to_nvfp4, block=fmt.block)
+    elif fmt.name == "mxfp8":
+        fn = to_mxfp8
+    elif fmt.name in ("fp8_e4m3", "fp8_e5m2"):
+        fn = functools.partial(to_fp8, kind=fmt.name[4:])
+    else:
+        return quantize_operand(w, fmt, axis=-1)[0]
+    return _vmapped(fn, w.ndim - 2)(w)
+
+
+def freeze(model: Any) -> Any:
+    """Turn every [`nvfp4x.QuantizedLinear`][] into a [`nvfp4x.FrozenLinear`][]: the weight
+    packed in its recipe's weight format (NVFP4: 4.5 bits per parameter), master copy gone.
+
+    The frozen forward equals the unfrozen one bit for bit. Stacked layers get one tensor
+    scale per slice. Serialise with [`nvfp4x.save`][] (or `eqx.tree_serialise_leaves`).
+
+    **Arguments:**
+
+    - `model`: a model returned by [`nvfp4x.quantize`][] (trained or not).
+
+    **Returns:** the frozen model.
+
+    ```python
+    frozen = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only()))
+    ```
+    """
+
+    def one(leaf):
+        if not isinstance(leaf, QuantizedLinear):
+            return leaf
+        return FrozenLinear(
+            weight=pack_weight(leaf.weight, leaf.recipe),
+            bias=leaf.bias,
+            in_features=leaf.in_features,
+            out_features=leaf.out_features,
+            use_bias=leaf.use_bias,
+            recipe=leaf.recipe,
+            fast=leaf.fast,
+        )
+
+    return jax.tree_util.tree_map(one, model, is_leaf=is_layer_any)
 
 
 def is_layer_any(x) -> bool:
-    return isinstance(x, eqx.nn.Linear | QuantizedLinear)
+    return isinstance(x, eqx.nn.Linear | QuantizedLinear | FrozenLinear)
 
 
 def _bytes(shape, bits_per_element) -> int:
@@ -15,11 +201,99 @@ def _bytes(shape, bits_per_element) -> int:
 
 
 def layer_summary_row(path: str, layer) -> tuple:
+    """`(path, shape, weight, input, grad, bytes held, weight bytes in its GEMM format)`."""
+
+    def f(fmt):
+        return "-" if fmt is None else str(fmt)
+
+    if isinstance(layer, FrozenLinear):
+        r = layer.recipe
+        held = sum(v.nbytes for v in jax.tree_util.tree_leaves(layer.weight))
+        shape = layer.weight_shape
+        return (path, str(shape), f(r.weight) + " (frozen)", f(r.input), "-", held, held)
     shape = tuple(layer.weight.shape)
     master = int(np.prod(shape)) * np.dtype(layer.weight.dtype).itemsize
     if isinstance(layer, QuantizedLinear):
         r = layer.recipe
-        f = lambda fmt: "-" if fmt is None else str(fmt)  # noqa: E731
         qbytes = master if r.weight is None else _bytes(shape, r.weight.bits_per_element)
         return (path, str(shape), f(r.weight), f(r.input), f(r.grad), master, qbytes)
     return (path, str(shape), "(unquantised)", "-", "-", master, master)
+
+
+# --- checkpoints ---
+
+FORMAT_VERSION = 1
+_MAGIC = b"NVFP4X-CHECKPOINT\n"
+
+
+def _describe(model: Any) -> dict:
+    from ._transform import path_str
+
+    layers = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer_any)[0]:
+        if is_layer_any(leaf):
+            recipe = getattr(leaf, "recipe", None)
+            layers[path_str(path)] = [type(leaf).__name__, str(recipe)]
+    arrays = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
+            arrays.append([path_str(path), list(leaf.shape), str(np.dtype(leaf.dtype))])
+    return {"format_version": FORMAT_VERSION, "layers": layers, "arrays": arrays}
+
+
+def save(path: str, model: Any) -> None:
+    """Write `model` (frozen or not) to `path`: a header naming the format version, every
+    layer's recipe and every array's shape and dtype, then the leaves
+    (`eqx.tree_serialise_leaves`)."""
+    header = json.dumps(_describe(model)).encode()
+    with open(path, "wb") as f:
+        f.write(_MAGIC)
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        eqx.tree_serialise_leaves(f, model)
+
+
+def load(path: str, like: Any) -> Any:
+    """Read a checkpoint written by [`nvfp4x.save`][] into the structure of `like` (a model
+    built the same way, e.g. `nvfp4x.freeze(nvfp4x.quantize(skeleton, policy))`, or its
+    `eqx.filter_eval_shape`). Raises `ValueError` if the file is truncated, from another
+    format version, or holds different layers, recipes, shapes or dtypes.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 8:
+        raise ValueError(f"`{path}` is not an nvfp4x checkpoint (written by `nvfp4x.save`).")
+    n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 8], "little")
+    start = len(_MAGIC) + 8
+    try:
+        header = json.loads(data[start : start + n])
+    except ValueError as e:
+        raise ValueError(f"`{path}`: the checkpoint header is truncated or corrupt.") from e
+    if header.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"`{path}` has checkpoint format version {header.get('format_version')}; this "
+            f"nvfp4x reads version {FORMAT_VERSION}."
+        )
+    expected = json.loads(json.dumps(_describe(like)))
+    for part, what in (("layers", "layer recipes"), ("arrays", "array shapes/dtypes")):
+        if header[part] != expected[part]:
+            diff = _first_difference(header[part], expected[part])
+            raise ValueError(
+                f"`{path}` does not match `like`: different {what} ({diff}). Build `like` "
+                "with the same model, policy and freeze state that wrote the checkpoint."
+            )
+    try:
+        return eqx.tree_deserialise_leaves(io.BytesIO(data[start + n :]), like)
+    except Exception as e:  # eqx/numpy raise several types for a cut-off stream
+        raise ValueError(f"`{path}` is truncated or corrupt: {e}") from e
+
+
+def _first_difference(got, want) -> str:
+    if isinstance(got, dict):
+        for k in sorted(set(got) | set(want)):
+            if got.get(k) != want.get(k):
+                return f"`{k}`: file {got.get(k)}, like {want.get(k)}"
+    for a, b in zip(got, want, strict=False):
+        if a != b:
+            return f"file {a}, like {b}"
+    return f"file has {len(got)} entries, like has {len(want)}"

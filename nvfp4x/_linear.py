@@ -90,14 +90,6 @@ class QuantizedLinear(eqx.Module):
         **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`
         and the weight.
         """
-        if self.in_features == "scalar":
-            x = x[..., None]
-        k = 1 if self.in_features == "scalar" else self.in_features
-        if x.ndim == 0 or x.shape[-1] != k:
-            raise ValueError(
-                f"QuantizedLinear expects inputs of shape (..., {self.in_features}) "
-                f"(last axis = in_features), got {x.shape}."
-            )
         if self.weight.ndim != 2:
             raise ValueError(
                 f"This layer's weight is stacked {self.weight.shape}; call it inside "
@@ -105,9 +97,27 @@ class QuantizedLinear(eqx.Module):
                 "unquantised stack would be."
             )
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
-        y = qdot(x, self.weight, recipe=self.recipe, seed=seed, fast=self.fast)
-        if self.bias is not None:
-            y = y + self.bias.astype(jnp.float32)
-        if self.out_features == "scalar":
-            y = y[..., 0]
-        return y.astype(jnp.promote_types(x.dtype, self.weight.dtype))
+
+        def matmul(x2):
+            return qdot(x2, self.weight, recipe=self.recipe, seed=seed, fast=self.fast)
+
+        return apply_linear(self, x, matmul, self.weight.dtype)
+
+
+def apply_linear(layer, x: Array, matmul, weight_dtype) -> Array:
+    """`eqx.nn.Linear`'s contract around a GEMM: input checks, "scalar" features, bias
+    added in float32, output in the promoted dtype of `x` and the weight."""
+    if layer.in_features == "scalar":
+        x = x[..., None]
+    k = 1 if layer.in_features == "scalar" else layer.in_features
+    if x.ndim == 0 or x.shape[-1] != k:
+        raise ValueError(
+            f"{type(layer).__name__} expects inputs of shape (..., {layer.in_features}) "
+            f"(last axis = in_features), got {x.shape}."
+        )
+    y = matmul(x)
+    if layer.bias is not None:
+        y = y + layer.bias.astype(jnp.float32)
+    if layer.out_features == "scalar":
+        y = y[..., 0]
+    return y.astype(jnp.promote_types(x.dtype, weight_dtype))

@@ -128,13 +128,14 @@ def _nbytes(x) -> int:
 
 def summary(model: Any) -> str:
     """A table of every linear layer: path, weight shape, the formats of weight, input
-    and output gradient, and bytes (master weights; the weight in its GEMM format).
+    and output gradient, bytes held (master weights; packed weights once frozen) and the
+    weight's bytes in its GEMM format, with totals.
 
     **Returns:** the table as a string (print it).
     """
     from ._frozen import layer_summary_row  # frozen layers add their own rows
 
-    rows = [("path", "shape", "weight", "input", "grad", "master bytes", "weight bytes")]
+    rows = [("path", "shape", "weight", "input", "grad", "bytes held", "weight bytes")]
     total_master = total_q = 0
     for path, layer in _layers_all(model):
         row = layer_summary_row(path, layer)

@@ -2,6 +2,7 @@
 scaling (E4M3 / E5M2), spec §6. Plain `jax.numpy`, float32 math."""
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ._constants import E4M3_MAX, E5M2_MAX, MX_BLOCK
@@ -26,9 +27,11 @@ def quantize_mxfp8(
     """
     xb = xp.astype(jnp.float32).reshape(*xp.shape[:-1], xp.shape[-1] // MX_BLOCK, MX_BLOCK)
     bamax = jnp.max(jnp.abs(xb), axis=-1)
-    mant, exp = jnp.frexp(bamax / E4M3_MAX)  # bamax/448 = mant * 2^exp, mant in [0.5, 1)
-    e = jnp.where(mant == 0.5, exp - 1, exp)  # ceil(log2(.)): exact powers of two stay
-    e = jnp.where(bamax == 0.0, -127, jnp.clip(e, -127, 127))
+    # ceil(log2(bamax / 448)) without a division: bamax = m * 2^E (m in [0.5, 1)) and
+    # 448 = 0.875 * 2^9, so the ratio is (m / 0.875) * 2^(E - 9).
+    mant, exp = jnp.frexp(bamax)
+    e = exp - 9 + (mant > 0.875).astype(exp.dtype)
+    e = jnp.where(bamax == 0.0, 0, jnp.clip(e, -126, 127))
     finite = jnp.isfinite(bamax)
     e = jnp.where(finite, e, 0)
     q = round_e4m3(jnp.ldexp(xb, -e[..., None]))
@@ -37,9 +40,11 @@ def quantize_mxfp8(
 
 
 def fp8_scale(amax: Float[Array, ""], kind: str) -> Float[Array, ""]:
-    """Current per-tensor decode scale `amax / max`; 1 for a zero or non-finite amax."""
+    """Current per-tensor decode scale `amax * f32(1 / max)`; 1 for a zero or non-finite
+    amax. (Multiplying by the rounded reciprocal, rather than dividing by a constant that
+    XLA may or may not rewrite, gives the same bits eagerly and under `jit`.)"""
     maxval, _ = FP8_KINDS[kind]
-    s = jnp.asarray(amax, jnp.float32) / maxval
+    s = jnp.asarray(amax, jnp.float32) * np.float32(1.0 / maxval)
     return jnp.where((s == 0.0) | ~jnp.isfinite(s), jnp.float32(1.0), s)
 
 

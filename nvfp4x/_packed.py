@@ -1,0 +1,83 @@
+"""Compact containers for weights in the other formats (MXFP8, per-tensor FP8)."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Shaped
+
+from ._format._constants import MX_BLOCK
+from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
+from ._format._nvfp4 import tensor_amax
+
+
+class MXFP8Array(eqx.Module):
+    """MXFP8 along the last axis: `data` (`float8_e4m3fn`, last axis padded to 32) and
+    `scales` (`float8_e8m0fnu`, one per 32 elements). Make one with `to_mxfp8`."""
+
+    data: Shaped[Array, "..."]
+    scales: Shaped[Array, "..."]
+    logical_last: int = eqx.field(static=True)
+    dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape[:-1]) + (self.logical_last,)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scales.nbytes)
+
+    def operand(self) -> tuple[Shaped[Array, "..."], None]:
+        """`(values, None)`: element × block scale in bfloat16 (exact), no tensor scale."""
+        d = self.data.astype(jnp.float32)
+        d = d.reshape(*d.shape[:-1], d.shape[-1] // MX_BLOCK, MX_BLOCK)
+        v = (d * self.scales.astype(jnp.float32)[..., None]).reshape(self.data.shape)
+        return v[..., : self.logical_last].astype(jnp.bfloat16), None
+
+    def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
+        return self.operand()[0].astype(self.dtype if dtype is None else dtype)
+
+
+class FP8Array(eqx.Module):
+    """FP8 with one float32 decode scale per tensor: value = `data * scale`. Make one
+    with `to_fp8`."""
+
+    data: Shaped[Array, "..."]
+    scale: Float[Array, "*batch"]
+    dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scale.nbytes)
+
+    def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
+        return self.data.astype(jnp.bfloat16), self.scale
+
+    def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
+        scale = self.scale.reshape(self.scale.shape + (1,) * (self.data.ndim - self.scale.ndim))
+        out = self.data.astype(jnp.float32) * scale
+        return out.astype(self.dtype if dtype is None else dtype)
+
+
+def to_mxfp8(x: Float[Array, "..."]) -> MXFP8Array:
+    """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32)."""
+    q, scale = quantize_mxfp8(mx_pad(x))
+    return MXFP8Array(
+        data=q.astype(jnp.float8_e4m3fn),
+        scales=scale.astype(jnp.float8_e8m0fnu),
+        logical_last=x.shape[-1],
+        dtype=x.dtype,
+    )
+
+
+def to_fp8(x: Float[Array, "..."], kind: str = "e4m3") -> FP8Array:
+    """Quantise to FP8 (`kind` "e4m3" or "e5m2") with a current per-tensor scale."""
+    if kind not in ("e4m3", "e5m2"):
+        raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
+    q, scale = quantize_fp8(x, kind, tensor_amax(x))
+    dtype = jnp.float8_e4m3fn if kind == "e4m3" else jnp.float8_e5m2
+    return FP8Array(data=q.astype(dtype), scale=scale, dtype=x.dtype)
