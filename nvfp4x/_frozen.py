@@ -97,12 +97,7 @@ def _frozen_impl(x, *leaves, wdef, recipe, fast, nbatch):
 
 
 def _frozen_abstract(x, *leaves, wdef, recipe, fast, nbatch):
-    w = jax.tree_util.tree_unflatten(wdef, leaves)
-    n = w.shape[-2] if not isinstance(w, NVFP4Array | MXFP8Array | FP8Array) else None
-    if n is None:
-        n = jax.tree_util.tree_unflatten(
-            wdef, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves]
-        ).shape[-2]
+    n = jax.tree_util.tree_unflatten(wdef, leaves).shape[-2]  # avals stand in for arrays
     return jax.core.ShapedArray(x.shape[:-1] + (n,), jnp.float32)
 
 
