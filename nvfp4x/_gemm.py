@@ -24,8 +24,11 @@ processes in one call, and only a primitive's batching rule can see that:
   `jax.vmap(jax.grad(f))` the transposes are traced per example and give per-example
   gradients.
 - Stochastic rounding keys: `seed` (two uint32 words, zero when the caller gave no key)
-  is folded with a checksum of `dy`, so every step rounds with fresh thresholds even in a
-  loop that never mentions keys, and the same key and data give the same bits.
+  is mixed with an integer checksum of the layer's weight, which changes every optimiser
+  step: a loop that never mentions keys still rounds with fresh thresholds each step, the
+  same key and weights give the same bits, and every device layout gives the same bits
+  (an integer sum is exact in any order). Microbatches of one step share thresholds
+  unless the caller passes different keys.
 """
 
 import functools
@@ -42,11 +45,18 @@ from ._formats import quantize_operand, scaled_dot
 from ._policy import Recipe
 
 
-def _grad_key(seed: UInt32[Array, "2"], dy: Array, tag: int) -> jax.Array:
-    bits = lax.bitcast_convert_type(dy.astype(jnp.float32), jnp.uint32)
-    checksum = jnp.sum(bits, dtype=jnp.uint32)
+def _grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
     key = jax.random.wrap_key_data(seed, impl="threefry2x32")
-    return jax.random.fold_in(jax.random.fold_in(key, tag), checksum)
+    return jax.random.fold_in(key, tag)
+
+
+def _mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:
+    """Mix an integer checksum of the weight into the seed. The weight changes every
+    optimiser step, so a loop that never mentions keys still draws fresh thresholds each
+    step; an integer sum is exact in any order, so every device layout draws the same."""
+    bits = lax.bitcast_convert_type(w.astype(jnp.float32), jnp.uint32)
+    c = jnp.sum(bits, axis=(-2, -1), dtype=jnp.uint32)
+    return seed ^ jnp.stack([c, c * jnp.uint32(0x9E3779B9)], axis=-1)
 
 
 def _needs_key(recipe: Recipe) -> bool:
@@ -77,7 +87,7 @@ def tangent_w(x: Array, wt: Array, seed: Array, *, recipe: Recipe, fast: bool) -
 
 def dgrad(dy: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "..."]:
     """dgrad: `Q(dy) @ Q(W)`, dy quantised along n (stochastically if the recipe says)."""
-    key = _grad_key(seed, dy, 1) if _needs_key(recipe) else None
+    key = _grad_key(seed, 1) if _needs_key(recipe) else None
     gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
     wv, ws = quantize_operand(w, recipe.weight, axis=0)
     return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), fast=fast)
@@ -89,7 +99,7 @@ def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Fl
     a = x.reshape(-1, x.shape[-1])
     if recipe.rht:
         g, a = rht(g, axis=0), rht(a, axis=0)
-    key = _grad_key(seed, dy, 2) if _needs_key(recipe) else None
+    key = _grad_key(seed, 2) if _needs_key(recipe) else None
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)
     return scaled_dot(gv, gs, xv, xs, ((0,), (0,)), fast=fast)
@@ -166,6 +176,8 @@ def _qdot_jvp(primals, tangents, *, recipe, fast, nbatch):
     ta, tb, _ = tangents
     params = dict(recipe=recipe, fast=fast, nbatch=nbatch)
     y = qdot_p.bind(a, b, seed, **params)
+    if _needs_key(recipe):
+        seed = _mix_weight(seed, b)
     parts = []
     if type(ta) is not ad.Zero:
         parts.append(tx_p.bind(ta, b, seed, **params))
@@ -214,8 +226,8 @@ def qdot(
     - `x`: activations `(tokens..., k)`; `w`: weight `(n, k)` (Equinox layout).
     - `recipe`: the formats of W, x and dy, and whether wgrad uses the RHT.
     - `seed`: two uint32 words mixed into the stochastic-rounding keys of dgrad
-      (dy along n) and wgrad (dy along tokens); fresh thresholds are drawn every call
-      anyway, because a checksum of `dy` is folded in.
+      (dy along n) and wgrad (dy along tokens). A checksum of `w` is mixed in too, so
+      each optimiser step draws fresh thresholds even with the default seed.
     - `fast`: run the GEMMs on bfloat16 operands (exact for quantised values) instead of
       the float32 reference; only the summation order differs.
 

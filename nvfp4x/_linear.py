@@ -85,7 +85,8 @@ class QuantizedLinear(eqx.Module):
         - `x`: `(in_features,)` or a batch `(..., in_features)` (for `in_features="scalar"`:
           `()` or `(...)`).
         - `key`: optional PRNG key for the stochastic rounding of the backward pass. Without
-          one, rounding is still fresh every step (a checksum of the gradient seeds it).
+          one, rounding is still fresh every optimiser step (a checksum of the weight
+          seeds it); pass distinct keys to decorrelate microbatches of one step.
 
         **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`
         and the weight.
