@@ -132,6 +132,11 @@ def quantize_operand(
     return jnp.moveaxis(vals[..., :n], -1, axis).astype(jnp.bfloat16), s_dec
 
 
+def widest_float(*dtypes) -> jnp.dtype:
+    """The widest of some float dtypes (no implicit promotion: works under strict mode)."""
+    return max((jnp.dtype(d) for d in dtypes), key=lambda d: (d.itemsize, d == jnp.float16))
+
+
 def scaled_dot(
     a: Array,
     a_scale: Array | None,
@@ -149,7 +154,7 @@ def scaled_dot(
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     if not (fast and a.dtype == bf16 and b.dtype == bf16):
-        dtype = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
+        dtype = widest_float(a.dtype, b.dtype, jnp.float32)
         a, b = a.astype(dtype), b.astype(dtype)
     out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
     scales = [s for s in (a_scale, b_scale) if s is not None]

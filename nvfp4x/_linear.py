@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._formats import widest_float
 from ._gemm import qdot
 from ._policy import Recipe
 
@@ -121,4 +122,4 @@ def apply_linear(layer, x: Array, matmul, weight_dtype) -> Array:
         y = y + layer.bias.astype(jnp.float32)
     if layer.out_features == "scalar":
         y = y[..., 0]
-    return y.astype(jnp.promote_types(x.dtype, weight_dtype))
+    return y.astype(widest_float(x.dtype, weight_dtype))

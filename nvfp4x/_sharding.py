@@ -1,0 +1,70 @@
+"""Shardings for packed weights: codes and scales follow the weight, tensor scales are
+replicated over the matrix axes."""
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._array import NVFP4Array
+from ._format._constants import BLOCK, MX_BLOCK
+from ._packed import MXFP8Array
+
+
+def _axis_size(mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    size = 1
+    for n in names:
+        size *= mesh.shape[n]
+    return size
+
+
+def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
+    """The shardings of a packed weight's leaves, given the sharding its master weight
+    `(..., out, in)` had: codes and block scales take the weight's `PartitionSpec` (so
+    each device holds its 1/N of the packed bytes), tensor scales the spec of the leading
+    (stacked) axes only.
+
+    Raises `ValueError` naming the axis if a shard would cut a block in two.
+
+    **Arguments:**
+
+    - `packed`: an `NVFP4Array`, `MXFP8Array`, `FP8Array` or plain array (a frozen weight).
+    - `sharding`: a `NamedSharding` for the logical weight.
+
+    **Returns:** a PyTree of `NamedSharding` with `packed`'s structure, for
+    `jax.device_put(packed, shardings)` or `eqx.filter_shard`.
+    """
+    mesh, spec = sharding.mesh, tuple(sharding.spec)
+    shape = tuple(packed.shape)
+    spec = spec + (None,) * (len(shape) - len(spec))
+    blocks: tuple[int, ...] = ()
+    if isinstance(packed, NVFP4Array):
+        blocks = (1, BLOCK) if packed.block[0] == 1 else (BLOCK, BLOCK)
+    elif isinstance(packed, MXFP8Array):
+        blocks = (1, MX_BLOCK)
+    for i, b in enumerate(blocks):
+        axis = len(shape) - 2 + i
+        n = _axis_size(mesh, spec[axis])
+        if n > 1 and (shape[axis] % n or (shape[axis] // n) % max(b, 2 if i else 1)):
+            raise ValueError(
+                f"Sharding axis {axis} (size {shape[axis]}) of a packed weight over "
+                f"`{spec[axis]}` ({n} devices) gives shards of {shape[axis] / n:g}, not a "
+                f"multiple of the block size {b}: a block would straddle two devices. Shard "
+                "another axis, use fewer devices on this one, or pad the layer."
+            )
+    full = NamedSharding(mesh, PartitionSpec(*spec))
+    lead = NamedSharding(mesh, PartitionSpec(*spec[:-2]))
+
+    def leaf_sharding(path, leaf):
+        name = getattr(path[-1], "name", None) if path else None
+        return lead if name in ("tensor_scale", "scale") else full
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, packed)
+
+
+def shard_packed(packed: Any, sharding: NamedSharding) -> Any:
+    """`jax.device_put(packed, packed_sharding(packed, sharding))`."""
+    return jax.device_put(packed, packed_sharding(packed, sharding))

@@ -1,0 +1,209 @@
+"""Sharded runs on 8 CPU devices give the numbers one device gives (issue: sharding).
+
+Run in their own process by `tests/test_sharding.py`, which sets
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts.
+"""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import nvfp4x
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+)
+
+D, H, T = 128, 256, 64
+COLLECTIVE = re.compile(
+    r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
+)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _model():
+    return eqx.nn.MLP(D, D, H, 1, key=jax.random.key(0))
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (T, D))
+
+
+def _loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def _spec(layout: str, path: str, leaf) -> P:
+    if layout == "dp" or leaf.ndim == 0:
+        return P()
+    if layout == "fsdp_rows":
+        return P("data") if leaf.ndim == 2 else P()
+    if layout == "fsdp_cols":
+        return P(None, "data") if leaf.ndim == 2 else P()
+    # tensor parallel: first layer column-parallel (out sharded), second row-parallel (in).
+    if "layers[0]" in path:
+        return P("model")
+    return P(None, "model") if leaf.ndim == 2 else P()
+
+
+def _shard(model, mesh, layout):
+    def put(path, leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        spec = _spec(layout, jax.tree_util.keystr(path), leaf)
+        return jax.device_put(leaf, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(put, model)
+
+
+def _compiled_text(fn, model, *args):
+    params, static = eqx.partition(model, eqx.is_array)
+    jitted = jax.jit(lambda p, *a: fn(eqx.combine(p, static), *a))
+    return jitted.lower(params, *args).compile().as_text()
+
+
+def _rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+LAYOUTS = ["dp", "fsdp_rows", "fsdp_cols", "tp"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
+def test_loss_and_grads_match_one_device(mesh, layout):
+    q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
+    step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+    ref_loss, ref_grad = step(q, _x())
+    xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
+    loss, grad = step(_shard(q, mesh, layout), xs)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        assert _rel(g, r) <= 1e-5
+
+
+# With weights sharded along their rows (FSDP), XLA's sharding propagation chooses a
+# different plan for the quantised program than for the plain one (an extra gather of one
+# weight, ~25% more volume). Numbers stay identical; the extra traffic is a known gap.
+COLLECTIVE_CASES = [
+    pytest.param(
+        layout,
+        id=layout,
+        marks=[pytest.mark.xfail(strict=True, reason="known: FSDP-rows plan gathers more")]
+        if layout == "fsdp_rows"
+        else [],
+    )
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("layout", COLLECTIVE_CASES)
+def test_only_scalar_collectives_are_added(mesh, layout):
+    xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
+    grad_fn = eqx.filter_value_and_grad(_loss)
+    plain = _compiled_text(grad_fn, _shard(_model(), mesh, layout), xs)
+    quant = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
+    text = _compiled_text(grad_fn, _shard(quant, mesh, layout), xs)
+
+    def kinds(txt):
+        # shape without layout, collective kind
+        return {(re.sub(r"\{.*\}", "", s), k) for s, k in COLLECTIVE.findall(txt)}
+
+    plain_kinds = {k for _, k in kinds(plain)}
+    added = kinds(text)
+    for shape, kind in added:
+        scalar = re.fullmatch(r"[a-z0-9]+\[\]", shape) is not None
+        assert scalar or kind in plain_kinds, (shape, kind)
+    # the non-scalar collectives move no more data than the unquantised model's
+    def volume(txt):
+        total = 0
+        for s, _ in COLLECTIVE.findall(txt):
+            dims = re.search(r"\[([0-9,]*)\]", s).group(1)
+            total += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        return total
+
+    scalars = sum(1 for s, _ in kinds(text) if s.endswith("[]"))
+    assert volume(text) <= volume(plain) + 16 * max(scalars, 1)
+
+
+def test_amax_is_global_not_per_shard(mesh):
+    x = _x() * jnp.linspace(0.01, 10.0, T)[:, None]  # very different amax per shard
+    ref = nvfp4x.to_nvfp4(x)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    got = jax.jit(nvfp4x.to_nvfp4)(xs)
+    assert jnp.array_equal(got.codes, ref.codes)
+    assert jnp.array_equal(got.scales.view(jnp.uint8), ref.scales.view(jnp.uint8))
+    assert got.tensor_scale == ref.tensor_scale
+
+
+def test_shard_map_with_pmax_amax_matches_unsharded(mesh):
+    x = _x() * jnp.linspace(0.01, 10.0, T)[:, None]
+    ref = nvfp4x.fake_quantize(x)
+
+    def local(xb):
+        amax = jax.lax.pmax(jnp.max(jnp.abs(xb)), ("data", "model"))
+        return nvfp4x.fake_quantize(xb, amax=amax)
+
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", "model")
+    )
+    got = jax.jit(fn)(x)
+    assert jnp.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("spec", [P("data"), P(None, "data"), P("model", "data")], ids=str)
+def test_frozen_weights_shard_with_their_codes_and_scales(mesh, spec):
+    w = jax.random.normal(jax.random.key(2), (512, 256))
+    for block in [(1, 16), (16, 16)]:
+        packed = nvfp4x.to_nvfp4(w, block=block)
+        shardings = nvfp4x.packed_sharding(packed, NamedSharding(mesh, spec))
+        placed = jax.device_put(packed, shardings)
+        n = int(np.prod([mesh.shape[a] for a in spec if a is not None]))
+        for leaf in (placed.codes, placed.scales):
+            per_device = {s.data.nbytes for s in leaf.addressable_shards}
+            assert per_device == {leaf.nbytes // n}
+        assert jnp.array_equal(placed.dequantize(), packed.dequantize())
+
+
+def test_frozen_model_eight_ways_holds_an_eighth_per_device(mesh):
+    model = eqx.nn.MLP(256, 256, 512, 1, key=jax.random.key(0))
+    frozen = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only()))
+    eight = NamedSharding(mesh, P(("data", "model")))
+
+    def place(layer):
+        if not isinstance(layer, nvfp4x.FrozenLinear):
+            return layer
+        return eqx.tree_at(lambda m: m.weight, layer, nvfp4x.shard_packed(layer.weight, eight))
+
+    sharded = jax.tree.map(place, frozen, is_leaf=lambda v: isinstance(v, nvfp4x.FrozenLinear))
+    for layer in (sharded.layers[0], sharded.layers[1]):
+        for leaf in (layer.weight.codes, layer.weight.scales):
+            assert {s.data.nbytes for s in leaf.addressable_shards} == {leaf.nbytes // 8}
+    x = _x()[:, :1].repeat(256, axis=1)
+    ref = jax.vmap(frozen)(x)
+    got = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(sharded, x)
+    assert jnp.allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_sharding_rejects_straddling_blocks(mesh):
+    packed = nvfp4x.to_nvfp4(jnp.ones((64, 48)), block=(16, 16))
+    with pytest.raises(ValueError, match="straddle"):
+        nvfp4x.packed_sharding(packed, NamedSharding(mesh, P(None, "data")))  # 48 / 4 = 12
+
+
+def test_stochastic_rounding_is_reproducible_under_sharding(mesh):
+    q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
+    xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
+    qs = _shard(q, mesh, "tp")
+    step = eqx.filter_jit(eqx.filter_grad(_loss))
+    g1, g2 = step(qs, xs), step(qs, xs)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        assert jnp.array_equal(a, b)
