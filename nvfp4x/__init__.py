@@ -15,6 +15,7 @@ from ._packed import (
     to_mxfp8 as to_mxfp8,
 )
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
+from ._sensitivity import SensitivityReport as SensitivityReport, sensitivity as sensitivity
 from ._sharding import packed_sharding as packed_sharding, shard_packed as shard_packed
 from ._transform import dequantize as dequantize, quantize as quantize, summary as summary
 

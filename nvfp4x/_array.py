@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -20,6 +21,14 @@ from ._format._nvfp4 import (
 from ._format._pack import pack, unpack
 
 
+def as_bits(x: Shaped[Array, "..."], dtype) -> UInt8[Array, "..."]:
+    """The uint8 bit patterns of an 8-bit float array (given as `dtype` or as bits)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint8:
+        return x
+    return jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint8)
+
+
 class NVFP4Array(eqx.Module):
     """An array in NVFP4: packed E2M1 codes, E4M3 block scales and a float32 tensor scale.
 
@@ -31,7 +40,9 @@ class NVFP4Array(eqx.Module):
     - `codes`: `uint8`, two E2M1 codes per byte, element `2i` in the low nibble. Its shape
       is the logical shape with the blocked axes padded to multiples of 16, last axis halved.
     - `scales`: `float8_e4m3fn` decode scales, one per block: shape `(..., K_pad/16)` for
-      `block=(1, 16)` and `(..., R_pad/16, C_pad/16)` for `block=(16, 16)`.
+      `block=(1, 16)` and `(..., R_pad/16, C_pad/16)` for `block=(16, 16)`. (Held as
+      their uint8 bit patterns in `scale_bits`, so that `eqx.tree_serialise_leaves`,
+      which cannot read float8 arrays back, round-trips them bit for bit.)
     - `tensor_scale`: float32 decode scale `s_dec = 1 / S_enc` (a scalar; one per slice
       when the array was made under `jax.vmap`).
     - `block`, `logical_tail`, `dtype` (static): the layout, the unpadded sizes of the
@@ -39,11 +50,32 @@ class NVFP4Array(eqx.Module):
     """
 
     codes: UInt8[Array, "..."]
-    scales: Shaped[Array, "..."]
+    scale_bits: UInt8[Array, "..."]
     tensor_scale: Float[Array, "*batch"]
     block: tuple[int, int] = eqx.field(static=True)
     logical_tail: tuple[int, ...] = eqx.field(static=True)
-    dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+    dtype: np.dtype = eqx.field(static=True)
+
+    def __init__(
+        self,
+        codes: UInt8[Array, "..."],
+        scales: Shaped[Array, "..."],
+        tensor_scale: Float[Array, "*batch"],
+        block: tuple[int, int],
+        logical_tail: tuple[int, ...],
+        dtype,
+    ):
+        self.codes = codes
+        self.scale_bits = as_bits(scales, jnp.float8_e4m3fn)
+        self.tensor_scale = tensor_scale
+        self.block = tuple(block)
+        self.logical_tail = tuple(logical_tail)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def scales(self) -> Shaped[Array, "..."]:
+        """The block scales as `float8_e4m3fn`."""
+        return jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e4m3fn)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,7 +89,7 @@ class NVFP4Array(eqx.Module):
     @property
     def nbytes(self) -> int:
         """Bytes held: packed codes + block scales + tensor scale(s)."""
-        return int(self.codes.nbytes + self.scales.nbytes + self.tensor_scale.nbytes)
+        return int(self.codes.nbytes + self.scale_bits.nbytes + self.tensor_scale.nbytes)
 
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
         """The array's values `(e2m1 × block_scale) × tensor_scale`, in the logical shape.

@@ -1,10 +1,12 @@
 """Compact containers for weights in the other formats (MXFP8, per-tensor FP8)."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Shaped
+from jaxtyping import Array, Float, Shaped, UInt8
 
+from ._array import as_bits
 from ._format._constants import MX_BLOCK
 from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
 from ._format._nvfp4 import tensor_amax
@@ -12,12 +14,22 @@ from ._format._nvfp4 import tensor_amax
 
 class MXFP8Array(eqx.Module):
     """MXFP8 along the last axis: `data` (`float8_e4m3fn`, last axis padded to 32) and
-    `scales` (`float8_e8m0fnu`, one per 32 elements). Make one with `to_mxfp8`."""
+    `scales` (`float8_e8m0fnu`, one per 32 elements), both held as uint8 bit patterns
+    (`data_bits`, `scale_bits`) so Equinox serialisation round-trips them. Make one with
+    `to_mxfp8`."""
 
-    data: Shaped[Array, "..."]
-    scales: Shaped[Array, "..."]
+    data_bits: UInt8[Array, "..."]
+    scale_bits: UInt8[Array, "..."]
     logical_last: int = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+
+    @property
+    def data(self) -> Shaped[Array, "..."]:
+        return jax.lax.bitcast_convert_type(self.data_bits, jnp.float8_e4m3fn)
+
+    @property
+    def scales(self) -> Shaped[Array, "..."]:
+        return jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e8m0fnu)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -25,7 +37,7 @@ class MXFP8Array(eqx.Module):
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes + self.scales.nbytes)
+        return int(self.data_bits.nbytes + self.scale_bits.nbytes)
 
     def operand(self) -> tuple[Shaped[Array, "..."], None]:
         """`(values, None)`: element × block scale in bfloat16 (exact), no tensor scale."""
@@ -39,12 +51,19 @@ class MXFP8Array(eqx.Module):
 
 
 class FP8Array(eqx.Module):
-    """FP8 with one float32 decode scale per tensor: value = `data * scale`. Make one
-    with `to_fp8`."""
+    """FP8 with one float32 decode scale per tensor: value = `data * scale`, `data` held
+    as uint8 bit patterns (`data_bits`) of `kind` ("e4m3" or "e5m2"). Make one with
+    `to_fp8`."""
 
-    data: Shaped[Array, "..."]
+    data_bits: UInt8[Array, "..."]
     scale: Float[Array, "*batch"]
+    kind: str = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+
+    @property
+    def data(self) -> Shaped[Array, "..."]:
+        fp8 = jnp.float8_e4m3fn if self.kind == "e4m3" else jnp.float8_e5m2
+        return jax.lax.bitcast_convert_type(self.data_bits, fp8)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -52,7 +71,7 @@ class FP8Array(eqx.Module):
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes + self.scale.nbytes)
+        return int(self.data_bits.nbytes + self.scale.nbytes)
 
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
         return self.data.astype(jnp.bfloat16), self.scale
@@ -67,8 +86,8 @@ def to_mxfp8(x: Float[Array, "..."]) -> MXFP8Array:
     """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32)."""
     q, scale = quantize_mxfp8(mx_pad(x))
     return MXFP8Array(
-        data=q.astype(jnp.float8_e4m3fn),
-        scales=scale.astype(jnp.float8_e8m0fnu),
+        data_bits=as_bits(q, jnp.float8_e4m3fn),
+        scale_bits=as_bits(scale, jnp.float8_e8m0fnu),
         logical_last=x.shape[-1],
         dtype=x.dtype,
     )
@@ -80,4 +99,4 @@ def to_fp8(x: Float[Array, "..."], kind: str = "e4m3") -> FP8Array:
         raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
     q, scale = quantize_fp8(x, kind, tensor_amax(x))
     dtype = jnp.float8_e4m3fn if kind == "e4m3" else jnp.float8_e5m2
-    return FP8Array(data=q.astype(dtype), scale=scale, dtype=x.dtype)
+    return FP8Array(data_bits=as_bits(q, dtype), scale=scale, kind=kind, dtype=x.dtype)

@@ -1,0 +1,250 @@
+"""`sensitivity`: how much each linear layer suffers when it alone is quantised."""
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from ._policy import Policy, Recipe, recipes
+from ._transform import path_str, quantize
+
+
+class SensitivityRow(NamedTuple):
+    """One layer's figures in a [`nvfp4x.SensitivityReport`][].
+
+    - `path`: the layer's path, as [`nvfp4x.quantize`][] matches it (`blocks[3].mlp.fc1`).
+    - `loss_delta`: `loss(only this layer quantised) - loss(unquantised)`.
+    - `grad_error`: `||g_q - g_ref|| / ||g_ref||` over every float array of the model
+      (one global L2 norm).
+    - `weight_grad_error`: the same ratio for this layer's own weight gradient.
+    """
+
+    path: str
+    loss_delta: float
+    grad_error: float
+    weight_grad_error: float
+
+
+def _nan_last(x: float) -> float:
+    # NaN is the worst possible outcome: rank it as most sensitive.
+    return math.inf if math.isnan(x) else x
+
+
+def _sort_key(row: SensitivityRow) -> tuple[float, float]:
+    return (-_nan_last(abs(row.loss_delta)), -_nan_last(row.grad_error))
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityReport:
+    """The result of [`nvfp4x.sensitivity`][]: one row per linear layer, most sensitive
+    first.
+
+    **Fields:**
+
+    - `rows`: a tuple of `SensitivityRow(path, loss_delta, grad_error, weight_grad_error)`,
+      sorted by `abs(loss_delta)` descending, ties broken by `grad_error` descending
+      (a NaN counts as the largest value).
+    - `base_loss`: the loss of the unquantised model.
+    - `recipe`: the recipe each layer was quantised with.
+
+    `str(report)` is a readable table.
+    """
+
+    rows: tuple[SensitivityRow, ...]
+    base_loss: float
+    recipe: Recipe
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", tuple(sorted(self.rows, key=_sort_key)))
+
+    def __str__(self) -> str:
+        header = ("rank", "path", "loss delta", "grad error", "weight grad error")
+        body = [
+            (
+                str(i + 1),
+                r.path or "<model>",
+                f"{r.loss_delta:+.4e}",
+                f"{r.grad_error:.4e}",
+                f"{r.weight_grad_error:.4e}",
+            )
+            for i, r in enumerate(self.rows)
+        ]
+        table = [header, *body]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        title = (
+            f"Layer sensitivity to {self.recipe.name} (base loss {self.base_loss:.6g}), "
+            "most sensitive first:"
+        )
+        return "\n".join([title, *lines])
+
+    def suggest_policy(self, keep_fraction: float = 0.15, recipe: Recipe | None = None) -> Policy:
+        """A policy keeping the most sensitive layers in bfloat16 and quantising the rest.
+
+        **Arguments:**
+
+        - `keep_fraction`: in `[0, 1]`; the `ceil(keep_fraction * n_layers)` most
+          sensitive layers (the first rows) are kept in [`nvfp4x.recipes.bf16`][].
+        - `recipe`: the recipe of every other layer; defaults to the one the report was
+          measured with.
+
+        **Returns:** an [`nvfp4x.Policy`][]: one exact-path rule (`re.escape`d) per kept
+        layer with `recipes.bf16()`, then `(r".*", recipe)`. When every layer is kept the
+        last rule matches nothing, so the policy is made with `strict=False`.
+
+        ```python
+        policy = report.suggest_policy(keep_fraction=0.15)
+        qmodel = nvfp4x.quantize(model, policy)
+        ```
+        """
+        if isinstance(keep_fraction, bool) or not isinstance(keep_fraction, int | float):
+            raise TypeError(
+                f"`keep_fraction` must be a number in [0, 1], got {type(keep_fraction).__name__}."
+            )
+        if not 0.0 <= keep_fraction <= 1.0:
+            raise ValueError(
+                f"`keep_fraction` must lie in [0, 1] (a fraction of the layers), got "
+                f"{keep_fraction!r}."
+            )
+        recipe = self.recipe if recipe is None else recipe
+        n = len(self.rows)
+        # `round` first: 0.15 * 20 is 3.0000000000000004 in floating point.
+        n_keep = min(n, math.ceil(round(keep_fraction * n, 9)))
+        bf16 = recipes.bf16()
+        rules: list[tuple[str, Recipe | None]] = [
+            (re.escape(r.path), bf16) for r in self.rows[:n_keep]
+        ]
+        rules.append((r".*", recipe))
+        return Policy(rules, strict=n_keep < n)
+
+
+def _linear_paths(model: Any) -> list[str]:
+    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
+    return [path_str(p) for p, leaf in leaves if is_linear(leaf)]
+
+
+@eqx.filter_jit
+def _value_and_grad(params, static, batch, loss_fn, target, recipe):
+    # `target` (a string) and `recipe` are static: one compilation per quantised layer.
+    def f(p):
+        model = eqx.combine(p, static)
+        if target is not None:
+            model = quantize(model, lambda path, _: recipe if path == target else None)
+        return loss_fn(model, batch)
+
+    return eqx.filter_value_and_grad(f)(params)
+
+
+def _rel_error(g: Any, g_ref: Any) -> float:
+    """`||g - g_ref|| / ||g_ref||` over all leaves, on the host (no compilation per tree)."""
+    num = den = 0.0
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref), strict=True):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        num += float(np.sum(np.square(a64 - b64)))
+        den += float(np.sum(np.square(b64)))
+    if den > 0:
+        return math.sqrt(num / den)
+    return 0.0 if num == 0 else math.inf
+
+
+def _leaf_by_path(tree: Any, path: str) -> Any:
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if path_str(p) == path:
+            return leaf
+    return None
+
+
+def sensitivity(
+    model: Any,
+    loss_fn: Callable[[Any, Any], Float[Array, ""]],
+    batch: Any,
+    *,
+    recipe: Recipe | None = None,
+) -> SensitivityReport:
+    """Measure, for each `eqx.nn.Linear` of `model`, the harm done by quantising that
+    layer alone (every other layer stays as it is).
+
+    For each layer the model is quantised with `recipe` on that layer only, and the loss
+    `loss_fn(qmodel, batch)` and its gradient with respect to every float array of the
+    model are compared with those of the unquantised model.
+
+    **Arguments:**
+
+    - `model`: any model [`nvfp4x.quantize`][] accepts, holding at least one
+      `eqx.nn.Linear` (layers already quantised are left as they are and not measured).
+    - `loss_fn`: `(model, batch) -> scalar loss`, differentiable in the model's float
+      arrays. If it draws random numbers, put a fixed key inside `batch`.
+    - `batch`: the data passed to every run, unchanged. Stochastic rounding of gradients
+      is seeded from the layer's weight (and any key `loss_fn` passes to the layers), so
+      every run sees the same rounding noise and the figures are comparable; they are
+      still one draw of that noise, so use a batch large enough to average it.
+    - `recipe`: the recipe to measure; defaults to [`nvfp4x.recipes.nvfp4_training`][].
+
+    **Returns:** a [`nvfp4x.SensitivityReport`][], rows sorted most sensitive first (by
+    `abs(loss_delta)`, then `grad_error`); `report.suggest_policy(keep_fraction=0.15)`
+    turns it into a policy.
+
+    **Cost:** one forward and backward pass per layer, plus one for the reference, each
+    under `eqx.filter_jit`. The quantised layer is a static choice, so each layer is one
+    compilation too; small compared with the passes on a real model, but it adds up on
+    hundreds of layers.
+
+    ```python
+    def loss_fn(model, batch):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    report = nvfp4x.sensitivity(model, loss_fn, (x, y))
+    print(report)
+    qmodel = nvfp4x.quantize(model, report.suggest_policy(keep_fraction=0.15))
+    ```
+    """
+    if recipe is None:
+        recipe = recipes.nvfp4_training()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"`recipe` must be an `nvfp4x.Recipe` (e.g. `nvfp4x.recipes.nvfp4_training()`), "
+            f"got {type(recipe).__name__}."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable `(model, batch) -> loss`, got {loss_fn!r}.")
+    paths = _linear_paths(model)
+    if not paths:
+        raise ValueError(
+            "nvfp4x.sensitivity: `model` holds no `eqx.nn.Linear`, so there is nothing to "
+            "measure. Pass a model with linear layers (see `nvfp4x.summary(model)`)."
+        )
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    base_loss, g_ref = _value_and_grad(params, static, batch, loss_fn, None, recipe)
+    if jnp.ndim(base_loss) != 0:
+        raise ValueError(
+            f"`loss_fn` must return a scalar loss, got an array of shape {jnp.shape(base_loss)}."
+        )
+    base = float(base_loss)
+
+    rows = []
+    for target in paths:
+        loss, g = _value_and_grad(params, static, batch, loss_fn, target, recipe)
+        wpath = f"{target}.weight" if target else "weight"
+        w, w_ref = _leaf_by_path(g, wpath), _leaf_by_path(g_ref, wpath)
+        rows.append(
+            SensitivityRow(
+                path=target,
+                loss_delta=float(loss) - base,
+                grad_error=_rel_error(g, g_ref),
+                weight_grad_error=(
+                    math.nan if w is None or w_ref is None else _rel_error(w, w_ref)
+                ),
+            )
+        )
+    return SensitivityReport(rows=tuple(rows), base_loss=base, recipe=recipe)
