@@ -1,0 +1,598 @@
+"""Train a small Llama-style byte-level language model twice: float32 and NVFP4.
+
+The same model (same initial weights, same batches) is trained once unquantised in
+float32 and once under NVIDIA's NVFP4 training recipe with the paper's precision policy:
+every linear layer in NVFP4 (16x16 weight blocks, 1x16 activation and gradient blocks,
+stochastic rounding of gradients, random Hadamard transform in wgrad), except the last
+~15% of blocks (bf16) and the LM head (left as it is). Embeddings, norms and attention's
+softmax and batched matmuls are not linear layers and stay unquantised.
+
+```bash
+python examples/train_lm.py                    # default config: both runs, CPU-friendly
+python examples/train_lm.py --smoke            # a tiny config, seconds
+python examples/train_lm.py --data my.txt --steps 1000 --layers 8
+```
+
+The corpus is, by default, the Python standard library's own source files (present on
+every machine, no download): the sorted file list, shuffled with a fixed seed, read
+until a byte budget is reached; every 10th file goes to the validation split. With
+`--data FILE`, the first bytes of FILE are used and the last 10% held out.
+
+Outputs (in `--out`, default `out/train_lm`): `losses.csv` (step, baseline, nvfp4) and
+`loss_curves.png`.
+
+Importing this file has no side effects, so other scripts can reuse its pieces:
+
+```python
+import train_lm                                   # with examples/ on sys.path
+cfg = train_lm.Config(steps=200)
+data = train_lm.load_data(cfg)
+model = train_lm.build_model(cfg, jax.random.key(cfg.seed))
+result = train_lm.train(nvfp4x.quantize(model, some_policy), cfg, data, label="mine")
+```
+"""
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import sys
+import sysconfig
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt8
+
+import nvfp4x
+
+# --- configuration ---
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model, data and optimisation settings.
+
+    **Fields:** `d_model`, `n_layers`, `n_heads` (the model; the SwiGLU hidden size is
+    `8/3 d_model` rounded up to a multiple of 64), `seq` and `batch` (tokens per step are
+    `seq * batch` bytes), `steps`, `lr` (peak of a linear-warmup + cosine schedule down to
+    `lr / 10`), `warmup` (steps), `weight_decay` (AdamW, matrices only), `seed` (weights
+    and batch order), `data_bytes` (corpus budget, train + validation), `eval_seqs`
+    (validation windows of length `seq`).
+    """
+
+    d_model: int = 192
+    n_layers: int = 6
+    n_heads: int = 3
+    seq: int = 128
+    batch: int = 16
+    steps: int = 250
+    lr: float = 3e-3
+    warmup: int = 25
+    weight_decay: float = 0.1
+    seed: int = 0
+    data_bytes: int = 3_000_000
+    eval_seqs: int = 64
+    vocab: int = 256
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"`d_model={self.d_model}` must split into `n_heads={self.n_heads}` heads of "
+                "even size (rotary embeddings rotate pairs of features)."
+            )
+        if self.steps < 1 or self.warmup < 0 or self.warmup >= self.steps:
+            raise ValueError(
+                f"Need `steps >= 1` and `0 <= warmup < steps`; got steps={self.steps}, "
+                f"warmup={self.warmup}."
+            )
+
+    @property
+    def d_ff(self) -> int:
+        """The SwiGLU hidden size: `8/3 d_model`, rounded up to a multiple of 64."""
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+
+#: A tiny configuration for `--smoke` (and the tests).
+SMOKE = Config(
+    d_model=64,
+    n_layers=2,
+    n_heads=2,
+    seq=32,
+    batch=4,
+    steps=8,
+    warmup=2,
+    data_bytes=100_000,
+    eval_seqs=8,
+)
+
+
+# --- the model: one sequence in, logits out; `jax.vmap` it over a batch ---
+
+
+class RMSNorm(eqx.Module):
+    """`x / rms(x) * weight` over the feature axis."""
+
+    weight: Float[Array, " d"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        self.weight = jnp.ones((d,), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+        ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(ms + self.eps) * self.weight
+
+
+def rotary(x: Float[Array, "seq heads hd"], base: float = 10_000.0) -> Float[Array, "seq heads hd"]:
+    """Rotary position embedding (rotate-half form) along the head dimension."""
+    seq, _, hd = x.shape
+    inv_freq = 1.0 / base ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def per_token(linear: Any, x: Float[Array, "seq d"]) -> Float[Array, "seq out"]:
+    """Apply a linear layer to every token. `eqx.nn.Linear` acts on one vector, so this
+    vmaps it; a `nvfp4x.QuantizedLinear` gives the same bits vmapped or called on the
+    whole `(seq, d)` array (its tensor scales cover everything in the call)."""
+    return jax.vmap(linear)(x)
+
+
+class Attention(eqx.Module):
+    """Causal multi-head self-attention with rotary embeddings (no biases)."""
+
+    wq: eqx.nn.Linear
+    wk: eqx.nn.Linear
+    wv: eqx.nn.Linear
+    wo: eqx.nn.Linear
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(self, d: int, n_heads: int, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.wq = eqx.nn.Linear(d, d, use_bias=False, key=kq)
+        self.wk = eqx.nn.Linear(d, d, use_bias=False, key=kk)
+        self.wv = eqx.nn.Linear(d, d, use_bias=False, key=kv)
+        self.wo = eqx.nn.Linear(d, d, use_bias=False, key=ko)
+        self.n_heads = n_heads
+
+    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+        seq, d = x.shape
+        hd = d // self.n_heads
+
+        def heads(linear):
+            return per_token(linear, x).reshape(seq, self.n_heads, hd)
+
+        q, k, v = rotary(heads(self.wq)), rotary(heads(self.wk)), heads(self.wv)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        return per_token(self.wo, out.reshape(seq, d))
+
+
+class SwiGLU(eqx.Module):
+    """`w_down(silu(w_gate x) * w_up x)`, the Llama MLP."""
+
+    w_gate: eqx.nn.Linear
+    w_up: eqx.nn.Linear
+    w_down: eqx.nn.Linear
+
+    def __init__(self, d: int, d_ff: int, *, key: PRNGKeyArray):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.w_gate = eqx.nn.Linear(d, d_ff, use_bias=False, key=kg)
+        self.w_up = eqx.nn.Linear(d, d_ff, use_bias=False, key=ku)
+        self.w_down = eqx.nn.Linear(d_ff, d, use_bias=False, key=kd)
+
+    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+        gate = jax.nn.silu(per_token(self.w_gate, x))
+        return per_token(self.w_down, gate * per_token(self.w_up, x))
+
+
+class Block(eqx.Module):
+    """A pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    attn_norm: RMSNorm
+    attn: Attention
+    mlp_norm: RMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, cfg: Config, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, key=ka)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, key=km)
+
+    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(eqx.Module):
+    """A byte-level Llama-style decoder. Linear layers sit at paths such as
+    `blocks[3].attn.wq`, `blocks[3].mlp.w_gate` and `lm_head` (see `nvfp4x.summary`)."""
+
+    embed: eqx.nn.Embedding
+    blocks: list[Block]
+    norm: RMSNorm
+    lm_head: eqx.nn.Linear
+
+    def __init__(self, cfg: Config, *, key: PRNGKeyArray):
+        ke, kh, *kb = jax.random.split(key, cfg.n_layers + 2)
+        self.embed = eqx.nn.Embedding(cfg.vocab, cfg.d_model, key=ke)
+        self.blocks = [Block(cfg, key=k) for k in kb]
+        self.norm = RMSNorm(cfg.d_model)
+        self.lm_head = eqx.nn.Linear(cfg.d_model, cfg.vocab, use_bias=False, key=kh)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = self.embed.weight[tokens]
+        for block in self.blocks:
+            x = block(x)
+        return per_token(self.lm_head, self.norm(x))
+
+
+def build_model(cfg: Config, key: PRNGKeyArray) -> Transformer:
+    """The unquantised float32 model of `cfg`, initialised from `key`."""
+    return Transformer(cfg, key=key)
+
+
+def bf16_tail(n_layers: int, fraction: float = 0.15) -> int:
+    """How many final blocks the paper's policy keeps in bf16: `round(fraction * n)`, at
+    least 1 and at most `n - 1` (so that some block is in NVFP4)."""
+    return min(max(1, round(fraction * n_layers)), n_layers - 1)
+
+
+def paper_policy(cfg: Config, *, training: nvfp4x.Recipe | None = None) -> nvfp4x.Policy:
+    """The NVFP4 paper's precision policy for this model: LM head untouched, the last ~15%
+    of blocks in bf16, every other linear layer under `training` (by default
+    `nvfp4x.recipes.nvfp4_training()`)."""
+    training = nvfp4x.recipes.nvfp4_training() if training is None else training
+    tail = bf16_tail(cfg.n_layers)
+    last = "|".join(str(i) for i in range(cfg.n_layers - tail, cfg.n_layers))
+    rules = [(r"lm_head", None)]
+    if tail:
+        rules.append((rf"blocks\[({last})\]\..*", nvfp4x.recipes.bf16()))
+    rules.append((r".*", training))
+    return nvfp4x.Policy(rules)
+
+
+# --- data ---
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """A byte corpus: `train` and `val` token arrays (uint8) and where they came from."""
+
+    train: UInt8[np.ndarray, " n_train"]
+    val: UInt8[np.ndarray, " n_val"]
+    source: str
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's `.py` files (site-packages and caches excluded), sorted by
+    their path relative to the stdlib folder."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        rel = os.path.relpath(dirpath, root)
+        found += [os.path.normpath(os.path.join(rel, f)) for f in filenames if f.endswith(".py")]
+    return [os.path.join(root, f) for f in sorted(found)]
+
+
+def load_data(cfg: Config, path: str | None = None, *, val_fraction: float = 0.1) -> Data:
+    """`cfg.data_bytes` bytes of text, split into train and validation.
+
+    **Arguments:**
+
+    - `cfg`: the configuration (`data_bytes`, and `seq` for a minimum size).
+    - `path`: a text file; by default the Python standard library's sources (sorted file
+      list shuffled with a fixed seed, every 10th file held out for validation).
+    - `val_fraction`: the share of the budget held out.
+
+    **Returns:** a `Data`.
+    """
+    val_budget = int(cfg.data_bytes * val_fraction)
+    train_budget = cfg.data_bytes - val_budget
+    if path is not None:
+        with open(path, "rb") as f:
+            raw = np.frombuffer(f.read(cfg.data_bytes), dtype=np.uint8)
+        cut = len(raw) - max(int(len(raw) * val_fraction), cfg.seq + 2)
+        data = Data(raw[:cut], raw[cut:], f"{path} ({len(raw):,} bytes)")
+    else:
+        files = stdlib_files()
+        order = np.random.default_rng(0).permutation(len(files))  # fixed: same data for any seed
+        train, val, n_train, n_val = [], [], 0, 0
+        for i, j in enumerate(order):
+            if n_train >= train_budget and n_val >= val_budget:
+                break
+            to_val = i % 10 == 9
+            if (n_val >= val_budget) if to_val else (n_train >= train_budget):
+                continue
+            with open(files[j], "rb") as f:
+                text = f.read() + b"\n"
+            if to_val:
+                val.append(text)
+                n_val += len(text)
+            else:
+                train.append(text)
+                n_train += len(text)
+        data = Data(
+            np.frombuffer(b"".join(train)[:train_budget], dtype=np.uint8),
+            np.frombuffer(b"".join(val)[:val_budget], dtype=np.uint8),
+            f"Python {sys.version.split()[0]} standard library sources",
+        )
+    for name in ("train", "val"):
+        if len(getattr(data, name)) < cfg.seq + 2:
+            raise ValueError(
+                f"The {name} split has {len(getattr(data, name))} bytes, fewer than one "
+                f"sequence (`seq={cfg.seq}`); give more data or a larger `data_bytes`."
+            )
+    return data
+
+
+def batch_starts(cfg: Config, n: int) -> Int[np.ndarray, "steps batch"]:
+    """Random window offsets for every training step, fixed by `cfg.seed`."""
+    return np.random.default_rng(cfg.seed).integers(0, n - cfg.seq - 1, size=(cfg.steps, cfg.batch))
+
+
+def windows(
+    tokens: UInt8[np.ndarray, " n"], starts: Int[np.ndarray, " batch"], seq: int
+) -> tuple[Int[np.ndarray, "batch seq"], Int[np.ndarray, "batch seq"]]:
+    """Inputs and next-byte targets for windows of length `seq` starting at `starts`."""
+    chunk = tokens[starts[:, None] + np.arange(seq + 1)].astype(np.int32)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+# --- training ---
+
+
+def loss_fn(model: Any, x: Int[Array, "batch seq"], y: Int[Array, "batch seq"]) -> Float[Array, ""]:
+    """Mean next-byte cross-entropy (nats) of `model` vmapped over the batch."""
+    logits = jax.vmap(model)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Gradient clipping at 1, then AdamW (decay on matrices only) with linear warmup and a
+    cosine decay to `lr / 10`."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup, cfg.steps, end_value=cfg.lr / 10
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+@eqx.filter_jit
+def train_step(model, opt_state, optimizer, x, y):
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+@eqx.filter_jit
+def eval_loss(model, x, y):
+    return loss_fn(model, x, y)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns.
+
+    **Fields:** `label`, the trained `model`, `losses` (training loss per step), `val_loss`
+    (mean over the fixed validation windows), `seconds` (wall time after compilation),
+    `compile_seconds` (first step, compilation included), `tokens_per_second`.
+    """
+
+    label: str
+    model: Any
+    losses: Float[np.ndarray, " steps"]
+    val_loss: float
+    seconds: float
+    compile_seconds: float
+    tokens_per_second: float
+
+    @property
+    def final_train_loss(self) -> float:
+        """Mean training loss over the last 10% of steps (at most 20, at least 1)."""
+        n = max(1, min(20, len(self.losses) // 10))
+        return float(np.mean(self.losses[-n:]))
+
+
+def evaluate(model: Any, cfg: Config, tokens: UInt8[np.ndarray, " n"]) -> float:
+    """Mean loss over `cfg.eval_seqs` (rounded up to a multiple of `cfg.batch`) evenly
+    spaced windows of `tokens`, `cfg.batch` at a time."""
+    n = -(-cfg.eval_seqs // cfg.batch) * cfg.batch
+    starts = np.linspace(0, len(tokens) - cfg.seq - 1, n).astype(np.int64)
+    losses = []
+    for i in range(0, len(starts), cfg.batch):
+        x, y = windows(tokens, starts[i : i + cfg.batch], cfg.seq)
+        losses.append(float(eval_loss(model, x, y)) * len(x))
+    return sum(losses) / len(starts)
+
+
+def train(
+    model: Any, cfg: Config, data: Data, *, label: str = "model", progress: bool = True
+) -> TrainResult:
+    """Train `model` (quantised or not) for `cfg.steps` AdamW steps on `data`.
+
+    The batches depend only on `cfg.seed` and the data, so two calls with the same `cfg`
+    see the same bytes in the same order.
+
+    **Arguments:**
+
+    - `model`: a `Transformer`, or one returned by `nvfp4x.quantize`.
+    - `cfg`, `data`: the configuration and the corpus (`load_data`).
+    - `label`: a name for the progress bar.
+    - `progress`: show a tqdm bar with the loss and tokens/s.
+
+    **Returns:** a `TrainResult`.
+    """
+    from tqdm.auto import tqdm
+
+    optimizer = make_optimizer(cfg)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    starts = batch_starts(cfg, len(data.train))
+    losses = np.zeros(cfg.steps, np.float32)
+    tokens_per_step = cfg.batch * cfg.seq
+    bar = tqdm(range(cfg.steps), desc=f"{label:>8}", disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    compile_seconds = 0.0
+    for step in bar:
+        x, y = windows(data.train, starts[step], cfg.seq)
+        model, opt_state, loss = train_step(model, opt_state, optimizer, x, y)
+        losses[step] = float(loss)
+        if step == 0:
+            compile_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        elapsed = time.perf_counter() - t0
+        rate = tokens_per_step * step / elapsed if step else 0.0
+        bar.set_postfix(loss=f"{losses[step]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+    seconds = time.perf_counter() - t0
+    rate = tokens_per_step * (cfg.steps - 1) / seconds if cfg.steps > 1 else 0.0
+    if not np.all(np.isfinite(losses)):
+        print(f"warning: {label} loss is not finite at some step", file=sys.stderr)
+    val = evaluate(model, cfg, data.val)
+    return TrainResult(label, model, losses, val, seconds, compile_seconds, rate)
+
+
+# --- outputs ---
+
+
+def write_outputs(out: str, baseline: TrainResult, quant: TrainResult) -> tuple[str, str]:
+    """Write `losses.csv` (step, baseline, nvfp4) and `loss_curves.png` to `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    csv_path = os.path.join(out, "losses.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "baseline", "nvfp4"])
+        for i, (a, b) in enumerate(zip(baseline.losses, quant.losses, strict=True)):
+            writer.writerow([i + 1, f"{a:.6f}", f"{b:.6f}"])
+
+    steps = np.arange(1, len(baseline.losses) + 1)
+    k = max(1, len(steps) // 50)  # moving average over ~2% of the run
+    smooth = lambda v: np.convolve(v, np.ones(k) / k, mode="valid")
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for res, color, name in ((baseline, "C0", "float32 baseline"), (quant, "C3", "NVFP4 recipe")):
+        ax.plot(steps, res.losses, color=color, alpha=0.25, lw=0.8)
+        ax.plot(steps[k - 1 :], smooth(res.losses), color=color, lw=1.6, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_title("Byte-level LM on the Python stdlib: float32 vs NVFP4 training")
+    lo = min(baseline.losses.min(), quant.losses.min())
+    hi = np.percentile(np.concatenate([baseline.losses, quant.losses]), 95)
+    ax.set_ylim(lo - 0.05 * (hi - lo), hi)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path = os.path.join(out, "loss_curves.png")
+    fig.savefig(png_path)
+    plt.close(fig)
+    return csv_path, png_path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=None, help=f"training steps (default {d.steps})")
+    p.add_argument("--batch", type=int, default=None, help=f"sequences per step ({d.batch})")
+    p.add_argument("--seq", type=int, default=None, help=f"bytes per sequence ({d.seq})")
+    p.add_argument("--d-model", type=int, default=None, help=f"model width ({d.d_model})")
+    p.add_argument("--layers", type=int, default=None, help=f"blocks ({d.n_layers})")
+    p.add_argument(
+        "--heads", type=int, default=None, help=f"heads ({d.n_heads}; d_model/64 with --d-model)"
+    )
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate ({d.lr})")
+    p.add_argument("--seed", type=int, default=None, help=f"init and batch seed ({d.seed})")
+    p.add_argument("--data", default=None, help="a text file (default: the stdlib sources)")
+    p.add_argument("--out", default=os.path.join("out", "train_lm"), help="output folder")
+    p.add_argument("--smoke", action="store_true", help="a tiny configuration, seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    base = SMOKE if args.smoke else Config()
+    changes = {
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "d_model": args.d_model,
+        "n_layers": args.layers,
+        "n_heads": args.heads,
+        "lr": args.lr,
+        "seed": args.seed,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if "d_model" in changes and "n_heads" not in changes:
+        changes["n_heads"] = max(1, changes["d_model"] // 64)  # heads of 64 features
+    if "steps" in changes and "warmup" not in changes:
+        changes["warmup"] = min(base.warmup, max(0, changes["steps"] // 10))
+    return dataclasses.replace(base, **changes)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        data = load_data(cfg, args.data)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from e
+    model = build_model(cfg, jax.random.key(cfg.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    print(
+        f"data: {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes\n"
+        f"model: {cfg.n_layers} blocks, d_model={cfg.d_model}, {cfg.n_heads} heads, "
+        f"d_ff={cfg.d_ff}, {n_params / 1e6:.2f}M parameters\n"
+        f"training: {cfg.steps} steps x {cfg.batch} x {cfg.seq} bytes, peak lr {cfg.lr}"
+    )
+
+    policy = paper_policy(cfg)
+    qmodel = nvfp4x.quantize(model, policy)
+    progress = not args.no_progress
+    baseline = train(model, cfg, data, label="float32", progress=progress)
+    quant = train(qmodel, cfg, data, label="nvfp4", progress=progress)
+
+    print("\n" + nvfp4x.summary(quant.model) + "\n")
+    gap = lambda a, b: (b - a) / a
+    print(f"{'':10}{'train loss':>12}{'val loss':>12}{'tokens/s':>12}{'compile s':>12}")
+    for r in (baseline, quant):
+        print(
+            f"{r.label:10}{r.final_train_loss:12.4f}{r.val_loss:12.4f}"
+            f"{r.tokens_per_second:12,.0f}{r.compile_seconds:12.1f}"
+        )
+    train_gap = gap(baseline.final_train_loss, quant.final_train_loss)
+    val_gap = gap(baseline.val_loss, quant.val_loss)
+    print(f"relative gap (nvfp4 - float32) / float32: train {train_gap:+.2%}, val {val_gap:+.2%}")
+    csv_path, png_path = write_outputs(args.out, baseline, quant)
+    print(f"wrote {csv_path} and {png_path}")
+    return {
+        "baseline_train": baseline.final_train_loss,
+        "baseline_val": baseline.val_loss,
+        "nvfp4_train": quant.final_train_loss,
+        "nvfp4_val": quant.val_loss,
+        "train_gap": train_gap,
+        "val_gap": val_gap,
+    }
+
+
+if __name__ == "__main__":
+    main()

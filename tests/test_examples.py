@@ -1,0 +1,82 @@
+"""Every example runs end to end in `--smoke` mode.
+
+Each `examples/*.py` runs in its own process (the environment is inherited, so e.g. an
+`XLA_FLAGS` set by an example is not disturbed by this test process), imported through
+jaxtyping's import hook with beartype, so that the annotated functions of both the
+example and `nvfp4x` are checked at runtime, as the rest of the suite checks `nvfp4x`.
+Examples are found by glob: a new example is covered as soon as it exists, and must
+accept `--smoke` (and `--out DIR` if it writes files).
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith("_"))
+TIMEOUT_S = 300
+
+# Runs `examples/NAME.py` as `__main__` through the import system, so the jaxtyping hook
+# instruments it (runpy.run_path would compile it directly, unchecked).
+RUNNER = """
+import runpy, sys
+from jaxtyping import install_import_hook
+examples, name, *argv = sys.argv[1:]
+sys.path.insert(0, examples)
+sys.argv = [name + ".py", *argv]
+with install_import_hook(["nvfp4x", name], "beartype.beartype"):
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+"""
+
+
+def test_examples_found():
+    names = {p.stem for p in EXAMPLES}
+    assert {"train_lm", "quickstart", "custom_policy"} <= names, names
+
+
+def test_train_lm_imports_without_side_effects(capsys):
+    """`benchmarks/convergence.py` imports the main example: importing it must not train,
+    print or write anything, and its policy's rules must all match its model's paths."""
+    import importlib.util
+
+    import jax
+
+    import nvfp4x
+
+    spec = importlib.util.spec_from_file_location("_train_lm", EXAMPLES_DIR / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    assert capsys.readouterr().out == ""
+
+    cfg = train_lm.SMOKE
+    model = train_lm.build_model(cfg, jax.random.key(0))
+    qmodel = nvfp4x.quantize(model, train_lm.paper_policy(cfg))  # strict: every rule used
+    last = cfg.n_layers - 1
+    assert isinstance(qmodel.blocks[0].mlp.w_gate, nvfp4x.QuantizedLinear)
+    assert qmodel.blocks[0].mlp.w_gate.recipe == nvfp4x.recipes.nvfp4_training()
+    assert qmodel.blocks[last].attn.wq.recipe == nvfp4x.recipes.bf16()
+    assert type(qmodel.lm_head) is type(model.lm_head)  # left as eqx.nn.Linear
+    assert "blocks[0].mlp.w_gate" in nvfp4x.summary(qmodel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_smoke(path, tmp_path):
+    args = ["--smoke"]
+    if "--out" in path.read_text():
+        args += ["--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-c", RUNNER, str(EXAMPLES_DIR), path.stem, *args]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`{path.name} --smoke` took more than {TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, (
+        f"`python examples/{path.name} {' '.join(args)}` exited with {proc.returncode}\n"
+        f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    )
+    if path.stem == "train_lm":
+        assert (tmp_path / "out" / "losses.csv").exists()
+        assert (tmp_path / "out" / "loss_curves.png").exists()
+        assert "relative gap" in proc.stdout
