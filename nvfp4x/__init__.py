@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from . import _telemetry as telemetry  # noqa: F401 - the `nvfp4x.telemetry` namespace
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
 from ._format._hadamard import hadamard_matrix as hadamard_matrix, rht as rht
 from ._formats import FORMATS as FORMATS, Format as Format

@@ -23,7 +23,8 @@ class QuantizedLinear(eqx.Module):
     **Fields:** `weight` `(out_features, in_features)` (or stacked `(L, out, in)`),
     `bias` or None, `in_features`, `out_features`, `use_bias`, `recipe` (static) and
     `fast` (static: run the GEMMs on bfloat16 operands, exact for quantised values;
-    `False` runs the float32 reference).
+    `False` runs the float32 reference), and `probe` (None unless telemetry is switched
+    on with `nvfp4x.telemetry.enable`).
 
     The layer acts on one example `(in_features,)` like `eqx.nn.Linear`, and also on a
     batch `(..., in_features)`. `jax.vmap(layer)(xs)` gives the same bits as `layer(xs)`:
@@ -37,6 +38,7 @@ class QuantizedLinear(eqx.Module):
     use_bias: bool = eqx.field(static=True)
     recipe: Recipe = eqx.field(static=True)
     fast: bool = eqx.field(static=True, default=True)
+    probe: Float[Array, "*stack 5 4"] | None = None
 
     def __check_init__(self):
         if not isinstance(self.recipe, Recipe):
@@ -101,7 +103,13 @@ class QuantizedLinear(eqx.Module):
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
 
         def matmul(x2):
-            return qdot(x2, self.weight, recipe=self.recipe, seed=seed, fast=self.fast)
+            y = qdot(x2, self.weight, recipe=self.recipe, seed=seed, fast=self.fast)
+            if self.probe is not None:
+                from ._telemetry import probe
+
+                s = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+                y = probe(y, x2, self.weight, s, self.probe, self.recipe)
+            return y
 
         return apply_linear(self, x, matmul, self.weight.dtype)
 
