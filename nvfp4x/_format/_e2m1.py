@@ -17,12 +17,29 @@ def _step(a: Float[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
 
 
-def round_nearest(v: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """Round to the nearest E2M1 value (ties to even), saturating at ±6. NaN stays NaN."""
+def encode_nearest(v: Float[Array, "*s"]) -> UInt8[Array, "*s"]:
+    """The code of the nearest E2M1 value (ties to even), saturating at ±6.
+
+    Seven comparisons against the midpoints between grid values; `>` where the lower
+    neighbour has the even code (0.25, 1.25, 2.5, 5), `>=` where the upper one has
+    (0.75, 1.75, 3.5). NaN gets code 0 or 8 (its block scale is NaN anyway).
+    """
     a = jnp.abs(v)
-    step = _step(a)
-    q = jnp.minimum(jnp.round(a / step) * step, E2M1_MAX)
-    return jnp.copysign(q, v)
+    mag = (
+        (a > 0.25).astype(jnp.uint8)
+        + (a >= 0.75).astype(jnp.uint8)
+        + (a > 1.25).astype(jnp.uint8)
+        + (a >= 1.75).astype(jnp.uint8)
+        + (a > 2.5).astype(jnp.uint8)
+        + (a >= 3.5).astype(jnp.uint8)
+        + (a > 5.0).astype(jnp.uint8)
+    )
+    return mag | jnp.where(jnp.signbit(v), jnp.uint8(8), jnp.uint8(0))
+
+
+def round_nearest(v: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """Round to the nearest E2M1 value (ties to even), saturating at ±6, as float32."""
+    return decode(encode_nearest(v))
 
 
 def round_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Float[Array, "*s"]:
@@ -33,8 +50,9 @@ def round_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Float[Arra
     """
     a = jnp.minimum(jnp.abs(v), E2M1_MAX)
     step = _step(a)
-    lo = jnp.floor(a / step) * step
-    p = (a - lo) / step
+    inv_step = jnp.where(a < 2.0, 2.0, jnp.where(a < 4.0, 1.0, 0.5)).astype(jnp.float32)
+    lo = jnp.floor(a * inv_step) * step
+    p = (a - lo) * inv_step
     q = jnp.where(u < p, lo + step, lo)
     q = jnp.where(jnp.isnan(v), v, q)
     return jnp.copysign(q, v)

@@ -8,6 +8,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from . import _e2m1
@@ -72,6 +73,41 @@ def _expand(scale: Array, block: Block) -> Array:
     return scale[..., None] if block[0] == 1 else scale[..., :, None, :, None]
 
 
+def block_absmax(xb: Float[Array, "..."], block: Block) -> tuple[Array, Array]:
+    """Per block, in one pass: `max|x|` with NaN propagating (the non-finite flag) and
+    `max|x|` ignoring NaN (for the tensor amax, as CUDA's `fmaxf` does)."""
+
+    def combine(u, v):
+        (p1, i1), (p2, i2) = u, v
+        return jnp.maximum(p1, p2), jnp.where(jnp.isnan(i2) | (i1 > i2), i1, i2)
+
+    a = jnp.abs(xb)
+    dims = tuple(d % xb.ndim for d in _block_axes(block))
+    zero = np.float32(0.0)
+    return jax.lax.reduce((a, a), (zero, zero), combine, dims)
+
+
+def scale_blocks(
+    xp: Float[Array, "..."], block: Block, amax: Float[Array, ""] | None
+) -> tuple[Float[Array, "..."], Float[Array, "..."], Float[Array, ""]]:
+    """The scale part of §2 on a padded array.
+
+    **Returns:** `(v, scale_b, s_dec)`: `v = x_i * inv_b` in the `to_blocks` view (ready
+    for E2M1 rounding), the block scales (float32 copies of E4M3 values; NaN for a block
+    holding a non-finite value) and the float32 tensor decode scale.
+    """
+    xb = to_blocks(xp.astype(jnp.float32), block)
+    bamax, bamax_no_nan = block_absmax(xb, block)
+    if amax is None:
+        amax = jnp.max(bamax_no_nan, initial=0.0)
+    s_enc = encode_scale(amax)
+    s_dec = 1.0 / s_enc
+    scale_b = round_e4m3(jnp.minimum(bamax * (s_enc * INV_E2M1_MAX), 448.0))
+    scale_b = jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
+    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
+    return xb * _expand(inv_b, block), scale_b, s_dec
+
+
 def quantize_blocks(
     xp: Float[Array, "..."],
     block: Block,
@@ -85,18 +121,7 @@ def quantize_blocks(
     `to_blocks` view), `scale_b` the block scales (float32 copies of E4M3 values; NaN for
     a block holding a non-finite value), `s_dec` the float32 tensor decode scale.
     """
-    xp = xp.astype(jnp.float32)
-    xb = to_blocks(xp, block)
-    axes = _block_axes(block)
-    if amax is None:
-        amax = tensor_amax(xp)
-    s_enc = encode_scale(amax)
-    s_dec = 1.0 / s_enc
-    bamax = jnp.max(jnp.abs(xb), axis=axes)  # NaN and inf propagate: the non-finite flag
-    scale_b = round_e4m3(jnp.minimum(bamax * (s_enc * INV_E2M1_MAX), 448.0))
-    scale_b = jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
-    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
-    v = xb * _expand(inv_b, block)
+    v, scale_b, s_dec = scale_blocks(xp, block, amax)
     if rounding == "nearest":
         q = _e2m1.round_nearest(v)
     else:
