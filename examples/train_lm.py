@@ -77,7 +77,7 @@ class Config:
     weight_decay: float = 0.1
     seed: int = 0
     data_bytes: int = 3_000_000
-    eval_seqs: int = 64
+    eval_seqs: int = 256
     vocab: int = 256
 
     def __post_init__(self):
@@ -472,8 +472,11 @@ def train(
 # --- outputs ---
 
 
-def write_outputs(out: str, baseline: TrainResult, quant: TrainResult) -> tuple[str, str]:
-    """Write `losses.csv` (step, baseline, nvfp4) and `loss_curves.png` to `out`."""
+def write_outputs(
+    out: str, baseline: TrainResult, quant: TrainResult, *, title: str = ""
+) -> tuple[str, str]:
+    """Write `losses.csv` (step, baseline, nvfp4) and `loss_curves.png` (both curves, and
+    the relative gap between them) to `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -488,20 +491,28 @@ def write_outputs(out: str, baseline: TrainResult, quant: TrainResult) -> tuple[
             writer.writerow([i + 1, f"{a:.6f}", f"{b:.6f}"])
 
     steps = np.arange(1, len(baseline.losses) + 1)
-    k = max(1, len(steps) // 50)  # moving average over ~2% of the run
+    k = max(1, len(steps) // 25)  # moving average over ~4% of the run
     smooth = lambda v: np.convolve(v, np.ones(k) / k, mode="valid")
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, (ax, gap_ax) = plt.subplots(
+        2, 1, figsize=(7, 5.6), dpi=120, sharex=True, gridspec_kw=dict(height_ratios=[2.2, 1])
+    )
     for res, color, name in ((baseline, "C0", "float32 baseline"), (quant, "C3", "NVFP4 recipe")):
-        ax.plot(steps, res.losses, color=color, alpha=0.25, lw=0.8)
+        ax.plot(steps, res.losses, color=color, alpha=0.2, lw=0.8)
         ax.plot(steps[k - 1 :], smooth(res.losses), color=color, lw=1.6, label=name)
-    ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / byte)")
-    ax.set_title("Byte-level LM on the Python stdlib: float32 vs NVFP4 training")
+    ax.set_title(title or "float32 vs NVFP4 training", fontsize=10)
     lo = min(baseline.losses.min(), quant.losses.min())
     hi = np.percentile(np.concatenate([baseline.losses, quant.losses]), 95)
     ax.set_ylim(lo - 0.05 * (hi - lo), hi)
     ax.grid(alpha=0.3)
     ax.legend()
+    gap = 100 * (quant.losses - baseline.losses) / baseline.losses
+    gap_ax.axhline(0, color="0.5", lw=0.8)
+    gap_ax.plot(steps, gap, color="C3", alpha=0.2, lw=0.8)
+    gap_ax.plot(steps[k - 1 :], smooth(gap), color="C3", lw=1.6)
+    gap_ax.set_ylabel("gap (%)")
+    gap_ax.set_xlabel(f"step (thick lines: moving average over {k} steps)")
+    gap_ax.grid(alpha=0.3)
     fig.tight_layout()
     png_path = os.path.join(out, "loss_curves.png")
     fig.savefig(png_path)
@@ -582,7 +593,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_gap = gap(baseline.final_train_loss, quant.final_train_loss)
     val_gap = gap(baseline.val_loss, quant.val_loss)
     print(f"relative gap (nvfp4 - float32) / float32: train {train_gap:+.2%}, val {val_gap:+.2%}")
-    csv_path, png_path = write_outputs(args.out, baseline, quant)
+    title = (
+        f"Byte-level LM ({n_params / 1e6:.1f}M parameters) on {data.source}:\n"
+        f"float32 vs the NVFP4 recipe, {cfg.steps} steps of {cfg.batch}x{cfg.seq} bytes"
+    )
+    csv_path, png_path = write_outputs(args.out, baseline, quant, title=title)
     print(f"wrote {csv_path} and {png_path}")
     return {
         "baseline_train": baseline.final_train_loss,

@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from ._constants import BLOCK, RHT_SIGNS
@@ -15,7 +16,7 @@ def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
     return (np.asarray(signs, np.float32)[:, None] * h / 4.0).astype(np.float32)
 
 
-def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
     """Apply `H` to consecutive 16-element chunks of `x` along `axis` (float32).
 
     The axis is zero-padded to a multiple of 16 and the padded length is kept: padding
@@ -23,7 +24,7 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     For two operands transformed along their shared contraction axis, the padded zero
     rows contribute nothing, and `rht(a).T @ rht(b) == a.T @ b` up to rounding.
     """
-    x = jnp.moveaxis(x.astype(jnp.float32), axis, 0)
+    x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, 0)
     n = x.shape[0]
     pad = -n % BLOCK
     if pad:
