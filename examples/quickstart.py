@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> float:
     steps = 20 if args.smoke else args.steps
 
     kmodel, kdata = jax.random.split(jax.random.key(0))
-    model = eqx.nn.MLP(in_size=32, out_size=8, width_size=128, depth=3, key=kmodel)
+    model = eqx.nn.MLP(in_size=32, out_size=8, width_size=128, depth=2, key=kmodel)
 
     # Every eqx.nn.Linear under NVIDIA's training recipe: W in 16x16 blocks, x and dy in
     # 1x16 blocks, dy stochastically rounded, Hadamard transform in wgrad.
