@@ -126,6 +126,13 @@ def quantize_operand(
         q, scale = quantize_mxfp8(mx_pad(moved))
         vals = (q.reshape(*scale.shape, MX_BLOCK) * scale[..., None]).reshape(q.shape)
         return jnp.moveaxis(vals[..., :n], -1, axis).astype(jnp.bfloat16), None
+    if a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
+        # Blocks down the columns (e.g. wgrad's token axis): no transpose needed.
+        blk = (BLOCK, 1)
+        xp = pad_to_blocks(a, blk)
+        q, sb, s_dec = quantize_blocks(xp, blk, fmt.rounding, key, None)
+        vals = from_blocks(q * sb[..., :, None, :], blk)[..., : a.shape[-2], :]
+        return vals.astype(jnp.bfloat16), s_dec
     xp = pad_to_blocks(moved, fmt.block)
     q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None)
     vals = from_blocks(q * sb[..., None], fmt.block)

@@ -93,12 +93,19 @@ def dgrad(dy: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Fl
     return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), fast=fast)
 
 
-def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "n k"]:
-    """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
+def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
+    """wgrad's operands as `(T, n)` and `(T, k)`, after the RHT along the token axis if
+    the recipe says (tokens then padded to a multiple of 16)."""
     g = dy.reshape(-1, dy.shape[-1])
     a = x.reshape(-1, x.shape[-1])
     if recipe.rht:
         g, a = rht(g, axis=0), rht(a, axis=0)
+    return g, a
+
+
+def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "n k"]:
+    """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
+    g, a = wgrad_operands(dy, x, recipe)
     key = _grad_key(seed, 2) if _needs_key(recipe) else None
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)

@@ -36,10 +36,9 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Float
 
 from ._format._constants import E2M1_MAX
-from ._format._hadamard import rht
 from ._format._nvfp4 import pad_to_blocks, quantize_blocks, to_blocks
 from ._formats import Format, quantize_operand
-from ._gemm import _grad_key, _mix_weight, _needs_key, _vmapped
+from ._gemm import _grad_key, _mix_weight, _needs_key, _vmapped, wgrad_operands
 from ._policy import Recipe
 
 OPERANDS = ("fprop_x", "weight", "dgrad_dy", "wgrad_x", "wgrad_dy")
@@ -77,10 +76,7 @@ def operand_stats(
 def layer_stats(dy: Array, x: Array, w: Array, seed: Array, *, recipe: Recipe) -> Array:
     """The `(5, 4)` statistics table of one problem (no independent batch axes)."""
     dy = dy.astype(jnp.float32)
-    g = dy.reshape(-1, dy.shape[-1])
-    a = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    if recipe.rht:
-        g, a = rht(g, axis=0), rht(a, axis=0)
+    g, a = wgrad_operands(dy, x.astype(jnp.float32), recipe)
     sr = _needs_key(recipe)
     rows = [
         operand_stats(x, recipe.input, -1, None),

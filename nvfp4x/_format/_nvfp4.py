@@ -38,7 +38,8 @@ def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
 def pad_to_blocks(x: Array, block: Block) -> Array:
     """Zero-pad the blocked axes of `x` to multiples of 16."""
     pads = [(0, 0)] * x.ndim
-    pads[-1] = (0, -x.shape[-1] % BLOCK)
+    if block[1] == BLOCK:
+        pads[-1] = (0, -x.shape[-1] % BLOCK)
     if block[0] == BLOCK:
         pads[-2] = (0, -x.shape[-2] % BLOCK)
     if any(p[1] for p in pads):
@@ -48,11 +49,14 @@ def pad_to_blocks(x: Array, block: Block) -> Array:
 
 def to_blocks(x: Array, block: Block) -> Array:
     """View a padded array as blocks: `(..., K/16, 16)` for 1x16, `(..., R/16, 16, C/16, 16)`
-    for 16x16."""
+    for 16x16, and `(..., R/16, 16, C)` for 16x1 (blocks down the columns: the internal
+    layout of operands quantised along their leading axis, such as wgrad's tokens)."""
     *lead, c = x.shape
     if block[0] == 1:
         return x.reshape(*lead, c // BLOCK, BLOCK)
     *lead, r = lead
+    if block[1] == 1:
+        return x.reshape(*lead, r // BLOCK, BLOCK, c)
     return x.reshape(*lead, r // BLOCK, BLOCK, c // BLOCK, BLOCK)
 
 
@@ -60,17 +64,22 @@ def from_blocks(xb: Array, block: Block) -> Array:
     """Inverse of `to_blocks`."""
     if block[0] == 1:
         return xb.reshape(*xb.shape[:-2], xb.shape[-2] * BLOCK)
+    if block[1] == 1:
+        *lead, r, _, c = xb.shape
+        return xb.reshape(*lead, r * BLOCK, c)
     *lead, r, _, c, _ = xb.shape
     return xb.reshape(*lead, r * BLOCK, c * BLOCK)
 
 
 def _block_axes(block: Block) -> tuple[int, ...]:
-    return (-1,) if block[0] == 1 else (-3, -1)
+    return {(1, BLOCK): (-1,), (BLOCK, 1): (-2,)}.get(block, (-3, -1))
 
 
 def _expand(scale: Array, block: Block) -> Array:
     """Broadcast a block grid against `to_blocks` output."""
-    return scale[..., None] if block[0] == 1 else scale[..., :, None, :, None]
+    if block[0] == 1:
+        return scale[..., None]
+    return scale[..., :, None, :] if block[1] == 1 else scale[..., :, None, :, None]
 
 
 def block_absmax(xb: Float[Array, "..."], block: Block) -> tuple[Array, Array]:
@@ -96,7 +105,9 @@ def scale_blocks(
     for E2M1 rounding), the block scales (float32 copies of E4M3 values; NaN for a block
     holding a non-finite value) and the float32 tensor decode scale.
     """
-    xb = to_blocks(xp.astype(jnp.float32), block)
+    # The barrier keeps XLA from constant-folding the block reduction when `xp` is a
+    # compile-time constant (a closed-over weight): its evaluator takes seconds on it.
+    xb = to_blocks(jax.lax.optimization_barrier(xp.astype(jnp.float32)), block)
     bamax, bamax_no_nan = block_absmax(xb, block)
     if amax is None:
         amax = jnp.max(bamax_no_nan, initial=0.0)
