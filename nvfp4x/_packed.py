@@ -33,7 +33,8 @@ class MXFP8Array(eqx.Module):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape[:-1]) + (self.logical_last,)
+        """The logical shape (without the padding of the last axis)."""
+        return tuple(self.data_bits.shape[:-1]) + (self.logical_last,)
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +68,8 @@ class FP8Array(eqx.Module):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
+        """The array's shape."""
+        return tuple(self.data_bits.shape)
 
     @property
     def nbytes(self) -> int:

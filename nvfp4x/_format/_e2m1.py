@@ -8,7 +8,6 @@ lands on the value with an even code).
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, UInt8
 
 from ._constants import E2M1_MAX
@@ -75,13 +74,32 @@ def decode(code: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where((code & 8) != 0, -mag, mag)
 
 
+def _fmix32(h: Array) -> Array:
+    """MurmurHash3's 32-bit finaliser: a bijective, well-mixing integer hash."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def uniform(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "..."]:
-    """Uniform samples in (0, 1) for stochastic rounding, with 16 random bits each:
-    `(r + 1/2) / 2^16`. The probability of rounding up then differs from the exact
-    position by less than 2^-16 (Blackwell's `cvt.rs` uses 8 random bits per FP4
-    element). Each 32-bit word of the counter-based generator gives two samples, which
-    halves its cost (the dominant cost of stochastic rounding on a CPU)."""
-    n = int(np.prod(shape))
-    words = jax.random.bits(key, ((n + 1) // 2,), jnp.uint32)
-    halves = jnp.concatenate([words & 0xFFFF, words >> 16])[:n]
-    return ((halves.astype(jnp.float32) + 0.5) * (1.0 / 65536.0)).reshape(shape)
+    """Uniform samples in (0, 1) for stochastic rounding: `(r + 1/2) / 2^16` with `r` 16
+    bits of a counter-based hash of (element index, key).
+
+    Two words drawn from `key` seed a MurmurHash3 finaliser applied to each element's
+    flat index. Unlike drawing from `jax.random` per element (whose threefry rounds cost
+    more than the rest of stochastic rounding on a CPU), the hash fuses into the rounding
+    loop; like it, the samples depend only on the key and the element's position, so
+    they are reproducible for a key and identical under any sharding. The probability of
+    rounding up differs from the exact position by less than 2^-16.
+    """
+    seed = jax.random.bits(key, (2,), jnp.uint32)
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride = (stride * shape[axis]) % 2**32
+    h = _fmix32(index * jnp.uint32(0x9E3779B9) + seed[0])
+    h = _fmix32(h ^ seed[1])
+    return ((h >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
