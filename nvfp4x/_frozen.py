@@ -83,9 +83,15 @@ def weight_operand(w: PackedWeight, recipe: Recipe):
 
 
 def _frozen_fprop(x, *leaves, wdef, recipe, fast):
-    # The barrier ties the packed weight to this layer's input: XLA cannot decode every
-    # layer's weight up front, so only one dequantised weight is alive at a time.
-    x, leaves = lax.optimization_barrier((x, leaves))
+    # Tie the packed weight to this layer's input, so that XLA cannot decode every layer's
+    # weight up front: only one dequantised weight is alive at a time. (An optimisation
+    # barrier does not survive XLA's CPU pipeline.) `clz(u32) >> 6` is always 0, but no
+    # simplifier can know that, so adding it makes the decode wait for `x`.
+    first = lax.bitcast_convert_type(x.reshape(-1)[:1].astype(jnp.float32), jnp.uint32)
+    zero = lax.clz(first) >> 6
+    leaves = [
+        leaf + zero.astype(leaf.dtype) if leaf.dtype == jnp.uint8 else leaf for leaf in leaves
+    ]
     wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), recipe)
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
     return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), fast=fast)

@@ -1,0 +1,666 @@
+"""Inference (issue 4): `nvfp4x.freeze` packs each quantised weight in its recipe's format
+and drops the master copy; checkpoints round-trip bit for bit and refuse mismatched
+files; frozen models take 3.5x fewer weight bytes than bf16, dequantise one layer at a
+time, and cannot be differentiated.
+
+What "the same" means here: a frozen model's forward is compared with the unfrozen
+(`nvfp4x.quantize`-d) model's forward in the same mode (eager with eager, jit with jit,
+vmap with vmap), bit for bit (`==`, same dtype and shape). Checkpoint leaves are compared
+as raw bytes.
+"""
+
+import functools
+import io
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nvfp4x
+
+# ---------------------------------------------------------------------------------------
+# Helpers.
+# ---------------------------------------------------------------------------------------
+
+RECIPES = {
+    "nvfp4_inference": nvfp4x.recipes.nvfp4_inference,
+    "nvfp4_weight_only": nvfp4x.recipes.nvfp4_weight_only,
+    "nvfp4_training": nvfp4x.recipes.nvfp4_training,
+    "mxfp8": nvfp4x.recipes.mxfp8,
+    "fp8": nvfp4x.recipes.fp8,
+    "bf16": nvfp4x.recipes.bf16,
+    "float32": nvfp4x.recipes.float32,
+}
+NVFP4_RECIPES = ("nvfp4_inference", "nvfp4_weight_only", "nvfp4_training")
+E4M3 = ml_dtypes.float8_e4m3fn
+E8M0 = ml_dtypes.float8_e8m0fnu
+T = 12  # tokens (not a multiple of 16)
+
+recipe_names = pytest.mark.parametrize("name", list(RECIPES))
+nvfp4_names = pytest.mark.parametrize("name", NVFP4_RECIPES)
+
+
+def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def assert_same(a, b, what: str) -> None:
+    """Bit for bit (`==`, NaNs equal to NaNs), same dtype and shape."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    np.testing.assert_array_equal(a, b, err_msg=what)
+
+
+def assert_leaves_bitwise(got: Any, want: Any, what: str) -> None:
+    """Same tree structure (static fields included) and every leaf the same bytes."""
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
+    for path, g, w in zip(
+        [p for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]],
+        jax.tree_util.tree_leaves(got),
+        jax.tree_util.tree_leaves(want),
+        strict=True,
+    ):
+        where = f"{what}: leaf {jax.tree_util.keystr(path)}"
+        if not eqx.is_array(w):  # e.g. an MLP's activation function
+            assert g is w, where
+            continue
+        assert isinstance(g, jax.Array), f"{where} is {type(g).__name__}, not a jax.Array"
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), (where, g.dtype, w.dtype, g.shape, w.shape)
+        assert g.tobytes() == w.tobytes(), f"{where}: different bytes"
+
+
+def layers_of(model: Any) -> list:
+    """Every linear layer of a model (plain, quantised or frozen), in tree order."""
+    kinds = eqx.nn.Linear | nvfp4x.QuantizedLinear | nvfp4x.FrozenLinear
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=lambda v: isinstance(v, kinds))
+    return [leaf for leaf in leaves if isinstance(leaf, kinds)]
+
+
+def weight_nbytes(model: Any) -> int:
+    """Sum of `nbytes` of the arrays that hold the weights (packed once frozen)."""
+    return sum(
+        int(leaf.nbytes)
+        for layer in layers_of(model)
+        for leaf in jax.tree_util.tree_leaves(layer.weight)
+    )
+
+
+def to_bf16(model: Any) -> Any:
+    """The same Equinox model with every floating-point array cast to bfloat16."""
+
+    def cast(v):
+        if eqx.is_array(v) and jnp.issubdtype(v.dtype, jnp.floating):
+            return v.astype(jnp.bfloat16)
+        return v
+
+    return jax.tree_util.tree_map(cast, model)
+
+
+# ---------------------------------------------------------------------------------------
+# Models.
+# ---------------------------------------------------------------------------------------
+
+
+class Stack(eqx.Module):
+    """`nlayers` Linear layers made with `eqx.filter_vmap` (one stacked weight) and run
+    with `jax.lax.scan`, the way deep models avoid unrolling."""
+
+    layers: Any
+
+    def __init__(self, d: int, nlayers: int, key: jax.Array):
+        keys = jax.random.split(key, nlayers)
+        self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(d, d, key=k))(keys)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        return jax.lax.scan(body, x, params)[0]
+
+
+MODELS: dict[str, tuple[Callable[[jax.Array], Any], tuple[int, ...]]] = {
+    # name: (make(key), shape of one example)
+    "mlp": (lambda key: eqx.nn.MLP(32, 16, 64, 2, key=key), (32,)),
+    "stack-scan": (lambda key: Stack(40, 3, key), (40,)),
+    "odd-features": (lambda key: eqx.nn.MLP(40, 24, 56, 2, key=key), (40,)),
+    "scalar": (lambda key: eqx.nn.MLP("scalar", "scalar", 20, 1, key=key), ()),
+}
+
+
+def make(model: str, seed: int = 0) -> Any:
+    return MODELS[model][0](jax.random.key(seed))
+
+
+def inputs(model: str, seed: int = 1) -> jax.Array:
+    return normal(seed, (T,) + MODELS[model][1])
+
+
+def call(m, x):
+    return m(x)
+
+
+def vcall(m, x):
+    return jax.vmap(m)(x)
+
+
+MODES: dict[str, Callable[[Any, jax.Array], jax.Array]] = {
+    "eager": call,
+    "jit": eqx.filter_jit(call),  # the model is a jit argument, not a closed-over constant
+    "vmap": vcall,
+    "jit-vmap": eqx.filter_jit(vcall),
+}
+
+
+def ckpt_policy(name: str) -> nvfp4x.Policy:
+    """The recipe everywhere except an MLP's last layer, kept as a plain `eqx.nn.Linear`."""
+    return nvfp4x.Policy([(r"layers\[2\]", None), (r".*", RECIPES[name]())])
+
+
+# Freezing eagerly dispatches (and compiles) every packing op on its own: seconds per
+# model on this CPU. Most tests freeze under `eqx.filter_jit` once per model and recipe;
+# `test_eager_freeze_equals_jitted_freeze` shows that both give the same bits.
+freeze_jit = eqx.filter_jit(nvfp4x.freeze)
+
+
+@functools.cache
+def quantized(model: str, name: str, seed: int = 0, keep_last: bool = False) -> Any:
+    policy = ckpt_policy(name) if keep_last else RECIPES[name]()
+    return nvfp4x.quantize(make(model, seed), policy)
+
+
+@functools.cache
+def frozen_model(model: str, name: str, seed: int = 0, keep_last: bool = False) -> Any:
+    return freeze_jit(quantized(model, name, seed, keep_last))
+
+
+# ---------------------------------------------------------------------------------------
+# The frozen forward equals the unfrozen forward, bit for bit.
+# ---------------------------------------------------------------------------------------
+
+
+FORWARD_CASES = [
+    pytest.param(model, name, id=f"{name}-{model}")
+    for model in ("mlp", "stack-scan", "odd-features")
+    for name in RECIPES
+] + [pytest.param("scalar", name, id=f"{name}-scalar") for name in NVFP4_RECIPES]
+
+
+@pytest.mark.parametrize("model,name", FORWARD_CASES)
+def test_frozen_forward_is_bit_exact(model, name):
+    qmodel = quantized(model, name)
+    frozen = frozen_model(model, name)
+    assert not any(isinstance(v, nvfp4x.QuantizedLinear) for v in layers_of(frozen))
+    assert all(isinstance(v, nvfp4x.FrozenLinear) for v in layers_of(frozen))
+    x = inputs(model)
+    for mode in ("eager", "jit", "vmap"):
+        fn = MODES[mode]
+        want = fn(qmodel, x)
+        got = fn(frozen, x)
+        assert np.all(np.isfinite(np.asarray(want))), f"{model}/{name}/{mode}: non-finite"
+        assert_same(got, want, f"{model}/{name}: frozen vs unfrozen, {mode}")
+
+
+def test_frozen_jit_is_one_compilation_per_structure():
+    """A frozen model is an ordinary jit argument: new weights (same shapes and recipe) do
+    not retrace, and the outputs follow the weights passed, not a baked-in constant."""
+    traces = []
+
+    @eqx.filter_jit
+    def f(m, x):
+        traces.append(None)
+        return jax.vmap(m)(x)
+
+    recipe = nvfp4x.recipes.nvfp4_inference()
+    qa = nvfp4x.quantize(make("mlp", 0), recipe)
+    qb = nvfp4x.quantize(make("mlp", 5), recipe)
+    x = inputs("mlp")
+    ya, yb = f(freeze_jit(qa), x), f(freeze_jit(qb), x)
+    assert len(traces) == 1
+    assert not np.array_equal(np.asarray(ya), np.asarray(yb))
+    assert_same(ya, MODES["jit-vmap"](qa, x), "first model vs its unfrozen form, jit")
+    assert_same(yb, MODES["jit-vmap"](qb, x), "second model vs its unfrozen form, jit")
+
+
+# ---------------------------------------------------------------------------------------
+# What a frozen layer holds.
+# ---------------------------------------------------------------------------------------
+
+#: recipe -> (container type, {field: dtype}) of the frozen weight.
+HELD = {
+    "nvfp4_inference": (nvfp4x.NVFP4Array, {"codes": np.uint8, "scales": E4M3}),
+    "nvfp4_weight_only": (nvfp4x.NVFP4Array, {"codes": np.uint8, "scales": E4M3}),
+    "nvfp4_training": (nvfp4x.NVFP4Array, {"codes": np.uint8, "scales": E4M3}),
+    "mxfp8": (nvfp4x.MXFP8Array, {"data": E4M3, "scales": E8M0}),
+    "fp8": (nvfp4x.FP8Array, {"data": E4M3, "scale": np.float32}),
+    "bf16": (jax.Array, {}),
+    "float32": (jax.Array, {}),
+}
+
+
+@pytest.mark.parametrize("model", ["mlp", "odd-features"])
+@recipe_names
+def test_frozen_weight_is_held_in_its_format(model, name):
+    master = make(model)
+    frozen = frozen_model(model, name)
+    kind, fields = HELD[name]
+    for i, (m, f) in enumerate(zip(layers_of(master), layers_of(frozen), strict=True)):
+        where = f"{model}/{name} layer {i}"
+        assert isinstance(f.weight, kind), (where, type(f.weight))
+        assert tuple(f.weight.shape) == m.weight.shape, where
+        for field, dtype in fields.items():
+            assert getattr(f.weight, field).dtype == np.dtype(dtype), (where, field)
+        if name == "bf16":
+            assert f.weight.dtype == jnp.bfloat16, where
+        if name == "float32":
+            assert f.weight.dtype == jnp.float32, where
+        assert_same(f.bias, m.bias, f"{where}: bias kept")
+
+
+fake_quantize_jit = jax.jit(nvfp4x.fake_quantize, static_argnames=("block",))
+dequantize_jit = eqx.filter_jit(lambda w: w.dequantize())
+
+
+@pytest.mark.parametrize("model", ["mlp", "odd-features"])
+@nvfp4_names
+def test_frozen_nvfp4_weight_has_no_master_copy(model, name):
+    recipe = RECIPES[name]()
+    master = make(model)
+    frozen = frozen_model(model, name)
+    shapes = {m.weight.shape for m in layers_of(master)}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(frozen)[0]:
+        if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.shape not in shapes, (
+                f"{model}/{name}: `{jax.tree_util.keystr(path)}` {leaf.dtype}{leaf.shape} "
+                "looks like a master copy of a weight"
+            )
+    for i, (m, f) in enumerate(zip(layers_of(master), layers_of(frozen), strict=True)):
+        w = f.weight
+        assert isinstance(w, nvfp4x.NVFP4Array)
+        assert w.codes.dtype == np.uint8
+        assert w.scales.dtype == E4M3
+        assert w.tensor_scale.dtype == np.float32 and w.tensor_scale.shape == ()
+        assert w.block == recipe.weight.block
+        # The packed weight decodes to the quantiser's numbers (computed independently
+        # by the unpacked path), so the frozen GEMM runs on the same operand.
+        want = fake_quantize_jit(m.weight, block=recipe.weight.block)
+        got = dequantize_jit(w)
+        assert_same(got, want, f"{model}/{name} layer {i}: dequantised weight")
+
+
+@nvfp4_names
+def test_frozen_stack_has_one_tensor_scale_per_layer(name):
+    recipe = RECIPES[name]()
+    nlayers, d = 4, 40
+    stack = Stack(d, nlayers, jax.random.key(3))
+    # Layers of very different magnitudes, so each slice needs its own tensor scale.
+    factors = 2.0 ** (6 * jnp.arange(nlayers, dtype=jnp.float32) - 9)
+    stack = eqx.tree_at(
+        lambda s: s.layers.weight, stack, stack.layers.weight * factors[:, None, None]
+    )
+    qstack = nvfp4x.quantize(stack, recipe)
+    frozen = freeze_jit(qstack)
+    w = frozen.layers.weight
+    assert isinstance(frozen.layers, nvfp4x.FrozenLinear)
+    assert isinstance(w, nvfp4x.NVFP4Array)
+    assert w.tensor_scale.shape == (nlayers,)
+    assert w.shape == (nlayers, d, d)
+    assert len(set(np.asarray(w.tensor_scale).tolist())) == nlayers
+    for i in range(nlayers):
+        one = nvfp4x.to_nvfp4(stack.layers.weight[i], block=recipe.weight.block)
+        assert_same(w.tensor_scale[i], one.tensor_scale, f"{name}: tensor scale of layer {i}")
+        assert_same(w.codes[i], one.codes, f"{name}: codes of layer {i}")
+        assert_same(w.scales[i].view(np.uint8), one.scales.view(np.uint8), f"{name}: scales {i}")
+    x = inputs("stack-scan")
+    for mode in ("vmap", "jit-vmap"):
+        fn = MODES[mode]
+        assert_same(fn(frozen, x), fn(qstack, x), f"{name}: scaled stack, {mode}")
+
+
+@pytest.mark.parametrize("name", ["nvfp4_inference", "nvfp4_training", "mxfp8", "fp8"])
+def test_eager_freeze_equals_jitted_freeze(name):
+    """What a user gets from `nvfp4x.freeze` eagerly is what the other tests (which freeze
+    under jit to save time) check: the same packed bits and the same static fields."""
+    qmodel = quantized("odd-features", name, keep_last=True)
+    eager = nvfp4x.freeze(qmodel)
+    assert_leaves_bitwise(eager, frozen_model("odd-features", name, keep_last=True), name)
+
+
+def test_freeze_leaves_unquantised_layers_alone():
+    policy = nvfp4x.Policy([(r"layers\[2\]", None), (r".*", nvfp4x.recipes.nvfp4_inference())])
+    master = make("odd-features")
+    frozen = freeze_jit(nvfp4x.quantize(master, policy))
+    kinds = [type(v) for v in layers_of(frozen)]
+    assert kinds == [nvfp4x.FrozenLinear, nvfp4x.FrozenLinear, eqx.nn.Linear]
+    assert_leaves_bitwise(layers_of(frozen)[2], layers_of(master)[2], "unquantised layer")
+    # Freezing twice changes nothing.
+    assert_leaves_bitwise(freeze_jit(frozen), frozen, "freeze(freeze(m))")
+
+
+# ---------------------------------------------------------------------------------------
+# Bytes: in memory and on disk.
+# ---------------------------------------------------------------------------------------
+
+
+@functools.cache
+def wide_model() -> eqx.nn.MLP:
+    """256x1024 layers (multiples of 16): 256->1024->1024->256."""
+    return eqx.nn.MLP(256, 256, 1024, 2, key=jax.random.key(11))
+
+
+@functools.cache
+def frozen_wide(name: str) -> Any:
+    return freeze_jit(nvfp4x.quantize(wide_model(), RECIPES[name]()))
+
+
+@nvfp4_names
+def test_weight_bytes_at_least_3_5x_smaller_than_bf16(name):
+    frozen = frozen_wide(name)
+    packed = weight_nbytes(frozen)
+    bf16 = weight_nbytes(to_bf16(wide_model()))
+    assert bf16 == 2 * sum(m.weight.size for m in layers_of(wide_model()))
+    # nbytes counts what is really held: codes + block scales + tensor scale.
+    for layer in layers_of(frozen):
+        w = layer.weight
+        assert w.nbytes == w.codes.nbytes + w.scales.nbytes + w.tensor_scale.nbytes
+    ratio = bf16 / packed
+    assert ratio >= 3.5, f"{name}: bf16 {bf16:,} B / frozen {packed:,} B = {ratio:.3f}"
+
+
+@nvfp4_names
+def test_checkpoint_file_at_least_3_4x_smaller_than_bf16(name, tmp_path):
+    frozen = frozen_wide(name)
+    eqx.tree_serialise_leaves(tmp_path / "bf16.eqx", to_bf16(wide_model()))
+    eqx.tree_serialise_leaves(tmp_path / "frozen.eqx", frozen)
+    nvfp4x.save(str(tmp_path / "frozen.nvfp4x"), frozen)
+    bf16 = (tmp_path / "bf16.eqx").stat().st_size
+    for file in ("frozen.eqx", "frozen.nvfp4x"):
+        size = (tmp_path / file).stat().st_size
+        assert bf16 / size >= 3.4, f"{name} {file}: {bf16:,} B / {size:,} B = {bf16 / size:.3f}"
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints.
+# ---------------------------------------------------------------------------------------
+
+
+def frozen_like(name: str, kind: str, seed: int = 7) -> Any:
+    """A `like` for loading, built from a skeleton with *other* values (seed 7)."""
+
+    if kind == "concrete":
+        return frozen_model("odd-features", name, seed, keep_last=True)
+    return eqx.filter_eval_shape(
+        lambda: nvfp4x.freeze(nvfp4x.quantize(make("odd-features", seed), ckpt_policy(name)))
+    )
+
+
+def write_eqx(path, model) -> None:
+    eqx.tree_serialise_leaves(path, model)
+
+
+def read_eqx(path, like):
+    return eqx.tree_deserialise_leaves(path, like)
+
+
+def write_nvfp4x(path, model) -> None:
+    nvfp4x.save(str(path), model)
+
+
+def read_nvfp4x(path, like):
+    return nvfp4x.load(str(path), like)
+
+
+CHECKPOINT_IO = {"eqx": (write_eqx, read_eqx), "nvfp4x": (write_nvfp4x, read_nvfp4x)}
+
+
+@pytest.mark.parametrize("io_kind", list(CHECKPOINT_IO))
+@pytest.mark.parametrize("like_kind", ["concrete", "eval_shape"])
+@recipe_names
+def test_checkpoint_round_trip_is_bit_exact(name, like_kind, io_kind, tmp_path):
+    write, read = CHECKPOINT_IO[io_kind]
+    frozen = frozen_model("odd-features", name, keep_last=True)
+    path = tmp_path / "model.eqx"
+    write(path, frozen)
+    like = frozen_like(name, like_kind)
+    loaded = read(path, like)
+    assert_leaves_bitwise(loaded, frozen, f"{name}: {io_kind} round trip, like={like_kind}")
+    x = inputs("odd-features")
+    for mode in ("vmap", "jit-vmap"):
+        fn = MODES[mode]
+        assert_same(fn(loaded, x), fn(frozen, x), f"{name}: loaded model's outputs, {mode}")
+
+
+def saved(tmp_path, name: str = "nvfp4_inference", model: str = "odd-features") -> tuple:
+    frozen = frozen_model(model, name, keep_last=True)
+    path = tmp_path / "model.nvfp4x"
+    nvfp4x.save(str(path), frozen)
+    return path, path.read_bytes()
+
+
+def header_end(data: bytes) -> int:
+    """Where the leaves start in an `nvfp4x.save` file: magic line, 8-byte length, JSON."""
+    magic = data.index(b"\n") + 1
+    return magic + 8 + int.from_bytes(data[magic : magic + 8], "little")
+
+
+@pytest.mark.parametrize(
+    "where", ["in-magic", "in-length", "in-header", "at-leaves", "mid-leaves", "last-byte"]
+)
+def test_load_truncated_checkpoint_raises(tmp_path, where):
+    path, data = saved(tmp_path)
+    like = frozen_like("nvfp4_inference", "concrete")
+    nvfp4x.load(str(path), like)  # the intact file loads
+    end = header_end(data)
+    cut = {
+        "in-magic": 5,
+        "in-length": data.index(b"\n") + 4,
+        "in-header": end - 10,
+        "at-leaves": end,
+        "mid-leaves": (end + len(data)) // 2,
+        "last-byte": len(data) - 1,
+    }[where]
+    path.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match=r"truncated|corrupt|not an nvfp4x checkpoint"):
+        nvfp4x.load(str(path), like)
+
+
+RECIPE_MISMATCHES = {
+    # saved under -> loaded into; the arrays have the same shapes and dtypes in each pair.
+    "w4a4-into-w4a16": ("nvfp4_inference", nvfp4x.recipes.nvfp4_weight_only),
+    "w4a16-into-w4a4": ("nvfp4_weight_only", nvfp4x.recipes.nvfp4_inference),
+    "training-into-inference-16x16": (
+        "nvfp4_training",
+        lambda: nvfp4x.recipes.nvfp4_inference(weight_block=(16, 16)),
+    ),
+}
+
+
+@pytest.mark.parametrize("pair", list(RECIPE_MISMATCHES))
+@pytest.mark.parametrize("like_kind", ["concrete", "eval_shape"])
+def test_load_into_another_recipe_raises(tmp_path, pair, like_kind):
+    saved_as, other = RECIPE_MISMATCHES[pair]
+    path, _ = saved(tmp_path, saved_as)
+
+    def build():
+        policy = nvfp4x.Policy([(r"layers\[2\]", None), (r".*", other())])
+        return nvfp4x.freeze(nvfp4x.quantize(make("odd-features", 7), policy))
+
+    like = freeze_jit(build()) if like_kind == "concrete" else eqx.filter_eval_shape(build)
+    # The premise: the arrays alone cannot tell the two apart.
+    frozen_saved = frozen_model("odd-features", saved_as, keep_last=True)
+    assert array_structs(frozen_saved) == array_structs(like)
+    with pytest.raises(ValueError, match=rf"recipe.*layers\[0\].*{saved_as}"):
+        nvfp4x.load(str(path), like)
+
+
+def array_structs(model: Any) -> list[tuple]:
+    leaves = jax.tree_util.tree_leaves(model)
+    return [(v.shape, v.dtype) for v in leaves if hasattr(v, "shape") and hasattr(v, "dtype")]
+
+
+def test_load_with_different_shapes_raises(tmp_path):
+    path, _ = saved(tmp_path)
+    wider = freeze_jit(
+        nvfp4x.quantize(
+            eqx.nn.MLP(40, 24, 64, 2, key=jax.random.key(7)), ckpt_policy("nvfp4_inference")
+        )
+    )
+    with pytest.raises(ValueError, match=r"shape"):
+        nvfp4x.load(str(path), wider)
+    deeper = freeze_jit(
+        nvfp4x.quantize(
+            eqx.nn.MLP(40, 24, 56, 3, key=jax.random.key(7)),
+            nvfp4x.Policy([(r"layers\[3\]", None), (r".*", nvfp4x.recipes.nvfp4_inference())]),
+        )
+    )
+    with pytest.raises(ValueError, match=r"does not match"):
+        nvfp4x.load(str(path), deeper)
+
+
+def test_load_unfrozen_checkpoint_into_frozen_like_raises(tmp_path):
+    qmodel = nvfp4x.quantize(make("odd-features", 0), ckpt_policy("nvfp4_inference"))
+    path = tmp_path / "q.nvfp4x"
+    nvfp4x.save(str(path), qmodel)
+    with pytest.raises(ValueError, match=r"FrozenLinear|QuantizedLinear|freeze"):
+        nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
+
+
+def eqx_file(tmp_path) -> bytes:
+    frozen = frozen_model("odd-features", "bf16", keep_last=True)
+    buf = io.BytesIO()
+    eqx.tree_serialise_leaves(buf, frozen)
+    return buf.getvalue()
+
+
+NOT_CHECKPOINTS = {
+    "empty": lambda tmp_path: b"",
+    "text": lambda tmp_path: b"hello, this is not a checkpoint\n" * 20,
+    "random": lambda tmp_path: np.random.default_rng(0).bytes(4096),
+    "plain-eqx-file": eqx_file,
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_CHECKPOINTS))
+def test_load_non_checkpoint_raises(tmp_path, kind):
+    path = tmp_path / "file.bin"
+    path.write_bytes(NOT_CHECKPOINTS[kind](tmp_path))
+    with pytest.raises(ValueError, match=r"not an nvfp4x checkpoint|truncated|corrupt"):
+        nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
+
+
+def test_load_other_format_version_raises(tmp_path):
+    path, data = saved(tmp_path)
+    magic = data.index(b"\n") + 1
+    end = header_end(data)
+    header = json.loads(data[magic + 8 : end])
+    header["format_version"] = 999
+    raw = json.dumps(header).encode()
+    path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[end:])
+    with pytest.raises(ValueError, match=r"version"):
+        nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
+
+
+# ---------------------------------------------------------------------------------------
+# summary.
+# ---------------------------------------------------------------------------------------
+
+
+def summary_rows(table: str) -> list[list[str]]:
+    """Rows of the table, cells split on runs of 2+ spaces; rule lines dropped."""
+    lines = [ln for ln in table.splitlines() if ln.strip() and not set(ln.strip()) <= {"-", " "}]
+    return [re.split(r"\s{2,}", ln.strip()) for ln in lines]
+
+
+@recipe_names
+def test_summary_of_frozen_model(name):
+    frozen = frozen_model("odd-features", name)
+    rows = summary_rows(nvfp4x.summary(frozen))
+    body, total = rows[1:-1], rows[-1]
+    layers = layers_of(frozen)
+    assert len(body) == len(layers)
+    held_sum = 0
+    for row, layer in zip(body, layers, strict=True):
+        assert any("(frozen)" in cell for cell in row), row
+        held = int(row[-2].replace(",", ""))
+        want = sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(layer.weight))
+        assert held == want, (row, want)
+        held_sum += held
+    assert total[0] == "total"
+    assert int(total[-2].replace(",", "")) == held_sum == weight_nbytes(frozen)
+
+
+# ---------------------------------------------------------------------------------------
+# No differentiation through a frozen model.
+# ---------------------------------------------------------------------------------------
+
+
+def frozen_loss(m, x):
+    return jnp.sum(jax.vmap(m)(x))
+
+
+@recipe_names
+def test_grad_of_frozen_model_raises(name):
+    frozen = frozen_model("odd-features", name)
+    x = inputs("odd-features")
+    with pytest.raises(TypeError, match="frozen"):
+        eqx.filter_grad(frozen_loss)(frozen, x)
+    with pytest.raises(TypeError, match="frozen"):
+        eqx.filter_jit(eqx.filter_grad(frozen_loss))(frozen, x)
+    with pytest.raises(TypeError, match="frozen"):
+        jax.grad(lambda x: frozen_loss(frozen, x))(x)
+    with pytest.raises(TypeError, match="frozen"):
+        jax.jit(jax.grad(lambda x: frozen_loss(frozen, x)))(x)
+
+
+def test_grad_of_frozen_stack_raises():
+    frozen = frozen_model("stack-scan", "nvfp4_inference")
+    x = inputs("stack-scan")
+    with pytest.raises(TypeError, match="frozen"):
+        eqx.filter_grad(frozen_loss)(frozen, x)
+    with pytest.raises(TypeError, match="frozen"):
+        jax.grad(lambda x: frozen_loss(frozen, x))(x)
+
+
+# ---------------------------------------------------------------------------------------
+# Peak memory: one layer's dequantised weight at a time.
+# ---------------------------------------------------------------------------------------
+
+
+MEMORY_MODELS = {
+    # 8 layers of 512x512: an unrolled eqx.nn.MLP, and a stack run with lax.scan.
+    "mlp": lambda key: eqx.nn.MLP(512, 512, 512, 7, key=key),
+    "stack-scan": lambda key: Stack(512, 8, key),
+}
+
+
+@pytest.mark.parametrize("model", list(MEMORY_MODELS))
+@pytest.mark.parametrize("name", ["nvfp4_inference", "nvfp4_weight_only"])
+def test_jitted_frozen_forward_dequantises_per_layer(name, model):
+    d, nlayers, batch = 512, 8, 4
+    frozen = freeze_jit(nvfp4x.quantize(MEMORY_MODELS[model](jax.random.key(13)), RECIPES[name]()))
+    weights = [layer.weight for layer in layers_of(frozen)]
+    assert sum(int(np.prod(w.shape)) for w in weights) == nlayers * d * d
+    params, static = eqx.partition(frozen, eqx.is_array)
+
+    def forward(p, x):
+        return jax.vmap(eqx.combine(p, static))(x)
+
+    x = jnp.zeros((batch, d), jnp.float32)
+    analysis = jax.jit(forward).lower(params, x).compile().memory_analysis()
+    if analysis is None:
+        pytest.skip("memory_analysis() returned None on this backend")
+    temp = analysis.temp_size_in_bytes
+    all_dequantised_bf16 = nlayers * d * d * 2
+    assert temp < all_dequantised_bf16, (
+        f"{name}/{model}: peak temporary bytes {temp:,} >= {all_dequantised_bf16:,}, the bf16 "
+        f"dequantised weights of all {nlayers} layers: they are decoded all at once"
+    )
