@@ -384,6 +384,16 @@ def train_step(model, opt_state, optimizer, x, y):
 
 
 @eqx.filter_jit
+def train_step_telemetry(model, opt_state, optimizer, x, y):
+    """`train_step` that also returns the quantisation statistics of every layer (the
+    gradient of the probes `nvfp4x.telemetry.enable` added), computed in the same step."""
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    stats = nvfp4x.telemetry.collect(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    return eqx.apply_updates(model, updates), opt_state, loss, stats
+
+
+@eqx.filter_jit
 def eval_loss(model, x, y):
     return loss_fn(model, x, y)
 
@@ -404,6 +414,7 @@ class TrainResult:
     seconds: float
     compile_seconds: float
     tokens_per_second: float
+    telemetry: list | None = None
 
     @property
     def final_train_loss(self) -> float:
@@ -425,7 +436,13 @@ def evaluate(model: Any, cfg: Config, tokens: UInt8[np.ndarray, " n"]) -> float:
 
 
 def train(
-    model: Any, cfg: Config, data: Data, *, label: str = "model", progress: bool = True
+    model: Any,
+    cfg: Config,
+    data: Data,
+    *,
+    label: str = "model",
+    progress: bool = True,
+    telemetry: bool = False,
 ) -> TrainResult:
     """Train `model` (quantised or not) for `cfg.steps` AdamW steps on `data`.
 
@@ -438,6 +455,8 @@ def train(
     - `cfg`, `data`: the configuration and the corpus (`load_data`).
     - `label`: a name for the progress bar.
     - `progress`: show a tqdm bar with the loss and tokens/s.
+    - `telemetry`: record every quantised layer's statistics each step (see
+      `nvfp4x.telemetry`); the model must hold probes (`nvfp4x.telemetry.enable`).
 
     **Returns:** a `TrainResult`.
     """
@@ -451,9 +470,14 @@ def train(
     bar = tqdm(range(cfg.steps), desc=f"{label:>8}", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     compile_seconds = 0.0
+    records = [] if telemetry else None
     for step in bar:
         x, y = windows(data.train, starts[step], cfg.seq)
-        model, opt_state, loss = train_step(model, opt_state, optimizer, x, y)
+        if telemetry:
+            model, opt_state, loss, stats = train_step_telemetry(model, opt_state, optimizer, x, y)
+            records.append(jax.device_get(stats))
+        else:
+            model, opt_state, loss = train_step(model, opt_state, optimizer, x, y)
         losses[step] = float(loss)
         if step == 0:
             compile_seconds = time.perf_counter() - t0
@@ -466,7 +490,7 @@ def train(
     if not np.all(np.isfinite(losses)):
         print(f"warning: {label} loss is not finite at some step", file=sys.stderr)
     val = evaluate(model, cfg, data.val)
-    return TrainResult(label, model, losses, val, seconds, compile_seconds, rate)
+    return TrainResult(label, model, losses, val, seconds, compile_seconds, rate, records)
 
 
 # --- outputs ---
@@ -520,6 +544,45 @@ def write_outputs(
     return csv_path, png_path
 
 
+def write_telemetry(out: str, records: list) -> tuple[str, str]:
+    """Write `telemetry.csv` (step, layer, operand, statistics) and `telemetry.png` (each
+    statistic per operand over steps, averaged over the quantised layers) to `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nvfp4x._telemetry import OPERANDS, STATS
+
+    os.makedirs(out, exist_ok=True)
+    csv_path = os.path.join(out, "telemetry.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "layer", "operand", *STATS])
+        for step, table in enumerate(records, start=1):
+            for layer, ops in table.items():
+                for op in OPERANDS:
+                    writer.writerow([step, layer, op, *(f"{float(ops[op][s]):.6g}" for s in STATS)])
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), dpi=120, sharex=True)
+    steps = np.arange(1, len(records) + 1)
+    for ax, stat in zip(axes.ravel(), STATS, strict=True):
+        for op in OPERANDS:
+            series = [np.mean([float(t[layer][op][stat]) for layer in t]) for t in records]
+            ax.plot(steps, series, label=op, lw=1.2)
+        ax.set_title(stat, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_yscale("log")
+    axes[0, 0].legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.suptitle("NVFP4 operand statistics, mean over quantised layers", fontsize=10)
+    fig.tight_layout()
+    png_path = os.path.join(out, "telemetry.png")
+    fig.savefig(png_path)
+    plt.close(fig)
+    return csv_path, png_path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = Config()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -537,6 +600,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join("out", "train_lm"), help="output folder")
     p.add_argument("--smoke", action="store_true", help="a tiny configuration, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="record per-layer NVFP4 operand statistics each step and plot them",
+    )
     return p.parse_args(argv)
 
 
@@ -578,9 +646,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     policy = paper_policy(cfg)
     qmodel = nvfp4x.quantize(model, policy)
+    if args.telemetry:  # probes on the NVFP4 layers (not the bf16 tail)
+        qmodel = nvfp4x.telemetry.enable(
+            qmodel, where=lambda path, layer: layer.recipe.weight.name == "nvfp4"
+        )
     progress = not args.no_progress
     baseline = train(model, cfg, data, label="float32", progress=progress)
-    quant = train(qmodel, cfg, data, label="nvfp4", progress=progress)
+    quant = train(qmodel, cfg, data, label="nvfp4", progress=progress, telemetry=args.telemetry)
 
     print("\n" + nvfp4x.summary(quant.model) + "\n")
     gap = lambda a, b: (b - a) / a
@@ -599,6 +671,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     csv_path, png_path = write_outputs(args.out, baseline, quant, title=title)
     print(f"wrote {csv_path} and {png_path}")
+    if args.telemetry:
+        print("wrote {} and {}".format(*write_telemetry(args.out, quant.telemetry)))
     return {
         "baseline_train": baseline.final_train_loss,
         "baseline_val": baseline.val_loss,

@@ -26,6 +26,7 @@ probes is harmless (nothing reads them) but `nvfp4x.telemetry.disable` removes t
 """
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -181,19 +182,21 @@ def _is_qlinear(x) -> bool:
     return isinstance(x, QuantizedLinear)
 
 
-def enable(model: Any) -> Any:
-    """Give every `QuantizedLinear` a zero `probe` of shape `(*stack, 5, 4)`; the
-    gradient of a loss then carries the quantisation statistics (see the module doc)."""
+def enable(model: Any, where: Callable[[str, Any], bool] | None = None) -> Any:
+    """Give every `QuantizedLinear` (for which `where(path, layer)` is true, if given) a
+    zero `probe` of shape `(*stack, 5, 4)`; the gradient of a loss then carries the
+    quantisation statistics (see the module doc)."""
+    from ._transform import path_str
 
-    def one(layer):
-        if not _is_qlinear(layer):
+    def one(path, layer):
+        if not _is_qlinear(layer) or (where is not None and not where(path_str(path), layer)):
             return layer
         shape = layer.weight.shape[:-2] + PROBE_SHAPE
         return eqx.tree_at(
             lambda m: m.probe, layer, jnp.zeros(shape, jnp.float32), is_leaf=lambda v: v is None
         )
 
-    return jax.tree_util.tree_map(one, model, is_leaf=_is_qlinear)
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_qlinear)
 
 
 def disable(model: Any) -> Any:
