@@ -48,6 +48,15 @@ class NVFP4Array(eqx.Module):
       when the array was made under `jax.vmap`).
     - `block`, `logical_tail`, `dtype` (static): the layout, the unpadded sizes of the
       blocked axes, and the dtype of the array that was quantised.
+
+    ```python
+    w = jax.random.normal(jax.random.key(0), (16, 32))
+    q = nvfp4x.to_nvfp4(w, block=(16, 16))
+    q                                   # NVFP4Array(shape=(16, 32), dtype=float32, block=(16, 16))
+    q.codes.shape, q.scales.shape       # (16, 16), (1, 2)
+    q.nbytes                            # 262: 256 bytes of codes, 2 of scales, 4 of tensor scale
+    q.dequantize().shape                # (16, 32)
+    ```
     """
 
     codes: UInt8[Array, "..."]
@@ -85,6 +94,7 @@ class NVFP4Array(eqx.Module):
 
     @property
     def ndim(self) -> int:
+        """The number of logical axes, `len(self.shape)`."""
         return len(self.shape)
 
     @property
@@ -114,8 +124,17 @@ class NVFP4Array(eqx.Module):
         return x[index].astype(self.dtype if dtype is None else dtype)
 
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
-        """`(block_values, tensor_scale)`: the E2M1 values times their block scales, in
-        bfloat16 (exact there), and the tensor decode scale; the GEMM operand form."""
+        """The GEMM operand form: block-scaled values and the tensor decode scale.
+
+        **Returns:** `(block_values, tensor_scale)`: the E2M1 values times their block
+        scales in the logical shape, in bfloat16 (exact there), and the float32 tensor
+        decode scale. `block_values * tensor_scale` equals `self.dequantize()` in float32.
+
+        ```python
+        q = nvfp4x.to_nvfp4(jnp.linspace(-1, 1, 64))
+        values, scale = q.operand()    # bfloat16 (64,), float32 ()
+        ```
+        """
         q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
         scale = self.scales.astype(jnp.float32)
         expanded = scale[..., None] if self.block[0] == 1 else scale[..., :, None, :, None]
@@ -196,6 +215,23 @@ def fake_quantize(
     Takes the same arguments as [`nvfp4x.to_nvfp4`][] and returns
     `to_nvfp4(x, ...).dequantize()` (the same bits), in `x`'s dtype and shape. The
     training path uses it.
+
+    **Arguments:**
+
+    - `x`: a floating-point array (float32, bfloat16, float16); leading axes are batch axes.
+    - `block`: `(1, 16)` (blocks along the last axis) or `(16, 16)` (tiles over the last
+      two axes).
+    - `rounding`: `"nearest"` (round half to even) or `"stochastic"` (needs `key`).
+    - `key`: a PRNG key for stochastic rounding.
+    - `amax`: a precomputed tensor amax; by default `max(|x|)`.
+
+    **Returns:** an array of `x`'s shape and dtype holding the NVFP4-representable values.
+
+    ```python
+    x = jnp.linspace(-1, 1, 64)
+    y = nvfp4x.fake_quantize(x)
+    jnp.array_equal(y, nvfp4x.to_nvfp4(x).dequantize())   # True
+    ```
     """
     x, block, amax = _prepare(x, block, rounding, key, amax)
     xp = pad_to_blocks(x, block)

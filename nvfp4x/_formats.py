@@ -26,6 +26,12 @@ FORMATS = {
     "bf16": "bfloat16, no scaling",
     "float32": "float32, no quantisation",
 }
+"""The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.
+
+```python
+sorted(nvfp4x.FORMATS)   # ['bf16', 'float32', 'fp8_e4m3', 'fp8_e5m2', 'mxfp8', 'nvfp4']
+```
+"""
 QUANTISED = ("nvfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -40,6 +46,15 @@ class Format:
       `(16, 16)` (16x16 tiles of a weight: the same numbers in every GEMM). MXFP8 uses
       `(1, 32)`; the other formats have no blocks (`None`).
     - `rounding`: `"nearest"` or `"stochastic"` (NVFP4 only).
+
+    Raises `ValueError` for an unknown name or rounding, a block the format does not
+    allow, or stochastic rounding of a format other than NVFP4.
+
+    ```python
+    fmt = nvfp4x.Format("nvfp4", block=(1, 16), rounding="stochastic")
+    str(fmt), fmt.bits_per_element   # 'nvfp4 1x16, SR', 4.5
+    nvfp4x.Format("mxfp8").block     # (1, 32)
+    ```
     """
 
     name: str
@@ -70,6 +85,8 @@ class Format:
 
     @property
     def quantised(self) -> bool:
+        """True for the scaled low-precision formats (`nvfp4`, `mxfp8`, `fp8_e4m3`,
+        `fp8_e5m2`); False for `bf16` and `float32`."""
         return self.name in QUANTISED
 
     def __str__(self) -> str:

@@ -32,6 +32,19 @@ class FrozenLinear(eqx.Module):
 
     Its forward equals the unfrozen layer's forward bit for bit. It cannot be
     differentiated: the master weights are gone.
+
+    **Fields:** `weight` (the packed weight: an [`nvfp4x.NVFP4Array`][],
+    [`nvfp4x.MXFP8Array`][] or [`nvfp4x.FP8Array`][], or a plain array for an
+    unquantised or bf16/float32 weight format), `bias` or None, `in_features`,
+    `out_features`, `use_bias`, `recipe` and `fast` (static), as in the unfrozen layer.
+
+    ```python
+    layer = nvfp4x.quantize(eqx.nn.Linear(32, 16, key=jax.random.key(0)), "nvfp4_inference")
+    frozen = nvfp4x.freeze(layer)
+    frozen.weight                      # NVFP4Array(shape=(16, 32), dtype=float32, block=(1, 16))
+    x = jnp.ones((8, 32))
+    jnp.array_equal(frozen(x), layer(x))   # True
+    ```
     """
 
     weight: Any
@@ -44,6 +57,7 @@ class FrozenLinear(eqx.Module):
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
+        """The logical shape of the weight, `(out, in)` (or stacked `(L, out, in)`)."""
         return tuple(self.weight.shape)
 
     @property
@@ -58,7 +72,17 @@ class FrozenLinear(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
     ) -> Array:
-        """Like [`nvfp4x.QuantizedLinear`][]'s call; `key` is unused (no backward pass)."""
+        """The forward pass, like [`nvfp4x.QuantizedLinear`][]'s.
+
+        **Arguments:**
+
+        - `x`: `(in_features,)` or a batch `(..., in_features)` (for `in_features="scalar"`:
+          `()` or `(...)`).
+        - `key`: unused (there is no backward pass); accepted for Equinox's layer contract.
+
+        **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`
+        and `weight.dtype` (for a packed weight, the dtype it was quantised from).
+        """
         del key
         leaves, wdef = jax.tree_util.tree_flatten(self.weight)
         if len(self.weight_shape) != 2:
@@ -245,7 +269,21 @@ def _describe(model: Any) -> dict:
 def save(path: str, model: Any) -> None:
     """Write `model` (frozen or not) to `path`: a header naming the format version, every
     layer's recipe and every array's shape and dtype, then the leaves
-    (`eqx.tree_serialise_leaves`)."""
+    (`eqx.tree_serialise_leaves`).
+
+    **Arguments:**
+
+    - `path`: the file to write (overwritten if it exists).
+    - `model`: any PyTree of arrays and Equinox modules, typically
+      `nvfp4x.freeze(qmodel)`.
+
+    **Returns:** nothing. Read the file back with [`nvfp4x.load`][].
+
+    ```python
+    qmodel = nvfp4x.quantize(eqx.nn.Linear(32, 16, key=jax.random.key(0)), "nvfp4_inference")
+    nvfp4x.save("model.nvfp4x", nvfp4x.freeze(qmodel))
+    ```
+    """
     header = json.dumps(_describe(model)).encode()
     with open(path, "wb") as f:
         f.write(_MAGIC)
@@ -259,6 +297,22 @@ def load(path: str, like: Any) -> Any:
     built the same way, e.g. `nvfp4x.freeze(nvfp4x.quantize(skeleton, policy))`, or its
     `eqx.filter_eval_shape`). Raises `ValueError` if the file is truncated, from another
     format version, or holds different layers, recipes, shapes or dtypes.
+
+    **Arguments:**
+
+    - `path`: a file written by [`nvfp4x.save`][].
+    - `like`: a model of the same structure, layer types, recipes, shapes and dtypes;
+      its array values are not used.
+
+    **Returns:** `like` with the arrays read from the file.
+
+    ```python
+    def build():
+        linear = eqx.nn.Linear(32, 16, key=jax.random.key(1))
+        return nvfp4x.freeze(nvfp4x.quantize(linear, "nvfp4_inference"))
+
+    frozen = nvfp4x.load("model.nvfp4x", eqx.filter_eval_shape(build))
+    ```
     """
     with open(path, "rb") as f:
         data = f.read()

@@ -240,6 +240,18 @@ def qdot(
 
     **Returns:** float32 `(tokens..., n)`, accumulated in float32 and multiplied by both
     operands' tensor scales.
+
+    The three GEMMs: fprop `y = Q(x) @ Q(W).T` (x and W blocked along k); dgrad
+    `dx = Q(dy) @ Q(W)` (dy and W along n; 16x16 weight tiles are the same in both);
+    wgrad `dW = Q(dy).T @ Q(x)` (both along the tokens, after the RHT when `recipe.rht`).
+
+    ```python
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    w = jax.random.normal(jax.random.key(1), (16, 32))
+    recipe = nvfp4x.recipes.nvfp4_training()
+    y = nvfp4x.qdot(x, w, recipe=recipe)                                   # (64, 16)
+    dw = jax.grad(lambda w: nvfp4x.qdot(x, w, recipe=recipe).sum())(w)     # (16, 32)
+    ```
     """
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)

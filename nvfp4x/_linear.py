@@ -29,6 +29,14 @@ class QuantizedLinear(eqx.Module):
     The layer acts on one example `(in_features,)` like `eqx.nn.Linear`, and also on a
     batch `(..., in_features)`. `jax.vmap(layer)(xs)` gives the same bits as `layer(xs)`:
     the tensor scales and wgrad's token blocks cover the whole call either way.
+
+    ```python
+    linear = eqx.nn.Linear(32, 16, key=jax.random.key(0))
+    layer = nvfp4x.QuantizedLinear.from_linear(linear, nvfp4x.recipes.nvfp4_training())
+    xs = jax.random.normal(jax.random.key(1), (8, 32))
+    layer(xs).shape                                  # (8, 16)
+    jnp.array_equal(jax.vmap(layer)(xs), layer(xs))  # True
+    ```
     """
 
     weight: Float[Array, "*stack out in"]
@@ -50,7 +58,16 @@ class QuantizedLinear(eqx.Module):
     def from_linear(
         cls, linear: eqx.nn.Linear, recipe: Recipe, *, fast: bool = True
     ) -> "QuantizedLinear":
-        """Wrap an `eqx.nn.Linear` (its arrays are shared, not copied)."""
+        """Wrap an `eqx.nn.Linear` (its arrays are shared, not copied).
+
+        **Arguments:**
+
+        - `linear`: the layer to wrap (possibly stacked).
+        - `recipe`: an [`nvfp4x.Recipe`][] (a recipe name is not accepted here).
+        - `fast`: run the GEMMs on bfloat16 operands rather than the float32 reference.
+
+        **Returns:** a `QuantizedLinear` with `linear`'s weight, bias and features.
+        """
         return cls(
             weight=linear.weight,
             bias=linear.bias,
@@ -62,7 +79,11 @@ class QuantizedLinear(eqx.Module):
         )
 
     def to_linear(self) -> eqx.nn.Linear:
-        """The plain `eqx.nn.Linear` with these master weights."""
+        """The plain `eqx.nn.Linear` with these master weights.
+
+        **Returns:** an `eqx.nn.Linear` holding this layer's `weight` and `bias` (the
+        recipe and any telemetry probe are dropped).
+        """
         skeleton = eqx.filter_eval_shape(
             eqx.nn.Linear,
             self.in_features,
@@ -83,7 +104,9 @@ class QuantizedLinear(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
     ) -> Array:
-        """**Arguments:**
+        """The forward pass `x @ W.T + b`, with fprop, dgrad and wgrad quantised per `recipe`.
+
+        **Arguments:**
 
         - `x`: `(in_features,)` or a batch `(..., in_features)` (for `in_features="scalar"`:
           `()` or `(...)`).

@@ -16,7 +16,18 @@ class MXFP8Array(eqx.Module):
     """MXFP8 along the last axis: `data` (`float8_e4m3fn`, last axis padded to 32) and
     `scales` (`float8_e8m0fnu`, one per 32 elements), both held as uint8 bit patterns
     (`data_bits`, `scale_bits`) so Equinox serialisation round-trips them. Make one with
-    `to_mxfp8`."""
+    [`nvfp4x.to_mxfp8`][].
+
+    **Fields:** `data_bits`, `scale_bits`, and (static) `logical_last` (the unpadded
+    length of the last axis) and `dtype` (the dtype that was quantised).
+
+    ```python
+    m = nvfp4x.to_mxfp8(jax.random.normal(jax.random.key(0), (4, 40)))
+    m.shape, m.data.shape, m.scales.shape   # (4, 40), (4, 64), (4, 2)
+    m.nbytes                                # 264
+    m.dequantize().shape                    # (4, 40)
+    ```
+    """
 
     data_bits: UInt8[Array, "..."]
     scale_bits: UInt8[Array, "..."]
@@ -25,10 +36,12 @@ class MXFP8Array(eqx.Module):
 
     @property
     def data(self) -> Shaped[Array, "..."]:
+        """The elements as `float8_e4m3fn`, last axis padded to a multiple of 32."""
         return jax.lax.bitcast_convert_type(self.data_bits, jnp.float8_e4m3fn)
 
     @property
     def scales(self) -> Shaped[Array, "..."]:
+        """The block scales as `float8_e8m0fnu` (powers of two), one per 32 elements."""
         return jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e8m0fnu)
 
     @property
@@ -38,23 +51,47 @@ class MXFP8Array(eqx.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: the (padded) elements plus the block scales."""
         return int(self.data_bits.nbytes + self.scale_bits.nbytes)
 
     def operand(self) -> tuple[Shaped[Array, "..."], None]:
-        """`(values, None)`: element × block scale in bfloat16 (exact), no tensor scale."""
+        """The GEMM operand form.
+
+        **Returns:** `(values, None)`: element × block scale in bfloat16 (exact), in the
+        logical shape; MXFP8 has no tensor scale.
+        """
         d = self.data.astype(jnp.float32)
         d = d.reshape(*d.shape[:-1], d.shape[-1] // MX_BLOCK, MX_BLOCK)
         v = (d * self.scales.astype(jnp.float32)[..., None]).reshape(self.data.shape)
         return v[..., : self.logical_last].astype(jnp.bfloat16), None
 
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
+        """The array's values, element × block scale, in the logical shape.
+
+        **Arguments:**
+
+        - `dtype`: the output dtype; by default the dtype that was quantised.
+
+        **Returns:** an array of shape `self.shape`.
+        """
         return self.operand()[0].astype(self.dtype if dtype is None else dtype)
 
 
 class FP8Array(eqx.Module):
     """FP8 with one float32 decode scale per tensor: value = `data * scale`, `data` held
     as uint8 bit patterns (`data_bits`) of `kind` ("e4m3" or "e5m2"). Make one with
-    `to_fp8`."""
+    [`nvfp4x.to_fp8`][].
+
+    **Fields:** `data_bits`, `scale` (float32 decode scale: a scalar, one per slice when
+    made under `jax.vmap`), and (static) `kind` and `dtype` (the dtype that was quantised).
+
+    ```python
+    f = nvfp4x.to_fp8(jax.random.normal(jax.random.key(0), (4, 40)), kind="e5m2")
+    f.data.dtype, f.scale.shape   # float8_e5m2, ()
+    f.nbytes                      # 164: 160 bytes of data, 4 of scale
+    f.dequantize().shape          # (4, 40)
+    ```
+    """
 
     data_bits: UInt8[Array, "..."]
     scale: Float[Array, "*batch"]
@@ -63,6 +100,7 @@ class FP8Array(eqx.Module):
 
     @property
     def data(self) -> Shaped[Array, "..."]:
+        """The elements as `float8_e4m3fn` or `float8_e5m2` (per `kind`), unscaled."""
         fp8 = jnp.float8_e4m3fn if self.kind == "e4m3" else jnp.float8_e5m2
         return jax.lax.bitcast_convert_type(self.data_bits, fp8)
 
@@ -73,19 +111,46 @@ class FP8Array(eqx.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: the elements plus the tensor scale(s)."""
         return int(self.data_bits.nbytes + self.scale.nbytes)
 
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
+        """The GEMM operand form.
+
+        **Returns:** `(values, scale)`: the FP8 elements in bfloat16 (exact) and the
+        float32 tensor decode scale; the array is `values * scale`.
+        """
         return self.data.astype(jnp.bfloat16), self.scale
 
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
+        """The array's values, `data * scale`, computed in float32.
+
+        **Arguments:**
+
+        - `dtype`: the output dtype; by default the dtype that was quantised.
+
+        **Returns:** an array of shape `self.shape`.
+        """
         scale = self.scale.reshape(self.scale.shape + (1,) * (self.data.ndim - self.scale.ndim))
         out = self.data.astype(jnp.float32) * scale
         return out.astype(self.dtype if dtype is None else dtype)
 
 
 def to_mxfp8(x: Float[Array, "..."]) -> MXFP8Array:
-    """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32)."""
+    """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32).
+
+    **Arguments:**
+
+    - `x`: a floating-point array; the last axis is blocked (zero-padded to a multiple
+      of 32 internally), leading axes are batch axes.
+
+    **Returns:** an [`nvfp4x.MXFP8Array`][] of `x`'s shape.
+
+    ```python
+    m = nvfp4x.to_mxfp8(jax.random.normal(jax.random.key(0), (4, 40)))
+    m.scales.shape, m.dequantize().shape   # (4, 2), (4, 40)
+    ```
+    """
     q, scale = quantize_mxfp8(mx_pad(x))
     return MXFP8Array(
         data_bits=as_bits(q, jnp.float8_e4m3fn),
@@ -96,7 +161,22 @@ def to_mxfp8(x: Float[Array, "..."]) -> MXFP8Array:
 
 
 def to_fp8(x: Float[Array, "..."], kind: str = "e4m3") -> FP8Array:
-    """Quantise to FP8 (`kind` "e4m3" or "e5m2") with a current per-tensor scale."""
+    """Quantise to FP8 (`kind` "e4m3" or "e5m2") with a current per-tensor scale.
+
+    **Arguments:**
+
+    - `x`: a floating-point array.
+    - `kind`: `"e4m3"` (the default; weights and activations) or `"e5m2"` (gradients).
+      Anything else raises `ValueError`.
+
+    **Returns:** an [`nvfp4x.FP8Array`][] whose scale maps `max(|x|)` to the format's
+    largest finite value.
+
+    ```python
+    f = nvfp4x.to_fp8(jax.random.normal(jax.random.key(0), (4, 40)))
+    f.data.dtype, f.dequantize().shape   # float8_e4m3fn, (4, 40)
+    ```
+    """
     if kind not in ("e4m3", "e5m2"):
         raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
     q, scale = quantize_fp8(x, kind, tensor_amax(x))

@@ -25,6 +25,19 @@ class Recipe:
 
     Recipes are immutable and hashable; change one with `dataclasses.replace` or
     [`nvfp4x.Recipe.replace`][].
+
+    Raises `TypeError` if a format is not an [`nvfp4x.Format`][], and `ValueError` for
+    16x16 blocks on `input` or `grad`, or stochastic rounding of `weight` or `input`.
+
+    ```python
+    recipe = nvfp4x.Recipe(
+        weight=nvfp4x.Format("nvfp4", block=(16, 16)),
+        input=nvfp4x.Format("nvfp4"),
+        grad=None,
+        name="w4a4",
+    )
+    str(recipe)   # 'w4a4(w=nvfp4 16x16, x=nvfp4 1x16, dy=-)'
+    ```
     """
 
     weight: Format | None
@@ -54,7 +67,19 @@ class Recipe:
             raise ValueError("Stochastic rounding of activations is not supported; use 'nearest'.")
 
     def replace(self, **changes: Any) -> "Recipe":
-        """A copy with some fields changed."""
+        """A copy with some fields changed (checked like a new recipe).
+
+        **Arguments:**
+
+        - `**changes`: new values of fields, by name (`weight`, `input`, `grad`, `rht`,
+          `name`).
+
+        **Returns:** a new [`nvfp4x.Recipe`][].
+
+        ```python
+        no_rht = nvfp4x.recipes.nvfp4_training().replace(rht=False)
+        ```
+        """
         return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:
@@ -70,7 +95,14 @@ def _nvfp4(block=(1, BLOCK), rounding="nearest") -> Format:
 
 
 class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp4x.recipes.x()`
-    """Ready-made recipes. Each call returns an immutable [`nvfp4x.Recipe`][]."""
+    """Ready-made recipes. Each call returns an immutable [`nvfp4x.Recipe`][].
+
+    ```python
+    nvfp4x.recipes.nvfp4_training()
+    nvfp4x.recipes.nvfp4_inference(weight_block=(16, 16))
+    nvfp4x.recipes.get("fp8")   # the same as nvfp4x.recipes.fp8()
+    ```
+    """
 
     @staticmethod
     def nvfp4_training(
@@ -88,6 +120,12 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         - `rht`: Hadamard transform of the wgrad operands.
         - `stochastic_rounding`: round `dy` stochastically (else to nearest).
         - `weight_block`: `(16, 16)` (default) or `(1, 16)`.
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"nvfp4_training"`.
+
+        ```python
+        recipe = nvfp4x.recipes.nvfp4_training(stochastic_rounding=False)
+        ```
         """
         return Recipe(
             weight=_nvfp4(tuple(weight_block)),
@@ -100,27 +138,58 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
     @staticmethod
     def nvfp4_inference(*, weight_block: Sequence[int] = (1, BLOCK)) -> Recipe:
         """Weights and inputs in NVFP4 with round-to-nearest (W4A4); gradients, if taken,
-        flow unquantised through the quantised operands (straight-through)."""
+        flow unquantised through the quantised operands (straight-through).
+
+        **Arguments:**
+
+        - `weight_block`: the weight's NVFP4 blocks: `(1, 16)` (default; 16 elements
+          along the input features) or `(16, 16)` (16x16 tiles, as in training).
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"nvfp4_inference"`, with `grad=None`.
+
+        ```python
+        recipe = nvfp4x.recipes.nvfp4_inference(weight_block=(16, 16))
+        ```
+        """
         return Recipe(
             weight=_nvfp4(tuple(weight_block)), input=_nvfp4(), grad=None, name="nvfp4_inference"
         )
 
     @staticmethod
     def nvfp4_weight_only(*, weight_block: Sequence[int] = (1, BLOCK)) -> Recipe:
-        """NVFP4 weights, inputs in their own dtype (W4A16)."""
+        """NVFP4 weights, inputs in their own dtype (W4A16).
+
+        **Arguments:**
+
+        - `weight_block`: the weight's NVFP4 blocks: `(1, 16)` (default; 16 elements
+          along the input features) or `(16, 16)` (16x16 tiles).
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"nvfp4_weight_only"`, with `input=None`
+        and `grad=None`.
+
+        ```python
+        frozen = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only()))
+        ```
+        """
         return Recipe(
             weight=_nvfp4(tuple(weight_block)), input=None, grad=None, name="nvfp4_weight_only"
         )
 
     @staticmethod
     def mxfp8() -> Recipe:
-        """MXFP8 (E4M3, 32-element power-of-two blocks) for all three operands."""
+        """MXFP8 (E4M3, 32-element power-of-two blocks) for all three operands.
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"mxfp8"`.
+        """
         f = Format("mxfp8")
         return Recipe(weight=f, input=f, grad=f, name="mxfp8")
 
     @staticmethod
     def fp8() -> Recipe:
-        """FP8 with current per-tensor scaling: E4M3 forward (W, x), E5M2 gradients."""
+        """FP8 with current per-tensor scaling: E4M3 forward (W, x), E5M2 gradients.
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"fp8"`.
+        """
         return Recipe(
             weight=Format("fp8_e4m3"),
             input=Format("fp8_e4m3"),
@@ -130,19 +199,33 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
 
     @staticmethod
     def bf16() -> Recipe:
-        """No quantisation: all three GEMMs on bfloat16 operands, float32 accumulation."""
+        """No quantisation: all three GEMMs on bfloat16 operands, float32 accumulation.
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"bf16"`.
+        """
         f = Format("bf16")
         return Recipe(weight=f, input=f, grad=f, name="bf16")
 
     @staticmethod
     def float32() -> Recipe:
-        """No quantisation: all three GEMMs in float32."""
+        """No quantisation: all three GEMMs in float32.
+
+        **Returns:** the [`nvfp4x.Recipe`][] named `"float32"`.
+        """
         f = Format("float32")
         return Recipe(weight=f, input=f, grad=f, name="float32")
 
     @staticmethod
     def get(name: str) -> Recipe:
-        """The default recipe of a name, e.g. `recipes.get("nvfp4_training")`."""
+        """The default recipe of a name, e.g. `recipes.get("nvfp4_training")`.
+
+        **Arguments:**
+
+        - `name`: one of `"nvfp4_training"`, `"nvfp4_inference"`, `"nvfp4_weight_only"`,
+          `"mxfp8"`, `"fp8"`, `"bf16"`, `"float32"`; anything else raises `ValueError`.
+
+        **Returns:** the [`nvfp4x.Recipe`][] that `recipes.<name>()` returns.
+        """
         if name not in RECIPE_NAMES:
             raise ValueError(f"Unknown recipe `{name!r}`; use one of {RECIPE_NAMES}.")
         return getattr(recipes, name)()
@@ -212,7 +295,15 @@ class Policy:
         self.strict = strict
 
     def lookup(self, path: str) -> tuple[int | None, Recipe | None]:
-        """`(index of the first matching rule, its recipe)`, or `(None, None)`."""
+        """The first rule that matches `path` (with `re.fullmatch`).
+
+        **Arguments:**
+
+        - `path`: a layer path such as `blocks[3].mlp.fc1`.
+
+        **Returns:** `(index of the first matching rule, its recipe)`, or `(None, None)`
+        when no rule matches. The recipe may be `None` (keep the layer as it is).
+        """
         for i, (regex, recipe) in enumerate(self.rules):
             if regex.fullmatch(path):
                 return i, recipe

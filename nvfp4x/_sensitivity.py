@@ -55,6 +55,19 @@ class SensitivityReport:
     - `recipe`: the recipe each layer was quantised with.
 
     `str(report)` is a readable table.
+
+    ```python
+    k1, k2 = jax.random.split(jax.random.key(1))
+    model = [eqx.nn.Linear(32, 32, key=k1), eqx.nn.Linear(32, 8, key=k2)]
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(lambda v: model[1](jax.nn.relu(model[0](v))))(x) ** 2)
+
+    report = nvfp4x.sensitivity(model, loss_fn, jax.random.normal(jax.random.key(0), (64, 32)))
+    print(report)                  # rank, path, loss delta, grad error, weight grad error
+    [r.path for r in report.rows]  # ['[1]', '[0]']: most sensitive first
+    policy = report.suggest_policy(keep_fraction=0.5)   # '[1]' in bf16, '[0]' in NVFP4
+    ```
     """
 
     rows: tuple[SensitivityRow, ...]

@@ -36,6 +36,13 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
 
     **Returns:** a PyTree of `NamedSharding` with `packed`'s structure, for
     `jax.device_put(packed, shardings)` or `eqx.filter_shard`.
+
+    ```python
+    mesh = jax.make_mesh((1,), ("model",))
+    w = nvfp4x.to_nvfp4(jax.random.normal(jax.random.key(0), (16, 32)), block=(16, 16))
+    shardings = nvfp4x.packed_sharding(w, NamedSharding(mesh, PartitionSpec("model", None)))
+    shardings.codes.spec, shardings.tensor_scale.spec   # P('model', None), P()
+    ```
     """
     mesh, spec = sharding.mesh, tuple(sharding.spec)
     shape = tuple(packed.shape)
@@ -66,5 +73,21 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
 
 
 def shard_packed(packed: Any, sharding: NamedSharding) -> Any:
-    """`jax.device_put(packed, packed_sharding(packed, sharding))`."""
+    """Place a packed weight on devices as its master weight was sharded:
+    `jax.device_put(packed, packed_sharding(packed, sharding))`.
+
+    **Arguments:**
+
+    - `packed`: an `NVFP4Array`, `MXFP8Array`, `FP8Array` or plain array (a frozen weight).
+    - `sharding`: a `NamedSharding` for the logical weight `(..., out, in)`.
+
+    **Returns:** `packed` with every leaf placed per [`nvfp4x.packed_sharding`][], which
+    also raises the `ValueError` if a shard would cut a block in two.
+
+    ```python
+    mesh = jax.make_mesh((1,), ("model",))
+    w = nvfp4x.to_nvfp4(jax.random.normal(jax.random.key(0), (16, 32)), block=(16, 16))
+    w = nvfp4x.shard_packed(w, NamedSharding(mesh, PartitionSpec("model", None)))
+    ```
+    """
     return jax.device_put(packed, packed_sharding(packed, sharding))

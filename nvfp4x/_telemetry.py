@@ -185,7 +185,24 @@ def _is_qlinear(x) -> bool:
 def enable(model: Any, where: Callable[[str, Any], bool] | None = None) -> Any:
     """Give every `QuantizedLinear` (for which `where(path, layer)` is true, if given) a
     zero `probe` of shape `(*stack, 5, 4)`; the gradient of a loss then carries the
-    quantisation statistics (see the module doc)."""
+    quantisation statistics, read with [`nvfp4x.telemetry.collect`][]. The forward pass
+    ignores the probe, so outputs are unchanged.
+
+    **Arguments:**
+
+    - `model`: a model returned by [`nvfp4x.quantize`][]; layers that are not
+      `QuantizedLinear` are left as they are.
+    - `where`: optional `(path, layer) -> bool` choosing layers by path (as
+      [`nvfp4x.summary`][] shows it); by default every `QuantizedLinear`.
+
+    **Returns:** the model with probes.
+
+    ```python
+    qmodel = nvfp4x.quantize([eqx.nn.Linear(32, 32, key=jax.random.key(0))], "nvfp4_training")
+    qmodel = nvfp4x.telemetry.enable(qmodel)
+    qmodel[0].probe.shape   # (5, 4)
+    ```
+    """
     from ._transform import path_str
 
     def one(path, layer):
@@ -200,7 +217,19 @@ def enable(model: Any, where: Callable[[str, Any], bool] | None = None) -> Any:
 
 
 def disable(model: Any) -> Any:
-    """Remove the probes again."""
+    """Remove the probes again (set every `QuantizedLinear`'s `probe` to None).
+
+    **Arguments:**
+
+    - `model`: a model, with or without probes.
+
+    **Returns:** the model without probes.
+
+    ```python
+    qmodel = nvfp4x.telemetry.disable(qmodel)
+    qmodel[0].probe   # None
+    ```
+    """
 
     def one(layer):
         if not _is_qlinear(layer) or layer.probe is None:
@@ -212,7 +241,27 @@ def disable(model: Any) -> Any:
 
 def collect(grads: Any) -> dict[str, dict[str, dict[str, Array]]]:
     """`{layer path: {operand: {statistic: array}}}` from a gradient of a model with
-    probes (arrays have the stack's leading shape for stacked layers)."""
+    probes (arrays have the stack's leading shape for stacked layers).
+
+    **Arguments:**
+
+    - `grads`: the gradient, with respect to the model, of a loss of a model that
+      [`nvfp4x.telemetry.enable`][] gave probes (as `eqx.filter_grad` returns it).
+
+    **Returns:** a dict keyed by layer path; for each layer, the operands `"fprop_x"`,
+    `"weight"`, `"dgrad_dy"`, `"wgrad_x"`, `"wgrad_dy"`, each with the statistics
+    `"amax"`, `"zero_frac"` (fraction of non-zeros flushed to zero), `"saturated_frac"`
+    and `"sqnr_db"`. Layers without probes are left out.
+
+    ```python
+    qmodel = nvfp4x.quantize([eqx.nn.Linear(32, 32, key=jax.random.key(0))], "nvfp4_training")
+    qmodel = nvfp4x.telemetry.enable(qmodel)
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    grads = eqx.filter_grad(lambda m: jnp.mean(m[0](x) ** 2))(qmodel)
+    stats = nvfp4x.telemetry.collect(grads)
+    stats["[0]"]["fprop_x"]["sqnr_db"]   # a float32 scalar, about 20 dB
+    ```
+    """
     from ._transform import path_str
 
     out = {}

@@ -109,7 +109,22 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
 
 def dequantize(model: Any) -> Any:
     """Turn every [`nvfp4x.QuantizedLinear`][] back into `eqx.nn.Linear` with its master
-    weights: `eqx.tree_equal(dequantize(quantize(m, p)), m)` holds."""
+    weights: `eqx.tree_equal(dequantize(quantize(m, p)), m)` holds.
+
+    **Arguments:**
+
+    - `model`: any PyTree; every `QuantizedLinear` in it (stacked ones included) is
+      replaced, everything else (frozen layers included) is returned as it is.
+
+    **Returns:** the model with plain `eqx.nn.Linear` layers. Telemetry probes (see
+    `nvfp4x.telemetry`) are dropped with the rest of the quantisation.
+
+    ```python
+    model = eqx.nn.Linear(32, 16, key=jax.random.key(0))
+    qmodel = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_inference())
+    eqx.tree_equal(nvfp4x.dequantize(qmodel), model)   # True
+    ```
+    """
 
     def back(leaf):
         return leaf.to_linear() if isinstance(leaf, QuantizedLinear) else leaf
@@ -131,7 +146,23 @@ def summary(model: Any) -> str:
     and output gradient, bytes held (master weights; packed weights once frozen) and the
     weight's bytes in its GEMM format, with totals.
 
+    **Arguments:**
+
+    - `model`: any PyTree holding `eqx.nn.Linear`, [`nvfp4x.QuantizedLinear`][] or
+      [`nvfp4x.FrozenLinear`][] layers. Paths are shown as [`nvfp4x.Policy`][] matches
+      them (`blocks[3].mlp.fc1`); a model that is itself one layer has the empty path.
+
     **Returns:** the table as a string (print it).
+
+    ```python
+    model = [eqx.nn.Linear(32, 16, key=jax.random.key(0))]
+    print(nvfp4x.summary(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_inference())))
+    # path   shape     weight      input       grad  bytes held  weight bytes
+    # -----  --------  ----------  ----------  ----  ----------  ------------
+    # [0]    (16, 32)  nvfp4 1x16  nvfp4 1x16  -     2,048       288
+    # -----  --------  ----------  ----------  ----  ----------  ------------
+    # total                                          2,048       288
+    ```
     """
     from ._frozen import layer_summary_row  # frozen layers add their own rows
 

@@ -9,7 +9,21 @@ from ._constants import BLOCK, RHT_SIGNS
 
 
 def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
-    """The 16x16 orthogonal matrix `diag(signs) @ H16 / 4` (float32)."""
+    """The 16x16 orthogonal matrix `diag(signs) @ H16 / 4` (float32), with `H16` the
+    Sylvester Hadamard matrix of order 16.
+
+    **Arguments:**
+
+    - `signs`: 16 values of +1 or -1 on the diagonal; by default the fixed signs that
+      [`nvfp4x.rht`][] uses (the same in every call, on every device).
+
+    **Returns:** a float32 NumPy array of shape `(16, 16)`, `h @ h.T == I`.
+
+    ```python
+    h = nvfp4x.hadamard_matrix()
+    np.allclose(h @ h.T, np.eye(16))   # True
+    ```
+    """
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < BLOCK:
         h = np.block([[h, h], [h, -h]])
@@ -23,6 +37,21 @@ def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
     rows are mixed into the transform, so cutting them off again would lose information.
     For two operands transformed along their shared contraction axis, the padded zero
     rows contribute nothing, and `rht(a).T @ rht(b) == a.T @ b` up to rounding.
+
+    **Arguments:**
+
+    - `x`: an array of any shape and float dtype (computed in float32).
+    - `axis`: the axis to transform (wgrad's token axis).
+
+    **Returns:** a float32 array of `x`'s shape, except that `axis` has its length
+    rounded up to a multiple of 16.
+
+    ```python
+    a = jax.random.normal(jax.random.key(0), (20, 3))
+    b = jax.random.normal(jax.random.key(1), (20, 5))
+    nvfp4x.rht(a).shape                                          # (32, 3)
+    jnp.allclose(nvfp4x.rht(a).T @ nvfp4x.rht(b), a.T @ b, atol=1e-5)   # True
+    ```
     """
     x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, 0)
     pad = -x.shape[0] % BLOCK
