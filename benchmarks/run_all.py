@@ -1,4 +1,4 @@
-"""Run the format, training and inference benchmarks and write one markdown table.
+"""Run the format, training, inference and sensitivity benchmarks; write one markdown table.
 
 ```
 python benchmarks/run_all.py [--quick] [--out benchmarks/results.md]
@@ -25,7 +25,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHMARKS = ("bench_format", "bench_training", "bench_inference")
+BENCHMARKS = ("bench_format", "bench_training", "bench_inference", "bench_sensitivity")
 QUICK_CANDIDATES = (["--quick"], ["--smoke"])
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._linear import QuantizedLinear
 from ._policy import Policy, Recipe, recipes
 from ._transform import path_str, quantize
 
@@ -157,6 +158,85 @@ def _value_and_grad(params, static, batch, loss_fn, target, recipe):
     return eqx.filter_value_and_grad(f)(params)
 
 
+class _Switch(eqx.Module):
+    """An `eqx.nn.Linear` that is quantised where `on` is true and plain elsewhere.
+
+    Under `jax.vmap` over `on` (one row of the identity per variant), each variant of the
+    model quantises exactly one layer. The weight is routed through `where(on, W, W)` so
+    that it carries the variant axis too: the quantised GEMM then treats the variants as
+    independent problems (own tensor scales), not as one larger batch.
+    """
+
+    linear: eqx.nn.Linear
+    on: Array  # bool, the weight's stack shape (() for a plain layer)
+    recipe: Recipe = eqx.field(static=True)
+
+    def __call__(self, x: Array, *, key: Any = None) -> Array:
+        weight = jnp.where(self.on[..., None, None], self.linear.weight, self.linear.weight)
+        routed = eqx.tree_at(lambda m: m.weight, self.linear, weight)
+        quantised = QuantizedLinear.from_linear(routed, self.recipe)(x, key=key)
+        plain = self.linear(x, key=key)
+        return jnp.where(self.on, quantised, plain.astype(quantised.dtype))
+
+
+def _switched(model: Any, paths: list[str], onehot: Array, recipe: Recipe) -> Any:
+    index = {p: i for i, p in enumerate(paths)}
+    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+
+    def swap(path, leaf):
+        if not is_linear(leaf):
+            return leaf
+        on = jnp.broadcast_to(onehot[index[path_str(path)]], leaf.weight.shape[:-2])
+        return _Switch(leaf, on, recipe)
+
+    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=is_linear)
+
+
+def _sq_norm(tree: Any) -> Array:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in leaves)
+
+
+@eqx.filter_jit
+def _sweep(params, static, batch, loss_fn, paths, recipe, g_ref, layers_per_pass):
+    """Every single-layer variant in one compiled program: `lax.map` over the rows of the
+    identity, `layers_per_pass` variants vmapped at a time. Returns per variant the loss,
+    `||g - g_ref||^2` over the model and, per layer, `||g_w - g_ref_w||^2` of its weight."""
+    weights_ref = [_leaf_by_path(g_ref, _weight_path(p)) for p in paths]
+
+    def one(onehot):
+        def f(p):
+            model = _switched(eqx.combine(p, static), list(paths), onehot, recipe)
+            return loss_fn(model, batch)
+
+        loss, g = eqx.filter_value_and_grad(f)(params)
+        diff = jax.tree_util.tree_map(lambda a, b: a.astype(jnp.float32) - b, g, g_ref)
+        weights = [_leaf_by_path(g, _weight_path(p)) for p in paths]
+        w_num = jnp.stack(
+            [
+                jnp.sum(jnp.square(w.astype(jnp.float32) - wr))
+                for w, wr in zip(weights, weights_ref, strict=True)
+            ]
+        )
+        return loss, _sq_norm(diff), w_num
+
+    eye = jnp.eye(len(paths), dtype=bool)
+    return jax.lax.map(one, eye, batch_size=layers_per_pass)
+
+
+def _weight_path(path: str) -> str:
+    return f"{path}.weight" if path else "weight"
+
+
+def _ratio(num: float, den: float) -> float:
+    """`sqrt(num / den)`, with `0/0 = 0` and `x/0 = inf`; NaN stays NaN."""
+    if math.isnan(num) or math.isnan(den):
+        return math.nan
+    if den > 0:
+        return math.sqrt(num / den)
+    return 0.0 if num == 0 else math.inf
+
+
 def _rel_error(g: Any, g_ref: Any) -> float:
     """`||g - g_ref|| / ||g_ref||` over all leaves, on the host (no compilation per tree)."""
     num = den = 0.0
@@ -164,9 +244,19 @@ def _rel_error(g: Any, g_ref: Any) -> float:
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         num += float(np.sum(np.square(a64 - b64)))
         den += float(np.sum(np.square(b64)))
-    if den > 0:
-        return math.sqrt(num / den)
-    return 0.0 if num == 0 else math.inf
+    return _ratio(num, den)
+
+
+def _loop_row(params, static, batch, loss_fn, target, recipe, base, g_ref) -> SensitivityRow:
+    """The reference: quantise `target` alone, one compiled pass."""
+    loss, g = _value_and_grad(params, static, batch, loss_fn, target, recipe)
+    w, w_ref = _leaf_by_path(g, _weight_path(target)), _leaf_by_path(g_ref, _weight_path(target))
+    return SensitivityRow(
+        path=target,
+        loss_delta=float(loss) - base,
+        grad_error=_rel_error(g, g_ref),
+        weight_grad_error=math.nan if w is None or w_ref is None else _rel_error(w, w_ref),
+    )
 
 
 def _leaf_by_path(tree: Any, path: str) -> Any:
@@ -182,6 +272,7 @@ def sensitivity(
     batch: Any,
     *,
     recipe: Recipe | None = None,
+    layers_per_pass: int | None = 8,
 ) -> SensitivityReport:
     """Measure, for each `eqx.nn.Linear` of `model`, the harm done by quantising that
     layer alone (every other layer stays as it is).
@@ -206,10 +297,15 @@ def sensitivity(
     `abs(loss_delta)`, then `grad_error`); `report.suggest_policy(keep_fraction=0.15)`
     turns it into a policy.
 
-    **Cost:** one forward and backward pass per layer, plus one for the reference, each
-    under `eqx.filter_jit`. The quantised layer is a static choice, so each layer is one
-    compilation too; small compared with the passes on a real model, but it adds up on
-    hundreds of layers.
+    - `layers_per_pass`: how many single-layer variants run together, vmapped, in each
+      step of one compiled `jax.lax.map` (memory grows with it: each variant holds its
+      own activations and gradient). `None` runs the reference instead: one separately
+      compiled pass per layer. Both give the same figures up to float32 rounding.
+
+    **Cost:** one compilation in all (plus one for the unquantised reference pass), and
+    the work of one forward and backward pass per layer: every variant differs from the
+    unquantised model from its layer on, so the passes cannot be shared in general, but
+    they run batched. Measured: `python benchmarks/bench_sensitivity.py`.
 
     ```python
     def loss_fn(model, batch):
@@ -228,6 +324,17 @@ def sensitivity(
             f"`recipe` must be an `nvfp4x.Recipe` (e.g. `nvfp4x.recipes.nvfp4_training()`), "
             f"got {type(recipe).__name__}."
         )
+    if layers_per_pass is not None:
+        if isinstance(layers_per_pass, bool) or not isinstance(layers_per_pass, int):
+            raise TypeError(
+                "`layers_per_pass` must be a positive int (how many single-layer variants "
+                "run vmapped together) or None (one compiled pass per layer), got "
+                f"{type(layers_per_pass).__name__}."
+            )
+        if layers_per_pass < 1:
+            raise ValueError(
+                f"`layers_per_pass` must be at least 1 (or None), got {layers_per_pass}."
+            )
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable `(model, batch) -> loss`, got {loss_fn!r}.")
     paths = _linear_paths(model)
@@ -245,19 +352,24 @@ def sensitivity(
         )
     base = float(base_loss)
 
-    rows = []
-    for target in paths:
-        loss, g = _value_and_grad(params, static, batch, loss_fn, target, recipe)
-        wpath = f"{target}.weight" if target else "weight"
-        w, w_ref = _leaf_by_path(g, wpath), _leaf_by_path(g_ref, wpath)
-        rows.append(
-            SensitivityRow(
-                path=target,
-                loss_delta=float(loss) - base,
-                grad_error=_rel_error(g, g_ref),
-                weight_grad_error=(
-                    math.nan if w is None or w_ref is None else _rel_error(w, w_ref)
-                ),
-            )
+    if layers_per_pass is None:
+        rows = [_loop_row(params, static, batch, loss_fn, t, recipe, base, g_ref) for t in paths]
+    else:
+        losses, g_num, w_num = _sweep(
+            params, static, batch, loss_fn, tuple(paths), recipe, g_ref, layers_per_pass
         )
+        losses, g_num, w_num = (np.asarray(a, np.float64) for a in (losses, g_num, w_num))
+        g_den = float(_sq_norm(g_ref))
+        rows = []
+        for i, target in enumerate(paths):
+            w_ref = _leaf_by_path(g_ref, _weight_path(target))
+            w_den = float(_sq_norm(w_ref))
+            rows.append(
+                SensitivityRow(
+                    path=target,
+                    loss_delta=float(losses[i]) - base,
+                    grad_error=_ratio(g_num[i], g_den),
+                    weight_grad_error=_ratio(w_num[i, i], w_den),
+                )
+            )
     return SensitivityReport(rows=tuple(rows), base_loss=base, recipe=recipe)

@@ -122,6 +122,7 @@ def test_only_scalar_collectives_are_added(mesh, layout):
     for shape, kind in added:
         scalar = re.fullmatch(r"[a-z0-9]+\[\]", shape) is not None
         assert scalar or kind in plain_kinds, (shape, kind)
+
     # the non-scalar collectives move no more data than the unquantised model's
     def volume(txt):
         total = 0
@@ -152,9 +153,7 @@ def test_shard_map_with_pmax_amax_matches_unsharded(mesh):
         amax = jax.lax.pmax(jnp.max(jnp.abs(xb)), ("data", "model"))
         return nvfp4x.fake_quantize(xb, amax=amax)
 
-    fn = jax.shard_map(
-        local, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", "model")
-    )
+    fn = jax.shard_map(local, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", "model"))
     got = jax.jit(fn)(x)
     assert jnp.array_equal(got, ref)
 
