@@ -143,6 +143,9 @@ class NVFP4Array(eqx.Module):
         return vals[index].astype(jnp.bfloat16), self.tensor_scale
 
     def __repr__(self) -> str:
+        if not hasattr(self.codes, "shape"):
+            # leaves replaced by something else (shardings, specs, None): show the fields
+            return eqx.tree_pformat(self)
         return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
 
 

@@ -832,6 +832,15 @@ def test_tree_map():
     assert_bits(doubled.dequantize(), 2 * np.asarray(q.dequantize()), "tree_map on a leaf")
 
 
+def test_repr():
+    q = nvfp4x.to_nvfp4(jnp.ones((20, 40), jnp.bfloat16), block=(16, 16))
+    assert repr(q) == "NVFP4Array(shape=(20, 40), dtype=bfloat16, block=(16, 16))"
+    # Leaves replaced by shardings (as when building `out_shardings`) still print.
+    shardings = jax.tree_util.tree_map(lambda a: a.sharding, q)
+    text = repr(shardings)
+    assert text.startswith("NVFP4Array(") and "codes=" in text and "Sharding" in text
+
+
 @layouts
 def test_serialise_round_trip(block, tmp_path):
     x = np.random.default_rng(7).standard_normal((20, 40)).astype(F32)
