@@ -5,6 +5,10 @@ process, and the largest difference between their figures.
 
     python benchmarks/bench_sensitivity.py                  # 4 blocks: 29 Linear layers
     python benchmarks/bench_sensitivity.py --layers 2 --d 64  # quick
+
+`--trained` answers a different question: which layers of the `train_lm` model, trained
+in float32 with its default configuration, are most sensitive to NVFP4 (measured on
+validation windows, vmapped sweep only), and which policy `suggest_policy` proposes.
 """
 
 import argparse
@@ -14,6 +18,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 import nvfp4x
 
@@ -45,7 +50,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--per-pass", type=int, default=8, help="layers_per_pass of the sweep")
+    parser.add_argument(
+        "--trained", action="store_true", help="rank the layers of the trained train_lm model"
+    )
     args = parser.parse_args(argv)
+    if args.trained:
+        return trained(args.per_pass)
 
     lm = _load_train_lm()
     cfg = lm.Config(
@@ -99,6 +109,35 @@ def main(argv=None) -> dict:
         "grad_error_rel_diff": grad_diff,
         "same_ranking": same_order,
         "most_sensitive": [r.path for r in swept.rows[:3]],
+    }
+
+
+def trained(per_pass: int) -> dict:
+    """Train `train_lm`'s default model in float32, then rank its layers."""
+    lm = _load_train_lm()
+    cfg = lm.Config()
+    data = lm.load_data(cfg)
+    result = lm.train(lm.build_model(cfg, jax.random.key(cfg.seed)), cfg, data, label="float32")
+    starts = np.linspace(0, len(data.val) - cfg.seq - 1, 4 * cfg.batch).astype(np.int64)
+    batch = lm.windows(data.val, starts, cfg.seq)
+
+    def loss(m, b):
+        return lm.loss_fn(m, *b)
+
+    t0 = time.perf_counter()
+    report = nvfp4x.sensitivity(result.model, loss, batch, layers_per_pass=per_pass)
+    seconds = time.perf_counter() - t0
+    print(f"float32 model after {cfg.steps} steps: val loss {result.val_loss:.4f}")
+    print(report)
+    policy = report.suggest_policy(keep_fraction=0.15)
+    print(f"suggest_policy(keep_fraction=0.15): {policy}")
+    print(f"sensitivity of {len(report.rows)} layers: {seconds:.1f} s (compilation included)")
+    return {
+        "layers": len(report.rows),
+        "seconds": seconds,
+        "ranking": [r.path for r in report.rows],
+        "loss_delta": [r.loss_delta for r in report.rows],
+        "grad_error": [r.grad_error for r in report.rows],
     }
 
 

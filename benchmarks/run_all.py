@@ -38,8 +38,19 @@ def describe_machine() -> dict[str, str]:
         "python": platform.python_version(),
     }
     try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        model = names[0] if names else ""
+        if model:
+            info["cpu model"] = model
+    except OSError:
+        pass
+    try:
         import jax
 
+        import nvfp4x._formats
+
+        info["fast GEMM operands"] = str(nvfp4x._formats.fast_gemm_dtype())
         devices = jax.devices()
         info["jax"] = jax.__version__
         info["backend"] = jax.default_backend()
@@ -117,12 +128,13 @@ def _flatten(result: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 def render(machine: dict[str, str], results: list[tuple[str, str, Any, float]], quick: bool) -> str:
     """The markdown page: the machine, then one table of every benchmark's figures."""
-    lines = ["# Benchmark results", ""]
+    # Headings start at level 2: the docs' Benchmarks page includes this file.
+    lines = ["## Results of `python -m benchmarks`", ""]
     if quick:
         lines += ["Quick mode (`--quick`): small sizes, figures are indicative only.", ""]
-    lines += ["## Machine", "", "| | |", "| --- | --- |"]
+    lines += ["### Machine", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in machine.items()]
-    lines += ["", "## Results", "", "| benchmark | metric | value |", "| --- | --- | --- |"]
+    lines += ["", "### Figures", "", "| benchmark | metric | value |", "| --- | --- | --- |"]
     for name, status, payload, seconds in results:
         bench = name.removeprefix("bench_")
         if status == "ok":

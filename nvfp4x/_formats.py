@@ -8,6 +8,8 @@ as Blackwell's block-scaled GEMMs do.
 """
 
 import dataclasses
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +163,45 @@ def widest_float(*dtypes) -> jnp.dtype:
     return max((jnp.dtype(d) for d in dtypes), key=lambda d: (d.itemsize, d == jnp.float16))
 
 
+GEMM_DTYPE_ENV = "NVFP4X_GEMM_DTYPE"
+
+
+@functools.cache
+def _cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX,
+    Arm BF16). Without them XLA:CPU converts bfloat16 operands in software, which is
+    slower than multiplying in float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:
+        return False
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def fast_gemm_dtype() -> jnp.dtype:
+    """The operand dtype of `fast=True` GEMMs: bfloat16 where the device multiplies it
+    natively (GPUs, TPUs, CPUs with bf16 instructions), float32 on other CPUs. Quantised
+    values are exact in both, so the choice changes only speed and summation order.
+
+    Override with the environment variable `NVFP4X_GEMM_DTYPE` (`auto`, `bfloat16` or
+    `float32`), read when a GEMM is traced.
+    """
+    choice = os.environ.get(GEMM_DTYPE_ENV, "auto")
+    if choice == "bfloat16":
+        return jnp.dtype(jnp.bfloat16)
+    if choice == "float32":
+        return jnp.dtype(jnp.float32)
+    if choice != "auto":
+        raise ValueError(
+            f"{GEMM_DTYPE_ENV}={choice!r} is not a GEMM operand dtype; use 'auto' (the "
+            "default), 'bfloat16' or 'float32'."
+        )
+    if jax.default_backend() != "cpu" or _cpu_multiplies_bf16():
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float32)
+
+
 def scaled_dot(
     a: Array,
     a_scale: Array | None,
@@ -173,12 +214,16 @@ def scaled_dot(
     """`dot_general(a, b)` accumulated in float32, then times `a_scale * b_scale`.
 
     With `fast=True` and both operands in bfloat16 (quantised values always are: they are
-    exact there), the product runs on bfloat16 operands; otherwise (the reference) both
-    are promoted to float32 or wider first. The two differ only in float32 summation order.
+    exact there), the product runs on `fast_gemm_dtype()` operands (bfloat16 where the
+    device multiplies it natively); otherwise (the reference) both are promoted to float32
+    or wider first. The two differ only in float32 summation order.
     """
     bf16 = jnp.dtype(jnp.bfloat16)
     if not (fast and a.dtype == bf16 and b.dtype == bf16):
         dtype = widest_float(a.dtype, b.dtype, jnp.float32)
+        a, b = a.astype(dtype), b.astype(dtype)
+    else:
+        dtype = fast_gemm_dtype()
         a, b = a.astype(dtype), b.astype(dtype)
     out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
     scales = [s for s in (a_scale, b_scale) if s is not None]

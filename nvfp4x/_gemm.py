@@ -235,8 +235,9 @@ def qdot(
     - `seed`: two uint32 words mixed into the stochastic-rounding keys of dgrad
       (dy along n) and wgrad (dy along tokens). A checksum of `w` is mixed in too, so
       each optimiser step draws fresh thresholds even with the default seed.
-    - `fast`: run the GEMMs on bfloat16 operands (exact for quantised values) instead of
-      the float32 reference; only the summation order differs.
+    - `fast`: run the GEMMs on the device's fastest exact operand dtype (bfloat16 where
+      it is multiplied natively, float32 on other CPUs; `NVFP4X_GEMM_DTYPE` overrides)
+      instead of the float32 reference; only the summation order differs.
 
     **Returns:** float32 `(tokens..., n)`, accumulated in float32 and multiplied by both
     operands' tensor scales.

@@ -22,9 +22,9 @@ class QuantizedLinear(eqx.Module):
 
     **Fields:** `weight` `(out_features, in_features)` (or stacked `(L, out, in)`),
     `bias` or None, `in_features`, `out_features`, `use_bias`, `recipe` (static) and
-    `fast` (static: run the GEMMs on bfloat16 operands, exact for quantised values;
-    `False` runs the float32 reference), and `probe` (None unless telemetry is switched
-    on with `nvfp4x.telemetry.enable`).
+    `fast` (static: run the GEMMs on bfloat16 operands where the device multiplies them
+    natively, exact for quantised values; `False` runs the float32 reference), and
+    `probe` (None unless telemetry is switched on with `nvfp4x.telemetry.enable`).
 
     The layer acts on one example `(in_features,)` like `eqx.nn.Linear`, and also on a
     batch `(..., in_features)`. `jax.vmap(layer)(xs)` gives the same bits as `layer(xs)`:
@@ -64,7 +64,8 @@ class QuantizedLinear(eqx.Module):
 
         - `linear`: the layer to wrap (possibly stacked).
         - `recipe`: an [`nvfp4x.Recipe`][] (a recipe name is not accepted here).
-        - `fast`: run the GEMMs on bfloat16 operands rather than the float32 reference.
+        - `fast`: run the GEMMs on the device's fast operand dtype (bfloat16 where it is
+          native) rather than the float32 reference.
 
         **Returns:** a `QuantizedLinear` with `linear`'s weight, bias and features.
         """

@@ -58,8 +58,9 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     - `policy`: an [`nvfp4x.Policy`][] (regex rules on paths such as `blocks[3].mlp.fc1`),
       one recipe (or recipe name) for every layer, or a callable
       `(path, linear) -> recipe | None`. `None` keeps a layer as it is.
-    - `fast`: run the GEMMs on bfloat16 operands (exact for quantised values) rather than
-      the float32 reference.
+    - `fast`: run the GEMMs on bfloat16 operands where the device multiplies them natively
+      (float32 on other CPUs; exact for quantised values either way) rather than the
+      float32 reference.
 
     **Returns:** the model with quantised layers. [`nvfp4x.dequantize`][] undoes it exactly.
 

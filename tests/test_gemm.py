@@ -277,8 +277,36 @@ def test_wgrad_with_rht_matches_reference(mode, fast):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["bfloat16", "float32"])
+def gemm_dtype(request, monkeypatch):
+    """Force the fast path's operand dtype. It is read when a GEMM is traced, so tests
+    using this fixture trace afresh under `jax.jit` of a new function (an eager call
+    could reuse a primitive's cached trace)."""
+    monkeypatch.setenv("NVFP4X_GEMM_DTYPE", request.param)
+    return request.param
+
+
+def test_fast_gemm_dtype_is_the_one_traced(gemm_dtype):
+    x, w = jnp.ones((16, 32)), jnp.ones((8, 32))
+    recipe = nvfp4x.recipes.nvfp4_training()
+    text = jax.jit(lambda x, w: nvfp4x.qdot(x, w, recipe=recipe)).lower(x, w).as_text()
+    short = {"bfloat16": "bf16", "float32": "f32"}[gemm_dtype]
+    assert f"(tensor<16x32x{short}>, tensor<8x32x{short}>) -> tensor<16x8xf32>" in text
+
+
+def test_bad_gemm_dtype_env(monkeypatch):
+    monkeypatch.setenv("NVFP4X_GEMM_DTYPE", "fp16")
+    x, w = jnp.ones((16, 32)), jnp.ones((8, 32))
+    recipe = nvfp4x.recipes.nvfp4_training()
+    with pytest.raises(ValueError, match="NVFP4X_GEMM_DTYPE='fp16'"):
+        jax.jit(lambda x, w: nvfp4x.qdot(x, w, recipe=recipe))(x, w)
+
+
 @pytest.mark.parametrize("name", list(RECIPES), ids=list(RECIPES))
-def test_fast_matches_reference_path(name):
+def test_fast_matches_reference_path(name, monkeypatch):
+    """The fast path on bfloat16 operands (forced, so it is tested on every CPU) against
+    the float32 reference."""
+    monkeypatch.setenv("NVFP4X_GEMM_DTYPE", "bfloat16")
     recipe = RECIPES[name]()
     x, w, g = (jnp.asarray(normal(s, sh)) for s, sh in ((8, (T, K)), (9, (N, K)), (10, (T, N))))
 
@@ -286,8 +314,12 @@ def test_fast_matches_reference_path(name):
         def f(x, w):
             return jnp.sum(nvfp4x.qdot(x, w, recipe=recipe, fast=fast) * g)
 
-        y = nvfp4x.qdot(x, w, recipe=recipe, fast=fast)
-        return (y, *jax.grad(f, argnums=(0, 1))(x, w))
+        # a new function under jit: traced now, with the forced dtype
+        @jax.jit
+        def all_three(x, w):
+            return (nvfp4x.qdot(x, w, recipe=recipe, fast=fast), *jax.grad(f, (0, 1))(x, w))
+
+        return all_three(x, w)
 
     for what, a, b in zip(("y", "dx", "dW"), run(True), run(False), strict=True):
         assert a.dtype == b.dtype == jnp.float32, what

@@ -82,18 +82,23 @@ def _expand(scale: Array, block: Block) -> Array:
     return scale[..., :, None, :] if block[1] == 1 else scale[..., :, None, :, None]
 
 
-def block_absmax(xb: Float[Array, "..."], block: Block) -> tuple[Array, Array]:
-    """Per block, in one pass: `max|x|` with NaN propagating (the non-finite flag) and
-    `max|x|` ignoring NaN (for the tensor amax, as CUDA's `fmaxf` does)."""
+def block_absmax(xp: Float[Array, "..."], block: Block) -> Float[Array, "..."]:
+    """Per block, `max|x|` with NaN propagating (a block holding NaN gets NaN), on the
+    padded array, in the shape of the block grid (`to_blocks` with the block axes gone).
 
-    def combine(u, v):
-        (p1, i1), (p2, i2) = u, v
-        return jnp.maximum(p1, p2), jnp.where(jnp.isnan(i2) | (i1 > i2), i1, i2)
+    A `reduce_window` rather than a reduction over the `to_blocks` view: XLA:CPU
+    vectorises it about 9x better than a reduction over a minor axis of 16."""
+    window = (1,) * (xp.ndim - 1) + (BLOCK,) if block[0] == 1 else (1,) * (xp.ndim - 2) + block
+    return jax.lax.reduce_window(jnp.abs(xp), np.float32(0.0), jax.lax.max, window, window, "VALID")
 
-    a = jnp.abs(xb)
-    dims = tuple(d % xb.ndim for d in _block_axes(block))
-    zero = np.float32(0.0)
-    return jax.lax.reduce((a, a), (zero, zero), combine, dims)
+
+def _amax_given_blocks(x: Float[Array, "..."], bamax: Float[Array, "..."]) -> Float[Array, ""]:
+    """`tensor_amax(x)`, from the block maxima when no block holds a NaN (the common case:
+    XLA:CPU's NaN-ignoring reduction over the whole array is ~8x slower). The max of the
+    block maxima propagates NaN, so it is also the test: one reduction (one all-reduce
+    when sharded) in the common case."""
+    m = jnp.max(bamax, initial=0.0)
+    return jax.lax.cond(jnp.isnan(m), lambda: tensor_amax(x), lambda: m)
 
 
 def scale_blocks(
@@ -107,10 +112,11 @@ def scale_blocks(
     """
     # The barrier keeps XLA from constant-folding the block reduction when `xp` is a
     # compile-time constant (a closed-over weight): its evaluator takes seconds on it.
-    xb = to_blocks(jax.lax.optimization_barrier(xp.astype(jnp.float32)), block)
-    bamax, bamax_no_nan = block_absmax(xb, block)
+    xf = jax.lax.optimization_barrier(xp.astype(jnp.float32))
+    bamax = block_absmax(xf, block)
     if amax is None:
-        amax = jnp.max(bamax_no_nan, initial=0.0)
+        amax = _amax_given_blocks(xf, bamax)
+    xb = to_blocks(xf, block)
     s_enc = encode_scale(amax)
     s_dec = 1.0 / s_enc
     scale_b = round_e4m3(jnp.minimum(bamax * (s_enc * INV_E2M1_MAX), 448.0))

@@ -90,9 +90,11 @@ def test_loss_and_grads_match_one_device(mesh, layout):
         assert _rel(g, r) <= 1e-5
 
 
-# With weights sharded along their rows (FSDP), XLA's sharding propagation chooses a
-# different plan for the quantised program than for the plain one (an extra gather of one
-# weight, ~25% more volume). Numbers stay identical; the extra traffic is a known gap.
+# With weights sharded along their rows (FSDP), XLA's plan gathers the input activations
+# over the tokens; the plain program reuses the gathered input for wgrad, but wgrad's
+# quantised input (Hadamard-transformed, blocked along tokens) is a different tensor and
+# is gathered again (~25% more volume here). Numbers stay identical; the extra traffic is
+# a known gap (docs/sharding.md).
 COLLECTIVE_CASES = [
     pytest.param(
         layout,
@@ -128,11 +130,11 @@ def test_only_scalar_collectives_are_added(mesh, layout):
         total = 0
         for s, _ in COLLECTIVE.findall(txt):
             dims = re.search(r"\[([0-9,]*)\]", s).group(1)
-            total += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            if dims:  # scalars (the amax all-reduces) are allowed, and counted above
+                total += int(np.prod([int(d) for d in dims.split(",")]))
         return total
 
-    scalars = sum(1 for s, _ in kinds(text) if s.endswith("[]"))
-    assert volume(text) <= volume(plain) + 16 * max(scalars, 1)
+    assert volume(text) <= volume(plain)
 
 
 def test_amax_is_global_not_per_shard(mesh):

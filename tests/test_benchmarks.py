@@ -1,0 +1,72 @@
+"""The benchmark scripts' own logic: the results page and the convergence table.
+
+The benchmarks themselves are timed runs, not tests; `--smoke` of the convergence study
+runs here (slow) so that the script the docs' fidelity page relies on keeps working.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import run_all  # noqa: E402
+
+
+def test_render_lists_every_benchmark_and_its_status():
+    machine = {"platform": "test", "cpu count": "2"}
+    results = [
+        ("bench_format", "ok", {"speedup": {"x": 4.25}, "sqnr_db": 20.5}, 3.0),
+        ("bench_training", "error", "ValueError: boom | bad", 1.0),
+        ("bench_inference", "missing", "benchmarks/bench_inference.py does not exist", 0.0),
+    ]
+    page = run_all.render(machine, results, quick=True)
+    lines = page.splitlines()
+    assert lines[0].startswith("## ")  # included by docs/benchmarks.md under its own title
+    assert "| format | speedup.x | 4.25 |" in lines
+    assert "| format | sqnr_db | 20.5 |" in lines
+    assert "| format | wall time (s) | 3.0 |" in lines
+    assert "| training | **error** | ValueError: boom \\| bad |" in lines
+    assert "| inference | **missing** | benchmarks/bench_inference.py does not exist |" in lines
+    assert "| cpu count | 2 |" in lines
+    assert "Quick mode" in page
+
+
+def test_every_listed_benchmark_exists():
+    for name in run_all.BENCHMARKS:
+        assert (ROOT / "benchmarks" / f"{name}.py").exists(), name
+
+
+def test_steps_to_reach():
+    from benchmarks.convergence import steps_to_reach
+
+    losses = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 1.0])
+    assert steps_to_reach(losses, 3.0, window=1) == 3  # losses[2] <= 3: three steps in
+    assert steps_to_reach(losses, 2.0, window=2) == 5  # mean(losses[3:5]) = 1.5
+    assert steps_to_reach(losses, 0.5, window=1) is None
+    assert steps_to_reach(losses[:1], 5.0, window=2) is None
+
+
+@pytest.mark.slow
+def test_convergence_smoke(tmp_path):
+    out = tmp_path / "conv"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "convergence.py"),
+        "--smoke",
+        "--only",
+        "float32,nvfp4",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert {p.name for p in out.iterdir()} == {"losses.csv", "results.md", "convergence.png"}
+    header = (out / "losses.csv").read_text().splitlines()[0]
+    assert header == "step,float32,nvfp4"
+    assert "| nvfp4 |" in (out / "results.md").read_text()
