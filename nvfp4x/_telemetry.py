@@ -42,6 +42,9 @@ from ._formats import Format, quantize_operand
 from ._gemm import _grad_key, _mix_weight, _needs_key, _vmapped, wgrad_operands
 from ._policy import Recipe
 
+#: The public names of `nvfp4x.telemetry`; the rest is machinery.
+__all__ = ["OPERANDS", "STATS", "collect", "disable", "enable"]
+
 OPERANDS = ("fprop_x", "weight", "dgrad_dy", "wgrad_x", "wgrad_dy")
 STATS = ("amax", "zero_frac", "saturated_frac", "sqnr_db")
 PROBE_SHAPE = (len(OPERANDS), len(STATS))
