@@ -12,9 +12,6 @@ validation windows, vmapped sweep only), and which policy `suggest_policy` propo
 """
 
 import argparse
-import importlib.util
-import pathlib
-import sys
 import time
 
 import jax
@@ -22,18 +19,16 @@ import numpy as np
 
 import nvfp4x
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+try:  # the train_lm example, as the convergence study loads it
+    from benchmarks.convergence import lm
+except ImportError:  # run as a script from benchmarks/
+    from convergence import lm
+
 QUICK_ARGV = ["--layers", "1", "--d", "64", "--seq", "32", "--batch", "4"]
 
 
-def _load_train_lm():
-    if "train_lm" in sys.modules:
-        return sys.modules["train_lm"]
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    return module
+def _loss(model, batch):
+    return lm.loss_fn(model, *batch)
 
 
 def _timed(fn):
@@ -57,7 +52,6 @@ def main(argv=None) -> dict:
     if args.trained:
         return trained(args.per_pass)
 
-    lm = _load_train_lm()
     cfg = lm.Config(
         d_model=args.d,
         n_layers=args.layers,
@@ -71,15 +65,13 @@ def main(argv=None) -> dict:
     tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, 256)
     batch = (tokens[:, :-1], tokens[:, 1:])
 
-    def loss(m, b):
-        return lm.loss_fn(m, *b)
-
     recipe = nvfp4x.recipes.nvfp4_training()
+    per_pass = args.per_pass
     swept, t_sweep = _timed(
-        lambda: nvfp4x.sensitivity(model, loss, batch, recipe=recipe, layers_per_pass=args.per_pass)
+        lambda: nvfp4x.sensitivity(model, _loss, batch, recipe=recipe, layers_per_pass=per_pass)
     )
     looped, t_loop = _timed(
-        lambda: nvfp4x.sensitivity(model, loss, batch, recipe=recipe, layers_per_pass=None)
+        lambda: nvfp4x.sensitivity(model, _loss, batch, recipe=recipe, layers_per_pass=None)
     )
     by_path = {r.path: r for r in looped.rows}
     scale = max(abs(r.loss_delta) for r in looped.rows)
@@ -114,18 +106,14 @@ def main(argv=None) -> dict:
 
 def trained(per_pass: int) -> dict:
     """Train `train_lm`'s default model in float32, then rank its layers."""
-    lm = _load_train_lm()
     cfg = lm.Config()
     data = lm.load_data(cfg)
     result = lm.train(lm.build_model(cfg, jax.random.key(cfg.seed)), cfg, data, label="float32")
     starts = np.linspace(0, len(data.val) - cfg.seq - 1, 4 * cfg.batch).astype(np.int64)
     batch = lm.windows(data.val, starts, cfg.seq)
 
-    def loss(m, b):
-        return lm.loss_fn(m, *b)
-
     t0 = time.perf_counter()
-    report = nvfp4x.sensitivity(result.model, loss, batch, layers_per_pass=per_pass)
+    report = nvfp4x.sensitivity(result.model, _loss, batch, layers_per_pass=per_pass)
     seconds = time.perf_counter() - t0
     print(f"float32 model after {cfg.steps} steps: val loss {result.val_loss:.4f}")
     print(report)

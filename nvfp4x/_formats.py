@@ -219,12 +219,11 @@ def scaled_dot(
     or wider first. The two differ only in float32 summation order.
     """
     bf16 = jnp.dtype(jnp.bfloat16)
-    if not (fast and a.dtype == bf16 and b.dtype == bf16):
-        dtype = widest_float(a.dtype, b.dtype, jnp.float32)
-        a, b = a.astype(dtype), b.astype(dtype)
-    else:
+    if fast and a.dtype == bf16 and b.dtype == bf16:
         dtype = fast_gemm_dtype()
-        a, b = a.astype(dtype), b.astype(dtype)
+    else:
+        dtype = widest_float(a.dtype, b.dtype, jnp.float32)
+    a, b = a.astype(dtype), b.astype(dtype)
     out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
     scales = [s for s in (a_scale, b_scale) if s is not None]
     if len(scales) == 2:

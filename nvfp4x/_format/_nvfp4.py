@@ -71,10 +71,6 @@ def from_blocks(xb: Array, block: Block) -> Array:
     return xb.reshape(*lead, r * BLOCK, c * BLOCK)
 
 
-def _block_axes(block: Block) -> tuple[int, ...]:
-    return {(1, BLOCK): (-1,), (BLOCK, 1): (-2,)}.get(block, (-3, -1))
-
-
 def _expand(scale: Array, block: Block) -> Array:
     """Broadcast a block grid against `to_blocks` output."""
     if block[0] == 1:
