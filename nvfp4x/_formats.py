@@ -13,7 +13,7 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 from ._format._constants import BLOCK, MX_BLOCK
 from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
@@ -204,9 +204,9 @@ def fast_gemm_dtype() -> jnp.dtype:
 
 def scaled_dot(
     a: Array,
-    a_scale: Array | None,
+    a_scale: ArrayLike | None,
     b: Array,
-    b_scale: Array | None,
+    b_scale: ArrayLike | None,
     dims: tuple[tuple[int, ...], tuple[int, ...]],
     *,
     fast: bool,

@@ -91,13 +91,14 @@ class FrozenLinear(eqx.Module):
                 "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis."
             )
 
-        def matmul(x2):
+        def matmul(x2, *leaves):
             return frozen_p.bind(
                 x2, *leaves, wdef=wdef, recipe=self.recipe, fast=self.fast, nbatch=0
             )
 
-        dtype = self.weight.dtype
-        return apply_linear(self, x, matmul, dtype)
+        # The codes take the logical weight's partition spec (`packed_sharding`).
+        weight = (self.weight_shape, leaves[0])
+        return apply_linear(self, x, matmul, tuple(leaves), weight, self.weight.dtype)
 
 
 def weight_operand(w: PackedWeight, recipe: Recipe):

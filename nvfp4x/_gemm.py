@@ -13,14 +13,20 @@ whether a layer is called on a batch or `jax.vmap`-ed over it (Equinox layers ar
 per example). A tensor amax or a 16-token wgrad block must cover everything the layer
 processes in one call, and only a primitive's batching rule can see that:
 
-- `_qdot_p(x, W, seed)` (fprop). Batching: a vmapped axis of `x` alone is folded into
-  the token axes (one call over the stacked batch, bit for bit); a vmapped `W` (an
-  ensemble, or `vmap` over stacked layers) makes independent problems, counted by the
-  static `nbatch` (leading axes of every operand).
-- JVP: `y' = _tx_p(x', W) + _tw_p(x, W')`, two primitives linear in `x'` and `W'`
+- `qdot_p(x, W, Wq, sW, seed)` (fprop). The weight is quantised once, outside the
+  primitive (it does not depend on the batch): `(Wq, sW)` are its values, already in the
+  GEMM's operand dtype, and tensor scale. Batching: a vmapped axis of `x` alone is
+  folded into the token axes (one call over the stacked batch, bit for bit); a vmapped
+  weight (an ensemble, or `vmap` over stacked layers) makes independent problems,
+  counted by the static `nbatch` (leading axes of every operand).
+- JVP: `y' = tx_p(x', Wq', sW') + tw_p(x, W')`, two primitives linear in `x'` and `W'`
   (straight-through: the quantiser's Jacobian is the identity). Their transposes run
-  the quantised dgrad and wgrad. Under `jax.grad(jax.vmap(f))` the batch has been
-  folded before differentiation, so dgrad and wgrad see every token at once; under
+  the quantised dgrad and wgrad. dgrad's weight `(Wq', sW')` is fprop's own arrays when
+  the two layouts agree (16x16 tiles, per-tensor FP8, unquantised; `shares_weight`):
+  one weight quantisation per step and, under FSDP, one all-gather of it, as the plain
+  program gathers its weight once. Otherwise (1x16, MXFP8) the weight is quantised
+  along n in the JVP. Under `jax.grad(jax.vmap(f))` the batch has been folded before
+  differentiation, so dgrad and wgrad see every token at once; under
   `jax.vmap(jax.grad(f))` the transposes are traced per example and give per-example
   gradients.
 - Stochastic rounding keys: `seed` (two uint32 words, zero when the caller gave no key)
@@ -38,10 +44,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-from jaxtyping import Array, Float, UInt32
+from jaxtyping import Array, ArrayLike, Float, UInt32
 
+from ._format._constants import BLOCK
 from ._format._hadamard import rht
-from ._formats import quantize_operand, scaled_dot
+from ._formats import fast_gemm_dtype, quantize_operand, scaled_dot
 from ._policy import Recipe
 
 
@@ -66,16 +73,38 @@ def _needs_key(recipe: Recipe) -> bool:
 # --- the reference maths of each GEMM, for one problem (no independent batch axes) ---
 
 
-def fprop(x: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "..."]:
-    """fprop: `Q(x) @ Q(W).T`, x quantised along k, W per `recipe.weight`."""
+def shares_weight(recipe: Recipe) -> bool:
+    """Whether fprop and dgrad use the same quantised weight: true unless the weight's
+    blocks run along one GEMM's contraction axis (NVFP4 1x16, MXFP8). 16x16 tiles, a
+    per-tensor FP8 scale or no quantisation give the same values in both layouts."""
+    fmt = recipe.weight
+    return fmt is None or fmt.block in (None, (BLOCK, BLOCK))
+
+
+def quantize_weight(w: Array, recipe: Recipe, axis: int, fast: bool) -> tuple[Array, Array]:
+    """The weight operand of fprop (`axis=-1`, blocks along k) or dgrad (`axis=0`, along
+    n) as `(values, scale)`, the values already in the GEMM's operand dtype (so that both
+    GEMMs consume one array: under FSDP, one all-gather), the scale 1 for formats without
+    a tensor scale (an exact multiplication) so that every primitive operand is an array."""
+    wv, ws = quantize_operand(w, recipe.weight, axis=axis)
+    if fast and wv.dtype == jnp.bfloat16:
+        wv = wv.astype(fast_gemm_dtype())
+    return wv, jnp.float32(1.0) if ws is None else ws
+
+
+def fprop(
+    x: Array, wv: Array, ws: Float[ArrayLike, ""], *, recipe: Recipe, fast: bool
+) -> Float[Array, "..."]:
+    """fprop: `Q(x) @ Q(W).T`, x quantised along k; `(wv, ws)` the quantised weight."""
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
-    wv, ws = quantize_operand(w, recipe.weight, axis=-1)
     return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), fast=fast)
 
 
-def tangent_x(xt: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Array:
-    """Forward-mode tangent along x: `x' @ Q(W).T` (straight-through)."""
-    wv, ws = quantize_operand(w, recipe.weight, axis=-1)
+def tangent_x(
+    xt: Array, wv: Array, ws: Float[ArrayLike, ""], seed: Array, *, recipe: Recipe, fast: bool
+) -> Array:
+    """Forward-mode tangent along x: `x' @ Q(W).T` (straight-through), with `(wv, ws)`
+    the weight quantised for dgrad."""
     return scaled_dot(xt, None, wv, ws, ((xt.ndim - 1,), (1,)), fast=fast)
 
 
@@ -85,11 +114,13 @@ def tangent_w(x: Array, wt: Array, seed: Array, *, recipe: Recipe, fast: bool) -
     return scaled_dot(xv, xs, wt, None, ((x.ndim - 1,), (1,)), fast=fast)
 
 
-def dgrad(dy: Array, w: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "..."]:
-    """dgrad: `Q(dy) @ Q(W)`, dy quantised along n (stochastically if the recipe says)."""
+def dgrad(
+    dy: Array, wv: Array, ws: Float[ArrayLike, ""], seed: Array, *, recipe: Recipe, fast: bool
+) -> Float[Array, "..."]:
+    """dgrad: `Q(dy) @ Q(W)`, dy quantised along n (stochastically if the recipe says);
+    `(wv, ws)` the weight quantised along n (`quantize_weight(w, recipe, axis=0)`)."""
     key = _grad_key(seed, 1) if _needs_key(recipe) else None
     gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
-    wv, ws = quantize_operand(w, recipe.weight, axis=0)
     return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), fast=fast)
 
 
@@ -119,11 +150,19 @@ def _vmapped(fn, nbatch: int):
 
 
 # --- primitives ---
+#
+# Operands: the activation-side operand first (x, x' or nothing else), the weight-side
+# operands after it, the seed last. `qdot_p(x, w, wv, ws, seed)` takes the master weight
+# `w` (for the JVP: its tangent and checksum) and the quantised weight `(wv, ws)`, made
+# once by `qdot` outside the primitive and reused by dgrad when `shares_weight(recipe)`:
+# one quantisation per step, and under FSDP one all-gather of the quantised weight for
+# both GEMMs, as the unquantised program gathers its weight once.
 
 
-def _abstract(a, b, seed, *, recipe, fast, nbatch):
-    del seed, recipe, fast
-    return jax.core.ShapedArray(a.shape[:-1] + (b.shape[-2],), jnp.float32)
+def _abstract(a, *rest, recipe, fast, nbatch):
+    del recipe, fast
+    w = rest[0]
+    return jax.core.ShapedArray(a.shape[:-1] + (w.shape[-2],), jnp.float32)
 
 
 def _combine_seeds(seed: Array, axis: int) -> Array:
@@ -136,35 +175,35 @@ def _combine_seeds(seed: Array, axis: int) -> Array:
 
 
 def _batch_rule(prim, args, dims, *, recipe, fast, nbatch):
-    a, b, seed = args
-    da, db, ds = dims
+    a, *ws, seed = args
+    da, *dws, ds = dims
     nm = None  # batching.not_mapped
     params = dict(recipe=recipe, fast=fast)
-    if db is nm:
+    if all(d is nm for d in dws):
         # Fold a vmapped activation axis into the token axes: one problem over the batch.
         if ds is not nm:
             seed = _combine_seeds(seed, ds)
         if da is nm:
-            return prim.bind(a, b, seed, nbatch=nbatch, **params), nm
+            return prim.bind(a, *ws, seed, nbatch=nbatch, **params), nm
         a = jnp.moveaxis(a, da, nbatch)
-        return prim.bind(a, b, seed, nbatch=nbatch, **params), nbatch
+        return prim.bind(a, *ws, seed, nbatch=nbatch, **params), nbatch
     # A vmapped weight: independent problems, as a new leading batch axis.
-    size = b.shape[db]
+    size = next(w.shape[d] for w, d in zip(ws, dws, strict=True) if d is not nm)
 
     def lead(v, d):
         if d is nm:
             return jnp.broadcast_to(v, (size,) + v.shape)
         return jnp.moveaxis(v, d, 0)
 
-    a, b, seed = lead(a, da), lead(b, db), lead(seed, ds)
-    return prim.bind(a, b, seed, nbatch=nbatch + 1, **params), 0
+    new = [lead(v, d) for v, d in zip(args, dims, strict=True)]
+    return prim.bind(*new, nbatch=nbatch + 1, **params), 0
 
 
 def _make_primitive(name: str, fn) -> Primitive:
     prim = Primitive(name)
 
-    def impl(a, b, seed, *, recipe, fast, nbatch):
-        return _vmapped(functools.partial(fn, recipe=recipe, fast=fast), nbatch)(a, b, seed)
+    def impl(*args, recipe, fast, nbatch):
+        return _vmapped(functools.partial(fn, recipe=recipe, fast=fast), nbatch)(*args)
 
     prim.def_impl(jax.jit(impl, static_argnames=("recipe", "fast", "nbatch")))
     prim.def_abstract_eval(_abstract)
@@ -173,40 +212,52 @@ def _make_primitive(name: str, fn) -> Primitive:
     return prim
 
 
-qdot_p = _make_primitive("nvfp4x_qdot", fprop)
+def _fprop_operands(x, w, wv, ws, seed, *, recipe, fast):
+    del w, seed  # the master weight and seed matter to the derivatives only
+    return fprop(x, wv, ws, recipe=recipe, fast=fast)
+
+
+qdot_p = _make_primitive("nvfp4x_qdot", _fprop_operands)
 tx_p = _make_primitive("nvfp4x_qdot_tangent_x", tangent_x)
 tw_p = _make_primitive("nvfp4x_qdot_tangent_w", tangent_w)
 
 
 def _qdot_jvp(primals, tangents, *, recipe, fast, nbatch):
-    a, b, seed = primals
-    ta, tb, _ = tangents
+    x, w, wv, ws, seed = primals
+    tx, tw = tangents[:2]
     params = dict(recipe=recipe, fast=fast, nbatch=nbatch)
-    y = qdot_p.bind(a, b, seed, **params)
+    y = qdot_p.bind(x, w, wv, ws, seed, **params)
     if _needs_key(recipe):
-        seed = _mix_weight(seed, b)
+        seed = _mix_weight(seed, w)
     parts = []
-    if type(ta) is not ad.Zero:
-        parts.append(tx_p.bind(ta, b, seed, **params))
-    if type(tb) is not ad.Zero:
-        parts.append(tw_p.bind(a, tb, seed, **params))
+    if type(tx) is not ad.Zero:
+        if not shares_weight(recipe):
+            quant = functools.partial(quantize_weight, recipe=recipe, axis=0, fast=fast)
+            wv, ws = _vmapped(quant, nbatch)(w)
+        parts.append(tx_p.bind(tx, wv, ws, seed, **params))
+    if type(tw) is not ad.Zero:
+        parts.append(tw_p.bind(x, tw, seed, **params))
     if not parts:
         return y, ad.Zero.from_primal_value(y)
     return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
-def _tx_transpose(ct, a, b, seed, *, recipe, fast, nbatch):
-    if ad.is_undefined_primal(b):
-        raise NotImplementedError("nvfp4x: second-order derivatives are not supported.")
+def _second_order():
+    return NotImplementedError("nvfp4x: second-order derivatives are not supported.")
+
+
+def _tx_transpose(ct, a, wv, ws, seed, *, recipe, fast, nbatch):
+    if ad.is_undefined_primal(wv) or ad.is_undefined_primal(ws):
+        raise _second_order()
     if type(ct) is ad.Zero:
-        return [ad.Zero(a.aval), None, None]
+        return [ad.Zero(a.aval), None, None, None]
     fn = _vmapped(functools.partial(dgrad, recipe=recipe, fast=fast), nbatch)
-    return [fn(ct, b, seed).astype(a.aval.dtype), None, None]
+    return [fn(ct, wv, ws, seed).astype(a.aval.dtype), None, None, None]
 
 
 def _tw_transpose(ct, a, b, seed, *, recipe, fast, nbatch):
     if ad.is_undefined_primal(a):
-        raise NotImplementedError("nvfp4x: second-order derivatives are not supported.")
+        raise _second_order()
     if type(ct) is ad.Zero:
         return [None, ad.Zero(b.aval), None]
     fn = _vmapped(functools.partial(wgrad, recipe=recipe, fast=fast), nbatch)
@@ -256,4 +307,5 @@ def qdot(
     """
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
-    return qdot_p.bind(x, w, seed, recipe=recipe, fast=fast, nbatch=0)
+    wv, ws = quantize_weight(lax.stop_gradient(w), recipe, axis=-1, fast=fast)
+    return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, fast=fast, nbatch=0)

@@ -126,21 +126,25 @@ class QuantizedLinear(eqx.Module):
             )
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
 
-        def matmul(x2):
-            y = qdot(x2, self.weight, recipe=self.recipe, seed=seed, fast=self.fast)
-            if self.probe is not None:
-                from ._telemetry import probe
+        def matmul(x2, w, seed, probe):
+            y = qdot(x2, w, recipe=self.recipe, seed=seed, fast=self.fast)
+            if probe is not None:
+                from ._telemetry import probe as probe_fn
 
                 s = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-                y = probe(y, x2, self.weight, s, self.probe, self.recipe)
+                y = probe_fn(y, x2, w, s, probe, self.recipe)
             return y
 
-        return apply_linear(self, x, matmul, self.weight.dtype)
+        operands = (self.weight, seed, self.probe)
+        weight = (self.weight.shape, self.weight)
+        return apply_linear(self, x, matmul, operands, weight, self.weight.dtype)
 
 
-def apply_linear(layer, x: Array, matmul, weight_dtype) -> Array:
-    """`eqx.nn.Linear`'s contract around a GEMM: input checks, "scalar" features, bias
-    added in float32, output in the promoted dtype of `x` and the weight."""
+def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype) -> Array:
+    """`eqx.nn.Linear`'s contract around a GEMM `matmul(x, *operands)`: input checks,
+    "scalar" features, bias added in float32, output in the promoted dtype of `x` and the
+    weight. `weight` is `(shape, array)`: the logical weight's shape, and an array with
+    its partition spec (the weight itself, or a packed weight's codes)."""
     if layer.in_features == "scalar":
         x = x[..., None]
     k = 1 if layer.in_features == "scalar" else layer.in_features
@@ -149,9 +153,24 @@ def apply_linear(layer, x: Array, matmul, weight_dtype) -> Array:
             f"{type(layer).__name__} expects inputs of shape (..., {layer.in_features}) "
             f"(last axis = in_features), got {x.shape}."
         )
-    y = matmul(x)
+    y = explicit_axes_as_auto(matmul, x, operands, weight)
     if layer.bias is not None:
         y = y + layer.bias.astype(jnp.float32)
     if layer.out_features == "scalar":
         y = y[..., 0]
     return y.astype(widest_float(x.dtype, weight_dtype))
+
+
+def explicit_axes_as_auto(matmul, x: Array, operands: tuple, weight) -> Array:
+    """`matmul(x, *operands)`, the GEMM `x @ W.T`. Under a mesh with explicit axes
+    ("sharding in types"), it runs with those axes switched to automatic (XLA places the
+    amax all-reduces and gathers, as under an automatic mesh), and its output gets the
+    sharding JAX gives the plain `x @ W.T`, so that a quantised model type-checks where
+    the plain one does and raises JAX's own error where it does not."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return matmul(x, *operands)
+    shape, like = weight
+    w = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.typeof(like).sharding)
+    out = jax.eval_shape(lambda a, b: jnp.matmul(a, b.T, preferred_element_type=jnp.float32), x, w)
+    return jax.sharding.auto_axes(matmul, out_sharding=out.sharding)(x, *operands)
