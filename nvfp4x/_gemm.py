@@ -86,9 +86,15 @@ def quantize_weight(w: Array, recipe: Recipe, axis: int, fast: bool) -> tuple[Ar
     n) as `(values, scale)`, the values already in the GEMM's operand dtype (so that both
     GEMMs consume one array: under FSDP, one all-gather), the scale 1 for formats without
     a tensor scale (an exact multiplication) so that every primitive operand is an array."""
+    return _quantize_weight(w, recipe, axis, fast_gemm_dtype() if fast else None)
+
+
+# Jitted: called eagerly, it is one dispatch, as the primitives' own computations are.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_weight(w: Array, recipe: Recipe, axis: int, gemm_dtype) -> tuple[Array, Array]:
     wv, ws = quantize_operand(w, recipe.weight, axis=axis)
-    if fast and wv.dtype == jnp.bfloat16:
-        wv = wv.astype(fast_gemm_dtype())
+    if gemm_dtype is not None and wv.dtype == jnp.bfloat16:
+        wv = wv.astype(gemm_dtype)
     return wv, jnp.float32(1.0) if ws is None else ws
 
 

@@ -254,6 +254,32 @@ def grid_data(seed: int, shape) -> np.ndarray:
 RHT_CASES = [("jit", True), ("jit", False), ("eager", True)]
 
 
+@fasts
+def test_1x16_weight_blocks_run_along_each_gemms_contraction(fast):
+    """With 1x16 weight blocks, fprop quantises W along k and dgrad along n (its own
+    contraction axis); with 16x16 tiles both use one quantised weight (the reference above)."""
+    recipe = nvfp4x.recipes.nvfp4_training(
+        rht=False, stochastic_rounding=False, weight_block=(1, 16)
+    )
+    x, w, g = (normal(s, sh) for s, sh in ((21, (T, K)), (22, (N, K)), (23, (T, N))))
+
+    @jax.jit
+    def run(x, w):
+        y = nvfp4x.qdot(x, w, recipe=recipe, fast=fast)
+        dx = jax.grad(lambda x: jnp.sum(nvfp4x.qdot(x, w, recipe=recipe, fast=fast) * g))(x)
+        return y, dx
+
+    y, dx = run(jnp.asarray(x), jnp.asarray(w))
+    xv, xs = ref_quantize(x, axis=1)
+    wk, wks = ref_quantize(w, axis=1)
+    wn, wns = ref_quantize(w, axis=0)
+    gv, gs = ref_quantize(g, axis=1)
+    assert_close(y, (xv @ wk.T) * (np.float64(xs) * np.float64(wks)), "fprop, W along k")
+    assert_close(dx, (gv @ wn) * (np.float64(gs) * np.float64(wns)), "dgrad, W along n")
+    # the two layouts give different numbers: the dgrad check is not vacuous
+    assert rel_err(dx, (gv @ wk) * (np.float64(gs) * np.float64(wks))) > 100 * RTOL
+
+
 @pytest.mark.parametrize(
     "mode, fast", RHT_CASES, ids=[f"{m}-{'fast' if f else 'reference'}" for m, f in RHT_CASES]
 )
