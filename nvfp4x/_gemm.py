@@ -155,6 +155,20 @@ def _vmapped(fn, nbatch: int):
     return fn
 
 
+def compiled(fn, nbatch: int, **static):
+    """`fn` with `static` bound, vmapped over `nbatch` leading axes, jitted: a transpose
+    rule runs it once per call, so an eager `jax.grad` is one dispatch per GEMM rather
+    than one per operation (under an outer `jit` it is inlined). Cached per GEMM operand
+    dtype too, which `fn` reads when traced."""
+    return _compiled(fn, nbatch, fast_gemm_dtype(), tuple(sorted(static.items())))
+
+
+@functools.cache
+def _compiled(fn, nbatch: int, gemm_dtype, static: tuple):
+    del gemm_dtype  # a cache key only
+    return jax.jit(_vmapped(functools.partial(fn, **dict(static)), nbatch))
+
+
 # --- primitives ---
 #
 # Operands: the activation-side operand first (x, x' or nothing else), the weight-side
@@ -257,7 +271,7 @@ def _tx_transpose(ct, a, wv, ws, seed, *, recipe, fast, nbatch):
         raise _second_order()
     if type(ct) is ad.Zero:
         return [ad.Zero(a.aval), None, None, None]
-    fn = _vmapped(functools.partial(dgrad, recipe=recipe, fast=fast), nbatch)
+    fn = compiled(dgrad, nbatch, recipe=recipe, fast=fast)
     return [fn(ct, wv, ws, seed).astype(a.aval.dtype), None, None, None]
 
 
@@ -266,7 +280,7 @@ def _tw_transpose(ct, a, b, seed, *, recipe, fast, nbatch):
         raise _second_order()
     if type(ct) is ad.Zero:
         return [None, ad.Zero(b.aval), None]
-    fn = _vmapped(functools.partial(wgrad, recipe=recipe, fast=fast), nbatch)
+    fn = compiled(wgrad, nbatch, recipe=recipe, fast=fast)
     return [None, fn(ct, a, seed).astype(b.aval.dtype), None]
 
 

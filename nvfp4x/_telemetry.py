@@ -39,7 +39,7 @@ from jaxtyping import Array, Float
 from ._format._constants import E2M1_MAX
 from ._format._nvfp4 import pad_to_blocks, quantize_blocks, to_blocks
 from ._formats import Format, quantize_operand
-from ._gemm import _grad_key, _mix_weight, _needs_key, _vmapped, wgrad_operands
+from ._gemm import _grad_key, _mix_weight, _needs_key, compiled, wgrad_operands
 from ._policy import Recipe
 
 #: The public names of `nvfp4x.telemetry`; the rest is machinery.
@@ -166,8 +166,7 @@ def _probe_jvp(primals, tangents, **params):
 def _tangent_transpose(ct, x, w, seed, tprobe, *, recipe, nbatch, n):
     if type(ct) is ad.Zero:
         return [None, None, None, ad.Zero(tprobe.aval)]
-    fn = _vmapped(functools.partial(layer_stats, recipe=recipe), nbatch)
-    return [None, None, None, fn(ct, x, w, seed)]
+    return [None, None, None, compiled(layer_stats, nbatch, recipe=recipe)(ct, x, w, seed)]
 
 
 ad.primitive_jvps[probe_p] = _probe_jvp
