@@ -6,7 +6,8 @@ timed unquantised (plain `eqx.nn.Linear`, float32) and quantised with
 `nvfp4x.recipes.nvfp4_training()` (fast GEMMs on bfloat16 operands), with the reference
 float32 GEMMs (`fast=False`) and with the `bf16` recipe, all in this process.
 
-Target on CPU: the NVFP4 step at most 1.5x the float32 step.
+Target on CPU: the NVFP4 step at most 1.5x the float32 step. Also reported: the same
+ratio for an unjitted (eager) `jax.grad` of one block, and the telemetry overhead.
 
     python benchmarks/bench_training.py --repeats 5
 """
@@ -79,6 +80,25 @@ class Runner:
         return time.perf_counter() - t0
 
 
+def eager_grad_ratio(model, x, y, recipe, repeats: int) -> float:
+    """Median time of an unjitted `eqx.filter_grad` of the loss, quantised / float32, on
+    the first block and a quarter of the tokens (op-by-op dispatch: how quick experiments
+    and debugging run)."""
+    block, tokens = model.blocks[0], x.shape[0] // 4
+    x, y = x[:tokens], y[:tokens]
+    grad = eqx.filter_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))
+    medians = []
+    for m in (block, nvfp4x.quantize(block, recipe)):
+        jax.block_until_ready(grad(m))  # compile every op once
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(grad(m))
+            ts.append(time.perf_counter() - t0)
+        medians.append(statistics.median(ts))
+    return medians[1] / medians[0]
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant")
@@ -119,6 +139,9 @@ def main(argv=None) -> dict:
         ratio = t / base
         result[name] = {"seconds": t, "ratio_vs_float32": ratio}
         print(f"{name:26s} {t * 1e3:9.1f} ms   {ratio:5.2f}x float32")
+    eager = eager_grad_ratio(model, x, y, training, args.repeats)
+    result["eager_grad_ratio_vs_float32"] = eager
+    print(f"eager (unjitted) jax.grad, nvfp4_training / float32: {eager:.2f}x")
     overhead = times["nvfp4_training+telemetry"] / times["nvfp4_training"]
     result["telemetry_overhead"] = overhead
     print(f"telemetry overhead: {overhead:.2f}x the nvfp4_training step")

@@ -1,4 +1,4 @@
-"""Run the format, training, inference and sensitivity benchmarks; write one markdown table.
+"""Run every benchmark (format, training, inference, sensitivity, sharding); one table.
 
 ```
 python benchmarks/run_all.py [--quick] [--out benchmarks/results.md]
@@ -25,7 +25,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHMARKS = ("bench_format", "bench_training", "bench_inference", "bench_sensitivity")
+BENCHMARKS = (
+    "bench_format",
+    "bench_training",
+    "bench_inference",
+    "bench_sensitivity",
+    "bench_sharding",
+)
 QUICK_CANDIDATES = (["--quick"], ["--smoke"])
 
 

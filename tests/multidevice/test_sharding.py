@@ -4,7 +4,8 @@ Run in their own process by `tests/test_sharding.py`, which sets
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts.
 """
 
-import re
+import pathlib
+import sys
 
 import equinox as eqx
 import jax
@@ -15,14 +16,23 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import nvfp4x
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from benchmarks.bench_sharding import (  # noqa: E402  (the comparison the benchmark reports)
+    CASES,
+    LAYOUTS,
+    D,
+    collective_bytes,
+    compare,
+    loss as _loss,
+    model as _model,
+    shard as _shard,
+)
+
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
 )
 
-D, H, T = 128, 256, 64
-COLLECTIVE = re.compile(
-    r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
-)
+T = 64
 
 
 @pytest.fixture(scope="module")
@@ -30,52 +40,12 @@ def mesh():
     return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _model():
-    return eqx.nn.MLP(D, D, H, 1, key=jax.random.key(0))
-
-
 def _x():
     return jax.random.normal(jax.random.key(1), (T, D))
 
 
-def _loss(model, x):
-    return jnp.mean(jax.vmap(model)(x) ** 2)
-
-
-def _spec(layout: str, path: str, leaf) -> P:
-    if layout == "dp" or leaf.ndim == 0:
-        return P()
-    if layout == "fsdp_rows":
-        return P("data") if leaf.ndim == 2 else P()
-    if layout == "fsdp_cols":
-        return P(None, "data") if leaf.ndim == 2 else P()
-    # tensor parallel: first layer column-parallel (out sharded), second row-parallel (in).
-    if "layers[0]" in path:
-        return P("model")
-    return P(None, "model") if leaf.ndim == 2 else P()
-
-
-def _shard(model, mesh, layout):
-    def put(path, leaf):
-        if not eqx.is_array(leaf):
-            return leaf
-        spec = _spec(layout, jax.tree_util.keystr(path), leaf)
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(put, model)
-
-
-def _compiled_text(fn, model, *args):
-    params, static = eqx.partition(model, eqx.is_array)
-    jitted = jax.jit(lambda p, *a: fn(eqx.combine(p, static), *a))
-    return jitted.lower(params, *args).compile().as_text()
-
-
 def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-
-
-LAYOUTS = ["dp", "fsdp_rows", "fsdp_cols", "tp"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
@@ -90,87 +60,48 @@ def test_loss_and_grads_match_one_device(mesh, layout):
         assert _rel(g, r) <= 1e-5
 
 
-def _pinned_loss(mesh):
-    """`_loss` with every layer's output pinned to the batch axis, as training code that
-    keeps activations data-parallel does."""
-    act = NamedSharding(mesh, P("data"))
-
-    def loss(model, x):
-        h = x
-        for i, layer in enumerate(model.layers):
-            h = jax.lax.with_sharding_constraint(jax.vmap(layer)(h), act)
-            h = model.activation(h) if i < len(model.layers) - 1 else h
-        return jnp.mean(h**2)
-
-    return loss
-
-
-def _collective_bytes(txt: str) -> int:
-    """Bytes moved by the non-scalar collectives of a compiled program."""
-    size = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "u8": 1, "f64": 8}
-    total = 0
-    for s, _ in COLLECTIVE.findall(txt):
-        dtype, dims = re.match(r"([a-z0-9]+)\[([0-9,]*)\]", s).groups()
-        if dims:  # scalars (the amax all-reduces) are allowed, and checked separately
-            total += size[dtype] * int(np.prod([int(d) for d in dims.split(",")]))
-    return total
-
-
-# (layout, tokens, pinned activations, weight blocks). With many tokens per weight (the
-# usual case) XLA gathers FSDP weights; the quantised weight is made once per step and
-# shared by fprop and dgrad, so it is gathered once, as the plain weight is.
 GAPS = {
-    # With fewer tokens than features XLA gathers the activations instead; the plain
-    # program reuses the gathered input for wgrad, but wgrad's quantised input (Hadamard-
-    # transformed, blocked along the tokens) is another tensor and is gathered again
-    # (+25% volume). Known gap, docs/sharding.md.
+    # With fewer tokens than features XLA gathers the activations instead of the weights;
+    # the plain program reuses the gathered input for wgrad, but wgrad's quantised input
+    # (Hadamard-transformed, blocked along the tokens) is another tensor and is gathered
+    # again (+25% bytes). Known gap, docs/sharding.md.
     ("fsdp_rows", 64, False, 16): "FSDP-rows plan gathering activations gathers more",
     # 1x16 weight blocks: fprop and dgrad quantise the weight along different axes, so two
     # different quantised weights are gathered where the plain program gathers one.
     ("fsdp_rows", 1024, False, 1): "1x16 weight blocks: two quantised weights gathered",
 }
-COLLECTIVE_CASES = [
-    pytest.param(
-        *case,
-        id="-".join(map(str, case)),
-        marks=[pytest.mark.xfail(strict=True, reason=GAPS[case])] if case in GAPS else [],
-    )
-    for case in [(layout, 1024, False, 16) for layout in LAYOUTS]
-    + [("fsdp_rows", 64, True, 16), ("fsdp_cols", 64, True, 16), ("tp", 64, True, 16)]
-    + list(GAPS)
-]
+assert set(GAPS) <= set(CASES)
 
 
-@pytest.mark.parametrize("layout, tokens, pinned, weight_block", COLLECTIVE_CASES)
+@pytest.mark.parametrize(
+    "layout, tokens, pinned, weight_block",
+    [
+        pytest.param(
+            *case,
+            id="-".join(map(str, case)),
+            marks=[pytest.mark.xfail(strict=True, reason=GAPS[case])] if case in GAPS else [],
+        )
+        for case in CASES
+    ],
+)
 def test_only_scalar_collectives_are_added(mesh, layout, tokens, pinned, weight_block):
-    x = jax.random.normal(jax.random.key(1), (tokens, D))
-    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-    grad_fn = eqx.filter_value_and_grad(_pinned_loss(mesh) if pinned else _loss)
-    plain = _compiled_text(grad_fn, _shard(_model(), mesh, layout), xs)
-    recipe = nvfp4x.recipes.nvfp4_training(weight_block=(weight_block, 16))
-    quant = nvfp4x.quantize(_model(), recipe)
-    text = _compiled_text(grad_fn, _shard(quant, mesh, layout), xs)
-
-    def kinds(txt):
-        # shape without layout, collective kind
-        return {(re.sub(r"\{.*\}", "", s), k) for s, k in COLLECTIVE.findall(txt)}
-
-    plain_kinds = {k for _, k in kinds(plain)}
-    for shape, kind in kinds(text):
-        scalar = re.fullmatch(r"[a-z0-9]+\[\]", shape) is not None
+    """`benchmarks/bench_sharding.py`'s comparison: with many tokens per weight XLA gathers
+    FSDP weights, and the quantised weight, made once per step and shared by fprop and
+    dgrad, is gathered once, as the plain weight is."""
+    r = compare(mesh, layout, tokens, pinned, weight_block)
+    plain_kinds = {kind for _, kind in r["plain"]}
+    for shape, kind in r["quant"]:
+        scalar = shape.endswith("[]")
         assert scalar or kind in plain_kinds, (shape, kind)
     # the non-scalar collectives move no more bytes than the unquantised model's
-    assert _collective_bytes(text) <= _collective_bytes(plain)
+    assert r["quant_bytes"] <= r["plain_bytes"]
 
 
 def test_collective_check_is_not_vacuous(mesh):
     """The plain FSDP program does gather its weights: the comparison above has teeth."""
-    xs = jax.device_put(
-        jax.random.normal(jax.random.key(1), (1024, D)), NamedSharding(mesh, P("data"))
-    )
-    grad_fn = eqx.filter_value_and_grad(_loss)
-    plain = _compiled_text(grad_fn, _shard(_model(), mesh, "fsdp_rows"), xs)
-    assert _collective_bytes(plain) >= 4 * 2 * D * H  # both weights, float32
+    r = compare(mesh, "fsdp_rows", 1024, False, 16)
+    assert r["plain_bytes"] >= 4 * 2 * D * 256  # both weights (D x hidden), float32
+    assert collective_bytes("%x = f32[2,3]{1,0} all-gather(%y)") == 24
 
 
 def test_amax_is_global_not_per_shard(mesh):
