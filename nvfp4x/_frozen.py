@@ -91,14 +91,15 @@ class FrozenLinear(eqx.Module):
                 "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis."
             )
 
-        def matmul(x2, *leaves):
-            return frozen_p.bind(
-                x2, *leaves, wdef=wdef, recipe=self.recipe, fast=self.fast, nbatch=0
-            )
-
+        matmul = functools.partial(_matmul, wdef=wdef, recipe=self.recipe, fast=self.fast)
         # The codes take the logical weight's partition spec (`packed_sharding`).
         weight = (self.weight_shape, leaves[0])
         return apply_linear(self, x, matmul, tuple(leaves), weight, self.weight.dtype)
+
+
+def _matmul(x: Array, *leaves: Array, wdef, recipe: Recipe, fast: bool) -> Array:
+    """The GEMM of a `FrozenLinear`, on its packed weight's leaves."""
+    return frozen_p.bind(x, *leaves, wdef=wdef, recipe=recipe, fast=fast, nbatch=0)
 
 
 def weight_operand(w: PackedWeight, recipe: Recipe):

@@ -1,5 +1,7 @@
 """`QuantizedLinear`: `eqx.nn.Linear` whose three GEMMs follow a recipe."""
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
@@ -126,18 +128,21 @@ class QuantizedLinear(eqx.Module):
             )
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
 
-        def matmul(x2, w, seed, probe):
-            y = qdot(x2, w, recipe=self.recipe, seed=seed, fast=self.fast)
-            if probe is not None:
-                from ._telemetry import probe as probe_fn
-
-                s = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-                y = probe_fn(y, x2, w, s, probe, self.recipe)
-            return y
-
+        matmul = functools.partial(_matmul, recipe=self.recipe, fast=self.fast)
         operands = (self.weight, seed, self.probe)
         weight = (self.weight.shape, self.weight)
         return apply_linear(self, x, matmul, operands, weight, self.weight.dtype)
+
+
+def _matmul(x, w, seed, probe, *, recipe: Recipe, fast: bool) -> Array:
+    """The quantised GEMM of a `QuantizedLinear`, with its telemetry probe if it has one."""
+    y = qdot(x, w, recipe=recipe, seed=seed, fast=fast)
+    if probe is not None:
+        from ._telemetry import probe as probe_fn
+
+        s = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+        y = probe_fn(y, x, w, s, probe, recipe)
+    return y
 
 
 def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype) -> Array:
@@ -161,16 +166,27 @@ def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype)
     return y.astype(widest_float(x.dtype, weight_dtype))
 
 
-def explicit_axes_as_auto(matmul, x: Array, operands: tuple, weight) -> Array:
+def explicit_axes_as_auto(matmul: functools.partial, x: Array, operands: tuple, weight) -> Array:
     """`matmul(x, *operands)`, the GEMM `x @ W.T`. Under a mesh with explicit axes
     ("sharding in types"), it runs with those axes switched to automatic (XLA places the
     amax all-reduces and gathers, as under an automatic mesh), and its output gets the
     sharding JAX gives the plain `x @ W.T`, so that a quantised model type-checks where
-    the plain one does and raises JAX's own error where it does not."""
+    the plain one does and raises JAX's own error where it does not.
+
+    `matmul` is a `functools.partial` of a module-level function with hashable keywords:
+    the switched GEMM is jitted once per (function, keywords, output sharding), so that
+    eager calls and eager `jax.grad` go through the same traced program as jitted ones."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.explicit_axes:
         return matmul(x, *operands)
     shape, like = weight
     w = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.typeof(like).sharding)
     out = jax.eval_shape(lambda a, b: jnp.matmul(a, b.T, preferred_element_type=jnp.float32), x, w)
-    return jax.sharding.auto_axes(matmul, out_sharding=out.sharding)(x, *operands)
+    keywords = tuple(sorted(matmul.keywords.items()))
+    return _auto_gemm(matmul.func, keywords, out.sharding)(x, *operands)
+
+
+@functools.cache
+def _auto_gemm(func, keywords: tuple, out_sharding) -> Callable:
+    fn = functools.partial(func, **dict(keywords))
+    return jax.jit(jax.sharding.auto_axes(fn, out_sharding=out_sharding))

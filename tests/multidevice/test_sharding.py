@@ -209,6 +209,19 @@ def test_explicit_mesh_matches_one_device_and_plain_shardings(layout):
         assert g.sharding.spec == p.sharding.spec  # the types the plain model's gradients have
 
 
+def test_explicit_mesh_eager_grad_matches_one_device():
+    """Unjitted calls and `jax.grad` under an explicit mesh run the same program."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
+    grad = eqx.filter_value_and_grad(_loss)
+    ref_loss, ref_grad = eqx.filter_jit(grad)(q, _x())
+    with jax.set_mesh(mesh):
+        loss, g = grad(q, jax.device_put(_x(), P("data")))
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grad), strict=True):
+        assert _rel(a, b) <= 1e-5
+
+
 @pytest.mark.parametrize("layout", ["fsdp_rows", "tp"])
 def test_explicit_mesh_rejects_what_the_plain_model_rejects(layout):
     """Without gathering, these layouts leave an ambiguous product sharding: JAX refuses
