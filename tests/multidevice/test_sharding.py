@@ -104,6 +104,22 @@ def test_collective_check_is_not_vacuous(mesh):
     assert collective_bytes("%x = f32[2,3]{1,0} all-gather(%y)") == 24
 
 
+@pytest.mark.parametrize("layout", ["fsdp_rows", "fsdp_cols"])
+def test_shards_that_cut_blocks_give_single_device_numbers(mesh, layout):
+    """48 features over 4 devices: 12 per shard, so 16-element blocks and 16x16 tiles
+    straddle shards. Under `jit` the quantisers are global computations, and XLA moves
+    what the blocks need: the numbers stay those of one device."""
+    model = eqx.nn.MLP(48, 48, 48, 1, key=jax.random.key(4))
+    x = jax.random.normal(jax.random.key(5), (64, 48))
+    q = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
+    step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+    ref_loss, ref_grad = step(q, x)
+    loss, grad = step(_shard(q, mesh, layout), jax.device_put(x, NamedSharding(mesh, P("data"))))
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        assert _rel(g, r) <= 1e-5
+
+
 def test_amax_is_global_not_per_shard(mesh):
     x = _x() * jnp.linspace(0.01, 10.0, T)[:, None]  # very different amax per shard
     ref = nvfp4x.to_nvfp4(x)
