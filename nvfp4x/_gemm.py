@@ -223,9 +223,9 @@ def _make_primitive(name: str, fn) -> Primitive:
     prim = Primitive(name)
 
     def impl(*args, recipe, fast, nbatch):
-        return _vmapped(functools.partial(fn, recipe=recipe, fast=fast), nbatch)(*args)
+        return compiled(fn, nbatch, recipe=recipe, fast=fast)(*args)
 
-    prim.def_impl(jax.jit(impl, static_argnames=("recipe", "fast", "nbatch")))
+    prim.def_impl(impl)
     prim.def_abstract_eval(_abstract)
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
     batching.primitive_batchers[prim] = functools.partial(_batch_rule, prim)
