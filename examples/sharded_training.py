@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     model = eqx.nn.MLP(d, d, hidden, 1, key=key_model)
     qmodel = shard_params(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training()), mesh)
 
-    packed = nvfp4x.to_nvfp4(qmodel.layers[0].weight, block=(16, 16))
-    placed = nvfp4x.shard_packed(packed, qmodel.layers[0].weight.sharding)
+    master = qmodel.layers[0].weight.array  # the quantised layer's master weight
+    packed = nvfp4x.to_nvfp4(master, block=(16, 16))
+    placed = nvfp4x.shard_packed(packed, master.sharding)
     print("packed layers[0] weight:", placed)
     print("  codes :", placed.codes.shape, placed.codes.sharding.spec)
     print("  scales:", placed.scales.shape, placed.scales.sharding.spec)

@@ -393,6 +393,15 @@ def train_step_telemetry(model, opt_state, optimizer, x, y):
     return eqx.apply_updates(model, updates), opt_state, loss, stats
 
 
+def gemm_coverage(qmodel: Any, cfg: Config) -> nvfp4x.CoverageReport:
+    """`nvfp4x.coverage` of one training step of `qmodel` (traced, not run): every GEMM
+    of the forward and backward with its format, and the share of FLOPs in NVFP4."""
+    optimizer = make_optimizer(cfg)
+    opt_state = optimizer.init(eqx.filter(qmodel, eqx.is_inexact_array))
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32)
+    return nvfp4x.coverage(train_step, qmodel, opt_state, optimizer, tokens, tokens)
+
+
 @eqx.filter_jit
 def eval_loss(model, x, y):
     return loss_fn(model, x, y)
@@ -650,6 +659,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         qmodel = nvfp4x.telemetry.enable(
             qmodel, where=lambda path, layer: layer.recipe.weight.name == "nvfp4"
         )
+    report = gemm_coverage(qmodel, cfg)
+    if report.unquantised:
+        raise SystemExit(f"error: GEMMs on selected weights ran unquantised: {report.unquantised}")
+    shares = ", ".join(
+        f"{fmt} {flops / report.total_flops:.1%}" for fmt, flops in report.flops_by_format().items()
+    )
+    print(f"GEMM FLOPs of one training step by format (nvfp4x.coverage): {shares}")
     progress = not args.no_progress
     baseline = train(model, cfg, data, label="float32", progress=progress)
     quant = train(qmodel, cfg, data, label="nvfp4", progress=progress, telemetry=args.telemetry)

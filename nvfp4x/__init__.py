@@ -4,9 +4,20 @@ import importlib.metadata
 
 from . import _telemetry as telemetry  # noqa: F401 - the `nvfp4x.telemetry` namespace
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
+from ._coverage import (
+    CoverageReport as CoverageReport,
+    CoverageRow as CoverageRow,
+    coverage as coverage,
+)
 from ._format._hadamard import hadamard_matrix as hadamard_matrix, rht as rht
 from ._formats import FORMATS as FORMATS, Format as Format
-from ._frozen import FrozenLinear as FrozenLinear, freeze as freeze, load as load, save as save
+from ._frozen import (
+    FrozenLinear as FrozenLinear,
+    FrozenWeight as FrozenWeight,
+    freeze as freeze,
+    load as load,
+    save as save,
+)
 from ._gemm import qdot as qdot
 from ._linear import QuantizedLinear as QuantizedLinear
 from ._packed import (
@@ -16,9 +27,11 @@ from ._packed import (
     to_mxfp8 as to_mxfp8,
 )
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
+from ._qweight import QWeight as QWeight, quantized as quantized
 from ._sensitivity import SensitivityReport as SensitivityReport, sensitivity as sensitivity
 from ._sharding import packed_sharding as packed_sharding, shard_packed as shard_packed
-from ._transform import dequantize as dequantize, quantize as quantize, summary as summary
+from ._summary import summary as summary
+from ._transform import dequantize as dequantize, quantize as quantize
 
 try:
     __version__ = importlib.metadata.version("nvfp4x")

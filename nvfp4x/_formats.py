@@ -7,9 +7,11 @@ is `values * scale` and a GEMM can apply `scale_a * scale_b` to its float32 accu
 as Blackwell's block-scaled GEMMs do.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +167,20 @@ def widest_float(*dtypes) -> jnp.dtype:
 
 GEMM_DTYPE_ENV = "NVFP4X_GEMM_DTYPE"
 
+_BATCHED = threading.local()
+
+
+@contextlib.contextmanager
+def batched_gemms():
+    """While tracing GEMMs that will have batch dimensions (vmapped problems): on a CPU,
+    `scaled_dot` gives them float32 operands (see `nvfp4x._gemm._vmapped`)."""
+    depth = getattr(_BATCHED, "depth", 0)
+    _BATCHED.depth = depth + 1
+    try:
+        yield
+    finally:
+        _BATCHED.depth = depth
+
 
 @functools.cache
 def _cpu_multiplies_bf16() -> bool:
@@ -221,6 +237,8 @@ def scaled_dot(
     bf16 = jnp.dtype(jnp.bfloat16)
     if fast and a.dtype == bf16 and b.dtype == bf16:
         dtype = fast_gemm_dtype()
+        if dtype == bf16 and getattr(_BATCHED, "depth", 0) and jax.default_backend() == "cpu":
+            dtype = jnp.dtype(jnp.float32)
     else:
         dtype = widest_float(a.dtype, b.dtype, jnp.float32)
     a, b = a.astype(dtype), b.astype(dtype)

@@ -1,6 +1,7 @@
 """Inference form: `freeze` packs each quantised weight (NVFP4: 4.5 bits per parameter)
 and drops the master copy; `save` / `load` checkpoints that refuse a mismatched file."""
 
+import dataclasses
 import functools
 import io
 import json
@@ -10,19 +11,78 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import quax
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from ._array import NVFP4Array, to_nvfp4
 from ._formats import quantize_operand, scaled_dot
-from ._gemm import _vmapped
-from ._linear import QuantizedLinear, apply_linear
+from ._gemm import _vmapped, fprop
+from ._linear import QuantizedLinear, apply_linear, plain_matmul
 from ._packed import FP8Array, MXFP8Array, to_fp8, to_mxfp8
 from ._policy import Recipe
+from ._qweight import (
+    QWeight,
+    WeightValue,
+    as_qweight,
+    default_rule,
+    gemm_out_dtype,
+    interpreting,
+    weight_gemm,
+)
+from ._sites import layers as site_layers, path_str
 
 PackedWeight = NVFP4Array | MXFP8Array | FP8Array | Array
+
+
+class FrozenWeight(WeightValue):
+    """A quantised weight of a layer other than a `QuantizedLinear` (a user's linear
+    class, a subclass of `eqx.nn.Linear`, a tied weight), packed by [`nvfp4x.freeze`][]:
+    the [`nvfp4x.QWeight`][] of inference. Every GEMM that consumes it decodes the packed
+    weight (the same values as the unfrozen forward quantised, bit for bit, when it is
+    used in its stored layout `x @ w.T` / `w @ x`); other uses see the decoded values.
+
+    **Fields:** `packed` (an [`nvfp4x.NVFP4Array`][], [`nvfp4x.MXFP8Array`][],
+    [`nvfp4x.FP8Array`][] or array), `recipe`, `path`, `fast` (static).
+    """
+
+    packed: Any
+    recipe: Recipe = eqx.field(static=True)
+    path: str = eqx.field(static=True)
+    fast: bool = eqx.field(static=True, default=True)
+    transposed: bool = eqx.field(static=True, default=False)
+
+    @property
+    def probe(self) -> None:
+        return None
+
+    @property
+    def enabled(self) -> None:
+        return None
+
+    def aval(self):
+        shape = tuple(self.packed.shape)
+        return jax.core.ShapedArray(shape[::-1] if self.transposed else shape, self.packed.dtype)
+
+    def materialise(self) -> Array:
+        """The decoded weight: `(value x block scale) x tensor scale` (spec §2)."""
+        wv, ws = weight_operand(self.packed, self.recipe)
+        out = wv.astype(jnp.float32) if ws is None else wv.astype(jnp.float32) * ws
+        out = out.astype(self.packed.dtype)
+        return out.T if self.transposed else out
+
+    @staticmethod
+    def default(primitive, values, params):
+        return default_rule(primitive, values, params)
+
+    def __getattr__(self, name: str) -> Any:
+        # The packed array's own fields and methods (`codes`, `scales`, `block`,
+        # `operand()`...) read through.
+        if name == "packed":
+            raise AttributeError(name)
+        return getattr(self.packed, name)
 
 
 class FrozenLinear(eqx.Module):
@@ -33,15 +93,17 @@ class FrozenLinear(eqx.Module):
     Its forward equals the unfrozen layer's forward bit for bit. It cannot be
     differentiated: the master weights are gone.
 
-    **Fields:** `weight` (the packed weight: an [`nvfp4x.NVFP4Array`][],
-    [`nvfp4x.MXFP8Array`][] or [`nvfp4x.FP8Array`][], or a plain array for an
-    unquantised or bf16/float32 weight format), `bias` or None, `in_features`,
-    `out_features`, `use_bias`, `recipe` and `fast` (static), as in the unfrozen layer.
+    **Fields:** `weight` (a [`nvfp4x.FrozenWeight`][] whose `packed` is the packed weight:
+    an [`nvfp4x.NVFP4Array`][], [`nvfp4x.MXFP8Array`][] or [`nvfp4x.FP8Array`][], or a
+    plain array for an unquantised or bf16/float32 weight format; its fields read
+    through, `frozen.weight.codes`), `bias` or None, `in_features`, `out_features`,
+    `use_bias`, `recipe` and `fast` (static), as in the unfrozen layer. Like the unfrozen
+    layer's `QWeight`, the weight can be read directly (`x @ layer.weight.T`).
 
     ```python
     layer = nvfp4x.quantize(eqx.nn.Linear(32, 16, key=jax.random.key(0)), "nvfp4_inference")
     frozen = nvfp4x.freeze(layer)
-    frozen.weight                      # NVFP4Array(shape=(16, 32), dtype=float32, block=(1, 16))
+    frozen.weight.packed               # NVFP4Array(shape=(16, 32), dtype=float32, block=(1, 16))
     x = jnp.ones((8, 32))
     jnp.array_equal(frozen(x), layer(x))   # True
     ```
@@ -84,7 +146,19 @@ class FrozenLinear(eqx.Module):
         and `weight.dtype` (for a packed weight, the dtype it was quantised from).
         """
         del key
-        leaves, wdef = jax.tree_util.tree_flatten(self.weight)
+        w = as_qweight(self.weight)
+        if not isinstance(w, FrozenWeight):
+            if not interpreting():
+                raise TypeError(
+                    f"This FrozenLinear's `weight` is a {type(w).__name__}, not an "
+                    "`nvfp4x.FrozenWeight` (made by `nvfp4x.freeze`)."
+                )
+            # Inside an interpreted call: traced as a plain array (see QuantizedLinear),
+            # or a weight a wrapper derived (`eqx.nn.WeightNorm`): the product is seen.
+            w = self.weight
+            plain = functools.partial(plain_matmul)
+            return apply_linear(self, x, plain, (w,), (w.shape, w), w.dtype)
+        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
         if len(self.weight_shape) != 2:
             raise ValueError(
                 f"This layer's weight is stacked {self.weight_shape}; call it inside "
@@ -171,6 +245,12 @@ ad.primitive_jvps[frozen_p] = _frozen_jvp
 
 def pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
     """The weight in its GEMM format, per stacked slice (each slice its own tensor scale)."""
+    return _pack_weight(w, recipe)
+
+
+# Jitted: eager `freeze` is one compiled packing per weight shape and recipe.
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
     fmt = recipe.weight
     if fmt is None:
         return w
@@ -185,12 +265,65 @@ def pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
     return _vmapped(fn, w.ndim - 2)(w)
 
 
-def freeze(model: Any) -> Any:
-    """Turn every [`nvfp4x.QuantizedLinear`][] into a [`nvfp4x.FrozenLinear`][]: the weight
-    packed in its recipe's weight format (NVFP4: 4.5 bits per parameter), master copy gone.
+def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout, nb: int) -> Array:
+    if layout.stored:  # the stored layout: decode inside the primitive
+        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
+        return frozen_p.bind(x, *leaves, wdef=wdef, recipe=w.recipe, fast=w.fast, nbatch=0)
+    wv, ws = weight_operand(w.packed, w.recipe)  # exact values, rearranged exactly
+    wv = layout(wv)
+    fn = functools.partial(fprop, recipe=w.recipe, fast=w.fast)
+    for _ in range(nb):
+        fn = jax.vmap(fn, in_axes=(0, 0, None))
+    return fn(x, wv, jnp.float32(1.0) if ws is None else ws)
 
-    The frozen forward equals the unfrozen one bit for bit. Stacked layers get one tensor
-    scale per slice. Serialise with [`nvfp4x.save`][] (or `eqx.tree_serialise_leaves`).
+
+def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_):
+    dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
+    w_is_lhs = isinstance(lhs, FrozenWeight)
+    w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)
+    if isinstance(a, quax.ArrayValue):
+        a = type(a).materialise(a)
+    if w.transposed:  # `w.T`, read lazily: the same product on the stored 2-D weight
+        (lc, rc), (lb, rb) = dimension_numbers
+        flip = lambda axes: tuple(1 - i for i in axes)
+        if w_is_lhs:
+            dimension_numbers = ((flip(lc), rc), (flip(lb), rb))
+        else:
+            dimension_numbers = ((lc, flip(rc)), (lb, flip(rb)))
+        w = dataclasses.replace(w, transposed=False)
+    gemm = functools.partial(_frozen_weight_gemm, w)
+    return weight_gemm(tuple(w.packed.shape), a, w_is_lhs, dimension_numbers, dtype, gemm)
+
+
+@quax.register(lax.transpose_p)
+def _(operand: FrozenWeight, *, permutation):
+    if tuple(permutation) == (1, 0):
+        return dataclasses.replace(operand, transposed=not operand.transposed)
+    return default_rule(lax.transpose_p, (operand,), dict(permutation=permutation))
+
+
+@quax.register(lax.dot_general_p)
+def _(lhs: FrozenWeight, rhs: ArrayLike | quax.ArrayValue, **params):
+    return _frozen_dot(lhs, rhs, **params)
+
+
+@quax.register(lax.dot_general_p)
+def _(lhs: ArrayLike | QWeight, rhs: FrozenWeight, **params):
+    return _frozen_dot(lhs, rhs, **params)
+
+
+def freeze(model: Any) -> Any:
+    """Pack every quantised weight for inference: a [`nvfp4x.QuantizedLinear`][] becomes
+    a [`nvfp4x.FrozenLinear`][], any other quantised weight (user linear classes,
+    subclasses, tied weights) a [`nvfp4x.FrozenWeight`][]; the weight is held in its
+    recipe's weight format (NVFP4: 4.5 bits per parameter), master copy gone.
+
+    The frozen forward equals the unfrozen one bit for bit wherever the weight is used
+    in its stored layout. A weight that a wrapper transforms before its GEMM
+    (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`) is decoded, transformed and quantised
+    again at use: it runs, close to the unfrozen numbers but not bit-equal. Stacked
+    layers get one tensor scale per slice. Serialise with [`nvfp4x.save`][].
+    Eager calls are jitted (one compiled packing per weight shape and recipe).
 
     **Arguments:**
 
@@ -204,47 +337,25 @@ def freeze(model: Any) -> Any:
     """
 
     def one(leaf):
-        if not isinstance(leaf, QuantizedLinear):
-            return leaf
-        return FrozenLinear(
-            weight=pack_weight(leaf.weight, leaf.recipe),
-            bias=leaf.bias,
-            in_features=leaf.in_features,
-            out_features=leaf.out_features,
-            use_bias=leaf.use_bias,
-            recipe=leaf.recipe,
-            fast=leaf.fast,
-        )
+        if isinstance(leaf, QuantizedLinear):
+            w = leaf.weight
+            return FrozenLinear(
+                weight=FrozenWeight(pack_weight(w.array, w.recipe), w.recipe, w.path, w.fast),
+                bias=leaf.bias,
+                in_features=leaf.in_features,
+                out_features=leaf.out_features,
+                use_bias=leaf.use_bias,
+                recipe=w.recipe,
+                fast=w.fast,
+            )
+        if isinstance(leaf, QWeight):
+            return FrozenWeight(
+                pack_weight(leaf.array, leaf.recipe), leaf.recipe, leaf.path, leaf.fast
+            )
+        return leaf
 
-    return jax.tree_util.tree_map(one, model, is_leaf=is_layer_any)
-
-
-def is_layer_any(x) -> bool:
-    return isinstance(x, eqx.nn.Linear | QuantizedLinear | FrozenLinear)
-
-
-def _bytes(shape, bits_per_element) -> int:
-    return int(np.ceil(int(np.prod(shape)) * bits_per_element / 8))
-
-
-def layer_summary_row(path: str, layer) -> tuple:
-    """`(path, shape, weight, input, grad, bytes held, weight bytes in its GEMM format)`."""
-
-    def f(fmt):
-        return "-" if fmt is None else str(fmt)
-
-    if isinstance(layer, FrozenLinear):
-        r = layer.recipe
-        held = sum(v.nbytes for v in jax.tree_util.tree_leaves(layer.weight))
-        shape = layer.weight_shape
-        return (path, str(shape), f(r.weight) + " (frozen)", f(r.input), "-", held, held)
-    shape = tuple(layer.weight.shape)
-    master = int(np.prod(shape)) * np.dtype(layer.weight.dtype).itemsize
-    if isinstance(layer, QuantizedLinear):
-        r = layer.recipe
-        qbytes = master if r.weight is None else _bytes(shape, r.weight.bits_per_element)
-        return (path, str(shape), f(r.weight), f(r.input), f(r.grad), master, qbytes)
-    return (path, str(shape), "(unquantised)", "-", "-", master, master)
+    is_leaf = lambda x: isinstance(x, QuantizedLinear | QWeight)
+    return jax.tree_util.tree_map(one, model, is_leaf=is_leaf)
 
 
 # --- checkpoints ---
@@ -254,13 +365,10 @@ _MAGIC = b"NVFP4X-CHECKPOINT\n"
 
 
 def _describe(model: Any) -> dict:
-    from ._transform import path_str
-
     layers = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer_any)[0]:
-        if is_layer_any(leaf):
-            recipe = getattr(leaf, "recipe", None)
-            layers[path_str(path)] = [type(leaf).__name__, str(recipe)]
+    for path, leaf in site_layers(model):
+        recipe = getattr(leaf, "recipe", None)
+        layers[path] = [type(leaf).__name__, str(recipe)]
     arrays = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
         if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):

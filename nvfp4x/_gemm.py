@@ -38,6 +38,7 @@ processes in one call, and only a primitive's batching rule can see that:
 """
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ from jaxtyping import Array, ArrayLike, Float, UInt32
 
 from ._format._constants import BLOCK
 from ._format._hadamard import rht
-from ._formats import fast_gemm_dtype, quantize_operand, scaled_dot
+from ._formats import batched_gemms, fast_gemm_dtype, quantize_operand, scaled_dot
 from ._policy import Recipe
 
 
@@ -150,9 +151,22 @@ def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Fl
 
 
 def _vmapped(fn, nbatch: int):
+    """`fn` vmapped over `nbatch` leading axes. Its GEMMs then have batch dimensions,
+    which XLA:CPU runs on bfloat16 operands only in some layouts (elsewhere: "Unsupported
+    element type for DotThunk: BF16 x BF16 = F32"), so they take float32 operands there
+    (exact for quantised values)."""
+    if nbatch == 0:
+        return fn
+    inner = fn
     for _ in range(nbatch):
-        fn = jax.vmap(fn)
-    return fn
+        inner = jax.vmap(inner)
+
+    @functools.wraps(fn)
+    def batched(*args):
+        with batched_gemms():
+            return inner(*args)
+
+    return batched
 
 
 def compiled(fn, nbatch: int, **static):
@@ -179,8 +193,8 @@ def _compiled(fn, nbatch: int, gemm_dtype, static: tuple):
 # both GEMMs, as the unquantised program gathers its weight once.
 
 
-def _abstract(a, *rest, recipe, fast, nbatch):
-    del recipe, fast
+def _abstract(a, *rest, recipe, fast, nbatch, name):
+    del recipe, fast, name
     w = rest[0]
     return jax.core.ShapedArray(a.shape[:-1] + (w.shape[-2],), jnp.float32)
 
@@ -194,21 +208,10 @@ def _combine_seeds(seed: Array, axis: int) -> Array:
     return jnp.sum(seed * weights, axis=0, dtype=jnp.uint32)
 
 
-def _batch_rule(prim, args, dims, *, recipe, fast, nbatch):
-    a, *ws, seed = args
-    da, *dws, ds = dims
+def _stack_batch(prim, args, dims, params):
+    """Independent problems, as a new leading batch axis of every operand."""
     nm = None  # batching.not_mapped
-    params = dict(recipe=recipe, fast=fast)
-    if all(d is nm for d in dws):
-        # Fold a vmapped activation axis into the token axes: one problem over the batch.
-        if ds is not nm:
-            seed = _combine_seeds(seed, ds)
-        if da is nm:
-            return prim.bind(a, *ws, seed, nbatch=nbatch, **params), nm
-        a = jnp.moveaxis(a, da, nbatch)
-        return prim.bind(a, *ws, seed, nbatch=nbatch, **params), nbatch
-    # A vmapped weight: independent problems, as a new leading batch axis.
-    size = next(w.shape[d] for w, d in zip(ws, dws, strict=True) if d is not nm)
+    size = next(v.shape[d] for v, d in zip(args, dims, strict=True) if d is not nm)
 
     def lead(v, d):
         if d is nm:
@@ -216,19 +219,40 @@ def _batch_rule(prim, args, dims, *, recipe, fast, nbatch):
         return jnp.moveaxis(v, d, 0)
 
     new = [lead(v, d) for v, d in zip(args, dims, strict=True)]
-    return prim.bind(*new, nbatch=nbatch + 1, **params), 0
+    return prim.bind(*new, **{**params, "nbatch": params["nbatch"] + 1}), 0
 
 
-def _make_primitive(name: str, fn) -> Primitive:
+def _batch_rule(prim, args, dims, **params):
+    a, *ws, seed = args
+    da, *dws, ds = dims
+    nm = None  # batching.not_mapped
+    nbatch = params["nbatch"]
+    if all(d is nm for d in dws):
+        # Fold a vmapped activation axis into the token axes: one problem over the batch.
+        if ds is not nm:
+            seed = _combine_seeds(seed, ds)
+        if da is nm:
+            return prim.bind(a, *ws, seed, **params), nm
+        a = jnp.moveaxis(a, da, nbatch)
+        return prim.bind(a, *ws, seed, **params), nbatch
+    # A vmapped weight: independent problems, as a new leading batch axis.
+    return _stack_batch(prim, args, dims, params)
+
+
+def _make_primitive(name: str, fn, abstract=_abstract, batch=_batch_rule) -> Primitive:
+    """A GEMM primitive running `fn` (one problem) vmapped over `nbatch` leading axes.
+    Its parameters: `recipe`, `fast`, `nbatch` and `name` (the layer's path, for
+    reports such as `nvfp4x.coverage`; not part of the computation)."""
     prim = Primitive(name)
 
-    def impl(*args, recipe, fast, nbatch):
+    def impl(*args, recipe, fast, nbatch, name):
+        del name
         return compiled(fn, nbatch, recipe=recipe, fast=fast)(*args)
 
     prim.def_impl(impl)
-    prim.def_abstract_eval(_abstract)
+    prim.def_abstract_eval(abstract)
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
-    batching.primitive_batchers[prim] = functools.partial(_batch_rule, prim)
+    batching.primitive_batchers[prim] = functools.partial(batch, prim)
     return prim
 
 
@@ -237,15 +261,31 @@ def _fprop_operands(x, w, wv, ws, seed, *, recipe, fast):
     return fprop(x, wv, ws, recipe=recipe, fast=fast)
 
 
+def _dgrad_abstract(ct, wv, ws, seed, **_):
+    return jax.core.ShapedArray(ct.shape[:-1] + (wv.shape[-1],), jnp.float32)
+
+
+def _wgrad_abstract(ct, a, seed, *, nbatch, **_):
+    return jax.core.ShapedArray(ct.shape[:nbatch] + (ct.shape[-1], a.shape[-1]), jnp.float32)
+
+
+def _stack_rule(prim, args, dims, **params):
+    # Under `jax.vmap(jax.grad(f))` each example's gradient is its own problem.
+    return _stack_batch(prim, args, dims, params)
+
+
 qdot_p = _make_primitive("nvfp4x_qdot", _fprop_operands)
 tx_p = _make_primitive("nvfp4x_qdot_tangent_x", tangent_x)
 tw_p = _make_primitive("nvfp4x_qdot_tangent_w", tangent_w)
+#: The backward GEMMs, as their own primitives so that a traced step shows them.
+dgrad_p = _make_primitive("nvfp4x_dgrad", dgrad, _dgrad_abstract, _stack_rule)
+wgrad_p = _make_primitive("nvfp4x_wgrad", wgrad, _wgrad_abstract, _stack_rule)
 
 
-def _qdot_jvp(primals, tangents, *, recipe, fast, nbatch):
+def _qdot_jvp(primals, tangents, **params):
     x, w, wv, ws, seed = primals
     tx, tw = tangents[:2]
-    params = dict(recipe=recipe, fast=fast, nbatch=nbatch)
+    recipe, fast, nbatch = params["recipe"], params["fast"], params["nbatch"]
     y = qdot_p.bind(x, w, wv, ws, seed, **params)
     if _needs_key(recipe):
         seed = _mix_weight(seed, w)
@@ -263,30 +303,38 @@ def _qdot_jvp(primals, tangents, *, recipe, fast, nbatch):
 
 
 def _second_order():
-    return NotImplementedError("nvfp4x: second-order derivatives are not supported.")
+    return NotImplementedError(
+        "nvfp4x: second-order derivatives (jax.hessian, jacfwd/jvp of a gradient, "
+        "grad of grad) of a quantised GEMM are not supported: the quantiser has no "
+        "second derivative. Take them on `nvfp4x.dequantize(model)` instead."
+    )
 
 
-def _tx_transpose(ct, a, wv, ws, seed, *, recipe, fast, nbatch):
+def _tx_transpose(ct, a, wv, ws, seed, **params):
     if ad.is_undefined_primal(wv) or ad.is_undefined_primal(ws):
         raise _second_order()
     if type(ct) is ad.Zero:
         return [ad.Zero(a.aval), None, None, None]
-    fn = compiled(dgrad, nbatch, recipe=recipe, fast=fast)
-    return [fn(ct, wv, ws, seed).astype(a.aval.dtype), None, None, None]
+    return [dgrad_p.bind(ct, wv, ws, seed, **params).astype(a.aval.dtype), None, None, None]
 
 
-def _tw_transpose(ct, a, b, seed, *, recipe, fast, nbatch):
+def _tw_transpose(ct, a, b, seed, **params):
     if ad.is_undefined_primal(a):
         raise _second_order()
     if type(ct) is ad.Zero:
         return [None, ad.Zero(b.aval), None]
-    fn = compiled(wgrad, nbatch, recipe=recipe, fast=fast)
-    return [None, fn(ct, a, seed).astype(b.aval.dtype), None]
+    return [None, wgrad_p.bind(ct, a, seed, **params).astype(b.aval.dtype), None]
+
+
+def _no_derivative(primals, tangents, **params):
+    raise _second_order()
 
 
 ad.primitive_jvps[qdot_p] = _qdot_jvp
 ad.primitive_transposes[tx_p] = _tx_transpose
 ad.primitive_transposes[tw_p] = _tw_transpose
+for _p in (tx_p, tw_p, dgrad_p, wgrad_p):  # derivatives of a derivative
+    ad.primitive_jvps[_p] = _no_derivative
 
 
 def qdot(
@@ -296,6 +344,7 @@ def qdot(
     recipe: Recipe,
     seed: UInt32[Array, "2"] | None = None,
     fast: bool = True,
+    name: str = "",
 ) -> Float[Array, "*tokens n"]:
     """`x @ w.T` under `recipe`: fprop, dgrad and wgrad each quantise their own operands.
 
@@ -309,6 +358,8 @@ def qdot(
     - `fast`: run the GEMMs on the device's fastest exact operand dtype (bfloat16 where
       it is multiplied natively, float32 on other CPUs; `NVFP4X_GEMM_DTYPE` overrides)
       instead of the float32 reference; only the summation order differs.
+    - `name`: the layer's path, shown by reports (`nvfp4x.coverage`); no effect on the
+      numbers.
 
     **Returns:** float32 `(tokens..., n)`, accumulated in float32 and multiplied by both
     operands' tensor scales.
@@ -328,4 +379,30 @@ def qdot(
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     wv, ws = quantize_weight(lax.stop_gradient(w), recipe, axis=-1, fast=fast)
-    return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, fast=fast, nbatch=0)
+    return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, fast=fast, nbatch=0, name=name)
+
+
+def explicit_axes_as_auto(matmul: functools.partial, x: Array, operands: tuple, weight) -> Array:
+    """`matmul(x, *operands)`, the GEMM `x @ W.T`. Under a mesh with explicit axes
+    ("sharding in types"), it runs with those axes switched to automatic (XLA places the
+    amax all-reduces and gathers, as under an automatic mesh), and its output gets the
+    sharding JAX gives the plain `x @ W.T`, so that a quantised model type-checks where
+    the plain one does and raises JAX's own error where it does not.
+
+    `matmul` is a `functools.partial` of a module-level function with hashable keywords:
+    the switched GEMM is jitted once per (function, keywords, output sharding), so that
+    eager calls and eager `jax.grad` go through the same traced program as jitted ones."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return matmul(x, *operands)
+    shape, like = weight
+    w = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.typeof(like).sharding)
+    out = jax.eval_shape(lambda a, b: jnp.matmul(a, b.T, preferred_element_type=jnp.float32), x, w)
+    keywords = tuple(sorted(matmul.keywords.items()))
+    return _auto_gemm(matmul.func, keywords, out.sharding)(x, *operands)
+
+
+@functools.cache
+def _auto_gemm(func, keywords: tuple, out_sharding) -> Callable:
+    fn = functools.partial(func, **dict(keywords))
+    return jax.jit(jax.sharding.auto_axes(fn, out_sharding=out_sharding))

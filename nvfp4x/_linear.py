@@ -1,8 +1,6 @@
 """`QuantizedLinear`: `eqx.nn.Linear` whose three GEMMs follow a recipe."""
 
 import functools
-from collections.abc import Callable
-from typing import Literal
 
 import equinox as eqx
 import jax
@@ -10,23 +8,28 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._formats import widest_float
-from ._gemm import qdot
+from ._gemm import explicit_axes_as_auto
 from ._policy import Recipe
+from ._probe import gemm_with_probe
+from ._qweight import QWeight, as_qweight, interpreting, with_class
 
 
-class QuantizedLinear(eqx.Module):
-    """A linear layer `y = x @ W.T + b` whose fprop, dgrad and wgrad GEMMs quantise their
-    operands as `recipe` says (spec §5).
+class QuantizedLinear(eqx.nn.Linear):
+    """An `eqx.nn.Linear` whose fprop, dgrad and wgrad GEMMs follow a recipe (spec §5):
+    fprop `Q(x) @ Q(W).T` (x along k), dgrad `Q(dy) @ Q(W)` (dy along n), wgrad
+    `Q(dy).T @ Q(x)` (both along the tokens).
 
-    Made by [`nvfp4x.quantize`][] from an `eqx.nn.Linear`; turned back by
-    [`nvfp4x.dequantize`][]. The master `weight` and `bias` stay in their own dtype and
-    are what an optimiser steps.
+    Made by [`nvfp4x.quantize`][] from an `eqx.nn.Linear` (it *is* one:
+    `isinstance(layer, eqx.nn.Linear)` holds, so masks and filters written for Linears
+    keep selecting it); turned back by [`nvfp4x.dequantize`][]. Its `weight` is an
+    [`nvfp4x.QWeight`][]: the master array (what an optimiser steps, `weight.array`)
+    with the recipe, so `x @ layer.weight.T` outside the layer is quantised too.
 
-    **Fields:** `weight` `(out_features, in_features)` (or stacked `(L, out, in)`),
-    `bias` or None, `in_features`, `out_features`, `use_bias`, `recipe` (static) and
-    `fast` (static: run the GEMMs on bfloat16 operands where the device multiplies them
-    natively, exact for quantised values; `False` runs the float32 reference), and
-    `probe` (None unless telemetry is switched on with `nvfp4x.telemetry.enable`).
+    **Fields:** `weight` (a `QWeight` of shape `(out_features, in_features)`, or stacked
+    `(L, out, in)`), `bias` or None, `in_features`, `out_features`, `use_bias`.
+    **Properties:** `recipe`, `fast` (run the GEMMs on bfloat16 operands where the device
+    multiplies them natively, exact for quantised values; `False` runs the float32
+    reference) and `probe` (None unless telemetry is on), all read from the weight.
 
     The layer acts on one example `(in_features,)` like `eqx.nn.Linear`, and also on a
     batch `(..., in_features)`. `jax.vmap(layer)(xs)` gives the same bits as `layer(xs)`:
@@ -41,24 +44,37 @@ class QuantizedLinear(eqx.Module):
     ```
     """
 
-    weight: Float[Array, "*stack out in"]
-    bias: Float[Array, "*stack out"] | None
-    in_features: int | Literal["scalar"] = eqx.field(static=True)
-    out_features: int | Literal["scalar"] = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
-    recipe: Recipe = eqx.field(static=True)
-    fast: bool = eqx.field(static=True, default=True)
-    probe: Float[Array, "*stack 5 4"] | None = None
+    weight: QWeight
+
+    def __init__(self, weight: QWeight, bias, in_features, out_features, use_bias: bool):
+        self.weight = weight
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
 
     def __check_init__(self):
-        if not isinstance(self.recipe, Recipe):
+        if not isinstance(self.weight, QWeight):
             raise TypeError(
-                f"`recipe` must be an `nvfp4x.Recipe`, got {type(self.recipe).__name__}."
+                "`QuantizedLinear.weight` must be an `nvfp4x.QWeight` (build the layer with "
+                f"`QuantizedLinear.from_linear`), got {type(self.weight).__name__}."
             )
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.weight.recipe
+
+    @property
+    def fast(self) -> bool:
+        return self.weight.fast
+
+    @property
+    def probe(self) -> Array | None:
+        return self.weight.probe
 
     @classmethod
     def from_linear(
-        cls, linear: eqx.nn.Linear, recipe: Recipe, *, fast: bool = True
+        cls, linear: eqx.nn.Linear, recipe: Recipe, *, fast: bool = True, path: str = ""
     ) -> "QuantizedLinear":
         """Wrap an `eqx.nn.Linear` (its arrays are shared, not copied).
 
@@ -68,38 +84,29 @@ class QuantizedLinear(eqx.Module):
         - `recipe`: an [`nvfp4x.Recipe`][] (a recipe name is not accepted here).
         - `fast`: run the GEMMs on the device's fast operand dtype (bfloat16 where it is
           native) rather than the float32 reference.
+        - `path`: the layer's path in its model, shown by reports.
 
         **Returns:** a `QuantizedLinear` with `linear`'s weight, bias and features.
         """
+        if not isinstance(recipe, Recipe):
+            raise TypeError(
+                f"`recipe` must be an `nvfp4x.Recipe`, got {type(recipe).__name__}."
+            )
         return cls(
-            weight=linear.weight,
+            weight=QWeight(linear.weight, recipe, path, fast),
             bias=linear.bias,
             in_features=linear.in_features,
             out_features=linear.out_features,
             use_bias=linear.use_bias,
-            recipe=recipe,
-            fast=fast,
         )
 
     def to_linear(self) -> eqx.nn.Linear:
         """The plain `eqx.nn.Linear` with these master weights.
 
-        **Returns:** an `eqx.nn.Linear` holding this layer's `weight` and `bias` (the
-        recipe and any telemetry probe are dropped).
+        **Returns:** an `eqx.nn.Linear` holding this layer's `weight.array` and `bias`
+        (the recipe and any telemetry probe are dropped).
         """
-        skeleton = eqx.filter_eval_shape(
-            eqx.nn.Linear,
-            self.in_features,
-            self.out_features,
-            self.use_bias,
-            key=jax.random.key(0),
-        )
-        return eqx.tree_at(
-            lambda m: (m.weight, m.bias),
-            skeleton,
-            (self.weight, self.bias),
-            is_leaf=lambda v: v is None,
-        )
+        return with_class(eqx.tree_at(lambda m: m.weight, self, self.weight.array), eqx.nn.Linear)
 
     def __call__(
         self,
@@ -120,29 +127,40 @@ class QuantizedLinear(eqx.Module):
         **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`
         and the weight.
         """
-        if self.weight.ndim != 2:
+        qw = as_qweight(self.weight)
+        if not isinstance(qw, QWeight):
+            if not interpreting():
+                raise TypeError(
+                    f"This QuantizedLinear's `weight` is a {type(qw).__name__}, not an "
+                    "`nvfp4x.QWeight`, so its recipe is lost. To put new values into a "
+                    "quantised layer, replace the master array: "
+                    "`eqx.tree_at(lambda m: m.weight.array, layer, new)`."
+                )
+            # Traced as a plain array: the body of a `lax.scan`, `jit` or `cond` inside an
+            # interpreted call, whose jaxpr is interpreted afterwards. Written as the
+            # product it is, so that the interpretation runs it quantised.
+            w = self.weight
+            plain = functools.partial(plain_matmul)
+            return apply_linear(self, x, plain, (w,), (w.shape, w), w.dtype)
+        w = qw.array
+        if w.ndim != 2:
             raise ValueError(
-                f"This layer's weight is stacked {self.weight.shape}; call it inside "
+                f"This layer's weight is stacked {w.shape}; call it inside "
                 "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis, as the "
                 "unquantised stack would be."
             )
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
+        matmul = functools.partial(
+            gemm_with_probe, recipe=qw.recipe, fast=qw.fast, name=qw.path
+        )
+        operands = (w, seed, qw.probe, qw.enabled)
+        return apply_linear(self, x, matmul, operands, (w.shape, w), w.dtype)
 
-        matmul = functools.partial(_matmul, recipe=self.recipe, fast=self.fast)
-        operands = (self.weight, seed, self.probe)
-        weight = (self.weight.shape, self.weight)
-        return apply_linear(self, x, matmul, operands, weight, self.weight.dtype)
 
-
-def _matmul(x, w, seed, probe, *, recipe: Recipe, fast: bool) -> Array:
-    """The quantised GEMM of a `QuantizedLinear`, with its telemetry probe if it has one."""
-    y = qdot(x, w, recipe=recipe, seed=seed, fast=fast)
-    if probe is not None:
-        from ._telemetry import probe as probe_fn
-
-        s = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-        y = probe_fn(y, x, w, s, probe, recipe)
-    return y
+def plain_matmul(x: Array, w: Array) -> Array:
+    """`x @ w.T` as one `dot_general` on `w` in its stored layout."""
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
 def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype) -> Array:
@@ -164,29 +182,3 @@ def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype)
     if layer.out_features == "scalar":
         y = y[..., 0]
     return y.astype(widest_float(x.dtype, weight_dtype))
-
-
-def explicit_axes_as_auto(matmul: functools.partial, x: Array, operands: tuple, weight) -> Array:
-    """`matmul(x, *operands)`, the GEMM `x @ W.T`. Under a mesh with explicit axes
-    ("sharding in types"), it runs with those axes switched to automatic (XLA places the
-    amax all-reduces and gathers, as under an automatic mesh), and its output gets the
-    sharding JAX gives the plain `x @ W.T`, so that a quantised model type-checks where
-    the plain one does and raises JAX's own error where it does not.
-
-    `matmul` is a `functools.partial` of a module-level function with hashable keywords:
-    the switched GEMM is jitted once per (function, keywords, output sharding), so that
-    eager calls and eager `jax.grad` go through the same traced program as jitted ones."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.explicit_axes:
-        return matmul(x, *operands)
-    shape, like = weight
-    w = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.typeof(like).sharding)
-    out = jax.eval_shape(lambda a, b: jnp.matmul(a, b.T, preferred_element_type=jnp.float32), x, w)
-    keywords = tuple(sorted(matmul.keywords.items()))
-    return _auto_gemm(matmul.func, keywords, out.sharding)(x, *operands)
-
-
-@functools.cache
-def _auto_gemm(func, keywords: tuple, out_sharding) -> Callable:
-    fn = functools.partial(func, **dict(keywords))
-    return jax.jit(jax.sharding.auto_axes(fn, out_sharding=out_sharding))

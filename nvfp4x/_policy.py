@@ -268,6 +268,10 @@ class Policy:
       wins; `None` leaves the layer as it is; a layer no rule matches is left as it is.
     - `strict`: if True (default), `quantize` raises a `ValueError` naming any rule that
       matched no layer (a typo in a path usually).
+    - `convolutions`: if True, the rules also select Equinox's convolutions
+      (`eqx.nn.Conv1d/2d/3d`, `ConvTranspose*`, by their paths), which then run as their
+      GEMM in the rule's recipe. The NVFP4 recipe covers linear layers; by default
+      convolutions stay as they are.
 
     ```python
     policy = nvfp4x.Policy([
@@ -278,7 +282,13 @@ class Policy:
     ```
     """
 
-    def __init__(self, rules: Sequence[tuple[str, RecipeLike]], *, strict: bool = True):
+    def __init__(
+        self,
+        rules: Sequence[tuple[str, RecipeLike]],
+        *,
+        strict: bool = True,
+        convolutions: bool = False,
+    ):
         compiled = []
         for i, rule in enumerate(rules):
             if not (isinstance(rule, tuple | list) and len(rule) == 2):
@@ -293,6 +303,7 @@ class Policy:
             compiled.append((regex, as_recipe(recipe, f"Policy rule {i} (`{pattern}`)")))
         self.rules = tuple(compiled)
         self.strict = strict
+        self.convolutions = convolutions
 
     def lookup(self, path: str) -> tuple[int | None, Recipe | None]:
         """The first rule that matches `path` (with `re.fullmatch`).

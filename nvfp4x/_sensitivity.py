@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -10,11 +11,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import quax
 from jaxtyping import Array, Float
 
-from ._linear import QuantizedLinear
 from ._policy import Policy, Recipe, recipes
-from ._transform import path_str, quantize
+from ._coverage import coverage
+from ._qweight import QWeight, is_qweight
+from ._sites import layers, path_str
+from ._transform import quantize
 
 
 class SensitivityRow(NamedTuple):
@@ -141,9 +145,8 @@ class SensitivityReport:
 
 
 def _linear_paths(model: Any) -> list[str]:
-    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
-    return [path_str(p) for p, leaf in leaves if is_linear(leaf)]
+    """The paths of the linear-like layers not yet quantised (those are measured)."""
+    return [p for p, layer in layers(model) if not isinstance(layer.weight, quax.ArrayValue)]
 
 
 @eqx.filter_jit
@@ -158,38 +161,21 @@ def _value_and_grad(params, static, batch, loss_fn, target, recipe):
     return eqx.filter_value_and_grad(f)(params)
 
 
-class _Switch(eqx.Module):
-    """An `eqx.nn.Linear` that is quantised where `on` is true and plain elsewhere.
-
-    Under `jax.vmap` over `on` (one row of the identity per variant), each variant of the
-    model quantises exactly one layer. The weight is routed through `where(on, W, W)` so
-    that it carries the variant axis too: the quantised GEMM then treats the variants as
-    independent problems (own tensor scales), not as one larger batch.
-    """
-
-    linear: eqx.nn.Linear
-    on: Array  # bool, the weight's stack shape (() for a plain layer)
-    recipe: Recipe = eqx.field(static=True)
-
-    def __call__(self, x: Array, *, key: Any = None) -> Array:
-        weight = jnp.where(self.on[..., None, None], self.linear.weight, self.linear.weight)
-        routed = eqx.tree_at(lambda m: m.weight, self.linear, weight)
-        quantised = QuantizedLinear.from_linear(routed, self.recipe)(x, key=key)
-        plain = self.linear(x, key=key)
-        return jnp.where(self.on, quantised, plain.astype(quantised.dtype))
-
-
 def _switched(model: Any, paths: list[str], onehot: Array, recipe: Recipe) -> Any:
+    """`model` with every layer of `paths` quantised with `recipe`, each `enabled` where
+    its entry of `onehot` is true: under `jax.vmap` over the rows of the identity, each
+    variant quantises exactly one layer (and, since the weight is routed through the
+    flag, as its own problem with its own tensor scales)."""
     index = {p: i for i, p in enumerate(paths)}
-    is_linear = lambda x: isinstance(x, eqx.nn.Linear)
+    qmodel = quantize(model, lambda path, _: recipe if path in index else None)
 
-    def swap(path, leaf):
-        if not is_linear(leaf):
-            return leaf
-        on = jnp.broadcast_to(onehot[index[path_str(path)]], leaf.weight.shape[:-2])
-        return _Switch(leaf, on, recipe)
+    def flag(w):
+        if not isinstance(w, QWeight):
+            return w
+        on = jnp.broadcast_to(onehot[index[w.path]], w.array.shape[:-2])
+        return eqx.tree_at(lambda v: v.enabled, w, on, is_leaf=lambda v: v is None)
 
-    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=is_linear)
+    return jax.tree_util.tree_map(flag, qmodel, is_leaf=is_qweight)
 
 
 def _leaf_sq(tree: Any) -> Array:
@@ -286,8 +272,10 @@ def sensitivity(
 
     **Arguments:**
 
-    - `model`: any model [`nvfp4x.quantize`][] accepts, holding at least one
-      `eqx.nn.Linear` (layers already quantised are left as they are and not measured).
+    - `model`: any model [`nvfp4x.quantize`][] accepts, holding at least one linear-like
+      layer (`eqx.nn.Linear`, a subclass, a user linear class; layers already quantised
+      are left as they are and not measured). A layer whose quantisation changes
+      nothing (its GEMM never ran in `loss_fn`) is reported with a `UserWarning`.
     - `loss_fn`: `(model, batch) -> scalar loss`, differentiable in the model's float
       arrays. If it draws random numbers, put a fixed key inside `batch`.
     - `batch`: the data passed to every run, unchanged. Stochastic rounding of gradients
@@ -372,5 +360,17 @@ def sensitivity(
                     grad_error=_ratio(err[i].sum(), ref.sum()),
                     weight_grad_error=math.nan if w is None else _ratio(err[i, w], ref[w]),
                 )
+            )
+    # Which layers' GEMMs run in `loss_fn` at all (traced, not run).
+    every = quantize(model, lambda path, _: recipe if path in paths else None)
+    reached = {r.path for r in coverage(loss_fn, every, batch).rows if r.quantised}
+    for r in rows:
+        if r.path not in reached:
+            warnings.warn(
+                f"nvfp4x.sensitivity: the GEMM of `{r.path}` never runs in `loss_fn`, so "
+                "quantising it changes nothing; its row is not evidence that the layer is "
+                "safe to quantise.",
+                UserWarning,
+                stacklevel=2,
             )
     return SensitivityReport(rows=tuple(rows), base_loss=base, recipe=recipe)

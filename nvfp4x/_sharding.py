@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._array import NVFP4Array
 from ._format._constants import BLOCK, MX_BLOCK
+from ._frozen import FrozenWeight
 from ._packed import MXFP8Array
 
 
@@ -31,7 +32,8 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
 
     **Arguments:**
 
-    - `packed`: an `NVFP4Array`, `MXFP8Array`, `FP8Array` or plain array (a frozen weight).
+    - `packed`: an `NVFP4Array`, `MXFP8Array`, `FP8Array` or plain array, or a frozen
+      layer's `FrozenWeight` holding one.
     - `sharding`: a `NamedSharding` for the logical weight.
 
     **Returns:** a PyTree of `NamedSharding` with `packed`'s structure, for
@@ -46,11 +48,13 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
     """
     mesh, spec = sharding.mesh, tuple(sharding.spec)
     shape = tuple(packed.shape)
+    # A frozen layer's weight: its packed array.
+    packed_array = packed.packed if isinstance(packed, FrozenWeight) else packed
     spec = spec + (None,) * (len(shape) - len(spec))
     blocks: tuple[int, ...] = ()
-    if isinstance(packed, NVFP4Array):
-        blocks = (1, BLOCK) if packed.block[0] == 1 else (BLOCK, BLOCK)
-    elif isinstance(packed, MXFP8Array):
+    if isinstance(packed_array, NVFP4Array):
+        blocks = (1, BLOCK) if packed_array.block[0] == 1 else (BLOCK, BLOCK)
+    elif isinstance(packed_array, MXFP8Array):
         blocks = (1, MX_BLOCK)
     for i, b in enumerate(blocks):
         axis = len(shape) - 2 + i
@@ -78,7 +82,8 @@ def shard_packed(packed: Any, sharding: NamedSharding) -> Any:
 
     **Arguments:**
 
-    - `packed`: an `NVFP4Array`, `MXFP8Array`, `FP8Array` or plain array (a frozen weight).
+    - `packed`: an `NVFP4Array`, `MXFP8Array`, `FP8Array` or plain array, or a frozen
+      layer's `FrozenWeight` holding one.
     - `sharding`: a `NamedSharding` for the logical weight `(..., out, in)`.
 
     **Returns:** `packed` with every leaf placed per [`nvfp4x.packed_sharding`][], which

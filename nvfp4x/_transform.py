@@ -1,4 +1,4 @@
-"""`quantize` / `dequantize` over any Equinox model, and `summary`."""
+"""`quantize` / `dequantize` over any Equinox model."""
 
 import warnings
 from collections.abc import Callable
@@ -6,29 +6,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 
 from ._linear import QuantizedLinear
 from ._policy import Policy, PolicyLike, Recipe, as_recipe
-
-
-def path_str(path: tuple) -> str:
-    """`blocks[3].mlp.fc1`: attributes joined by dots, indices and dict keys in brackets."""
-    out = ""
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            out += ("." if out else "") + k.name
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out += f"[{k.idx}]"
-        elif isinstance(k, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
-            out += f"[{k.key}]"
-        else:
-            out += str(k)
-    return out
-
-
-def _is_layer(x: Any) -> bool:
-    return isinstance(x, eqx.nn.Linear | QuantizedLinear)
+from ._qweight import QWeight, base_class, interpreted_class, with_class
+from ._sites import children, is_conv, is_layer, path_str, qweights
 
 
 def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], Recipe | None], Policy | None]:
@@ -48,50 +30,127 @@ def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], Recipe | None], 
 
 
 def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
-    """Replace every `eqx.nn.Linear` that `policy` maps to a recipe by a
-    [`nvfp4x.QuantizedLinear`][]; change nothing else.
+    """Quantise the weight of every linear-like layer that `policy` maps to a recipe: every
+    GEMM that consumes it (fprop, dgrad, wgrad) then runs under that recipe, however the
+    model reads it; nothing else changes.
+
+    Linear-like layers are `eqx.nn.Linear` and its subclasses, and any module with a
+    floating-point `weight` of two or more dimensions (a user's linear class);
+    convolutions (`eqx.nn.Conv*`, `ConvTranspose*`) only under a
+    `Policy(..., convolutions=True)`, and then run as their GEMM (input patches times
+    the kernel, blocks along input channels x kernel window). A plain
+    `eqx.nn.Linear` becomes an [`nvfp4x.QuantizedLinear`][] (still an `eqx.nn.Linear`),
+    every other layer keeps its class, fields and `__call__`, with its `weight` an
+    [`nvfp4x.QWeight`][]. Modules that hold a quantised weight run their `__call__` so
+    that `x @ self.w.weight.T`, `jnp.einsum(..., self.lm_head.weight)`, `jnp.dot`,
+    `lax.dot_general` and wrappers such as `eqx.nn.WeightNorm` are quantised as a called
+    layer is. Weights tied with `eqx.nn.Shared` are quantised at their source.
 
     **Arguments:**
 
-    - `model`: any PyTree (Equinox modules, lists, tuples, dicts) holding `eqx.nn.Linear`
+    - `model`: any PyTree (Equinox modules, lists, tuples, dicts) holding linear-like
       layers anywhere, stacked ones (`eqx.filter_vmap`-made) included.
-    - `policy`: an [`nvfp4x.Policy`][] (regex rules on paths such as `blocks[3].mlp.fc1`),
-      one recipe (or recipe name) for every layer, or a callable
-      `(path, linear) -> recipe | None`. `None` keeps a layer as it is.
+    - `policy`: an [`nvfp4x.Policy`][] (regex rules on layer paths such as
+      `blocks[3].mlp.fc1`, or on weight paths `blocks[3].mlp.fc1.weight`), one recipe (or
+      recipe name) for every layer, or a callable `(path, layer) -> recipe | None`.
+      `None` keeps a layer as it is.
     - `fast`: run the GEMMs on bfloat16 operands where the device multiplies them natively
       (float32 on other CPUs; exact for quantised values either way) rather than the
       float32 reference.
 
-    **Returns:** the model with quantised layers. [`nvfp4x.dequantize`][] undoes it exactly.
+    **Returns:** the model with quantised weights. [`nvfp4x.dequantize`][] undoes it exactly.
+
+    Raises `ValueError` if the model is already quantised, or if a rule of a strict
+    `Policy` matches no layer.
 
     ```python
     qmodel = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
     ```
     """
     resolve, rules = _resolver(policy)
+    already = qweights(model)
+    if already:
+        raise ValueError(
+            f"nvfp4x.quantize: the model is already quantised (e.g. `{already[0][1].path}` "
+            f"runs {already[0][1].recipe.name}). To change its policy, quantise "
+            "`nvfp4x.dequantize(model)` instead; the master weights are kept exactly."
+        )
     matched: set[int] = set()
     found = 0
+    tied: dict[int, tuple[str, Recipe]] = {}  # id(SharedNode) -> (path, recipe)
 
-    def replace(path, leaf):
+    def choose(path: str, layer: Any) -> Recipe | None:
         nonlocal found
-        if not isinstance(leaf, eqx.nn.Linear):
-            return leaf
         found += 1
-        p = path_str(path)
-        if rules is not None:
-            index, recipe = rules.lookup(p)
-            if index is not None:
-                matched.add(index)
-        else:
-            recipe = resolve(p, leaf)
-        if recipe is None:
-            return leaf
-        return QuantizedLinear.from_linear(leaf, recipe, fast=fast)
+        if rules is None:
+            return resolve(path, layer)
+        index, recipe = rules.lookup(path)
+        if index is None:
+            index, recipe = rules.lookup(f"{path}.weight" if path else "weight")
+        if index is not None:
+            matched.add(index)
+        return recipe
 
-    out = jax.tree_util.tree_map_with_path(replace, model, is_leaf=_is_layer)
+    def visit(node: Any, path: tuple) -> Any:
+        if is_layer(node):
+            p = path_str(path)
+            recipe = choose(p, node)
+            if recipe is None:
+                return node
+            if not eqx.is_array(node.weight):  # tied: quantised at its source below
+                tied[id(node.weight)] = (p, recipe)
+                return node
+            if type(node) is eqx.nn.Linear:
+                return QuantizedLinear.from_linear(node, recipe, fast=fast, path=p)
+            weight = QWeight(node.weight, recipe, p, fast)
+            return _interpreted(eqx.tree_at(lambda m: m.weight, node, weight))
+        if is_conv(node) and rules is not None and rules.convolutions:
+            p = path_str(path)
+            recipe = choose(p, node)
+            if recipe is None:
+                return node
+            return _interpreted(
+                eqx.tree_at(lambda m: m.weight, node, QWeight(node.weight, recipe, p, fast))
+            )
+        if isinstance(node, eqx.nn.Shared):
+            return _visit_shared(node, path)
+        if eqx.is_array(node) or node is None:
+            return node
+        flat, treedef = children(node)
+        if len(flat) == 1 and flat[0][1] is node:  # a leaf that is not an array
+            return node
+        new = jax.tree_util.tree_unflatten(treedef, [visit(c, path + k) for k, c in flat])
+        return _interpreted(new) if isinstance(new, eqx.Module) else new
+
+    def _visit_shared(shared: Any, path: tuple) -> Any:
+        inner = visit(shared.pytree, path + (jax.tree_util.GetAttrKey("pytree"),))
+        slots = shared.where(inner)
+        sources = shared.get(inner)
+        many = isinstance(slots, list | tuple)
+        slots, sources = (slots, sources) if many else ([slots], [sources])
+        for slot, source in zip(slots, sources, strict=True):
+            if id(slot) not in tied:
+                continue
+            p, recipe = tied.pop(id(slot))
+            spots = [
+                k for k, leaf in jax.tree_util.tree_flatten_with_path(inner)[0] if leaf is source
+            ]
+            if len(spots) != 1:
+                raise ValueError(
+                    f"nvfp4x.quantize: the policy selects `{p}`, whose weight is tied with "
+                    "`eqx.nn.Shared` to a value its `get` computes (not a weight array of "
+                    "the shared tree). Tie the weight directly (`get=lambda t: t.embed.weight`)"
+                    " or leave the layer out of the policy."
+                )
+            weight = QWeight(source, recipe, p, fast)
+            inner = eqx.tree_at(lambda t, k=spots[0]: _at(t, k), inner, weight)
+        return eqx.tree_at(lambda s: s.pytree, shared, inner)
+
+    out = visit(model, ())
     if found == 0:
         warnings.warn(
-            "nvfp4x.quantize: the model holds no `eqx.nn.Linear`; it is returned unchanged.",
+            "nvfp4x.quantize: the model holds no `eqx.nn.Linear` (nor a subclass of it, nor a "
+            "module with a 2-D floating-point `weight`); it is returned unchanged.",
             UserWarning,
             stacklevel=2,
         )
@@ -100,7 +159,7 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
         if unused:
             names = ", ".join(f"rule {i} `{rules.rules[i][0].pattern}`" for i in unused)
             raise ValueError(
-                f"nvfp4x.quantize: {names} matched no `eqx.nn.Linear` (or every layer it "
+                f"nvfp4x.quantize: {names} matched no linear layer (or every layer it "
                 "matches was taken by an earlier rule). Paths look like "
                 "`blocks[3].mlp.layers[0]`; see `nvfp4x.summary(model)`. Pass "
                 "`Policy(..., strict=False)` to allow unused rules."
@@ -108,17 +167,49 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     return out
 
 
+def _at(tree: Any, keys: tuple) -> Any:
+    for k in keys:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            tree = getattr(tree, k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            tree = tree[k.idx]
+        else:
+            tree = tree[k.key]
+    return tree
+
+
+def _interpreted(module: Any) -> Any:
+    """`module` with its `__call__` interpreted if it holds a quantised weight anywhere
+    (and is callable), as an instance of `interpreted_class(type(module))`: a subclass
+    with the same name, so `isinstance`, attribute reads and `eqx.tree_at` behave as
+    before. A `QuantizedLinear` calls its own GEMM."""
+    if not isinstance(module, eqx.Module) or isinstance(module, QuantizedLinear | QWeight):
+        return module
+    cls = base_class(type(module))
+    if not callable(module) or not qweights(module) or _calls_layers_only(cls):
+        return module
+    return with_class(module, interpreted_class(cls))
+
+
+def _calls_layers_only(cls: type) -> bool:
+    """Equinox's own containers (`MLP`, `Sequential`, `MultiheadAttention`, ...) only call
+    their layers, so they keep their class; its weight wrappers read the weight."""
+    own = cls.__module__.split(".")[0] == "equinox"
+    reads_weight = eqx.nn.WeightNorm | eqx.nn.SpectralNorm | eqx.nn.Conv | eqx.nn.ConvTranspose
+    return own and not issubclass(cls, reads_weight)
+
+
 def dequantize(model: Any) -> Any:
-    """Turn every [`nvfp4x.QuantizedLinear`][] back into `eqx.nn.Linear` with its master
-    weights: `eqx.tree_equal(dequantize(quantize(m, p)), m)` holds.
+    """Undo [`nvfp4x.quantize`][]: every quantised weight back to its master array, every
+    [`nvfp4x.QuantizedLinear`][] back to `eqx.nn.Linear`, every module to its own class:
+    `eqx.tree_equal(dequantize(quantize(m, p)), m)` holds.
 
     **Arguments:**
 
-    - `model`: any PyTree; every `QuantizedLinear` in it (stacked ones included) is
-      replaced, everything else (frozen layers included) is returned as it is.
+    - `model`: any PyTree; frozen layers are returned as they are.
 
-    **Returns:** the model with plain `eqx.nn.Linear` layers. Telemetry probes (see
-    `nvfp4x.telemetry`) are dropped with the rest of the quantisation.
+    **Returns:** the model with plain layers. Telemetry probes (see `nvfp4x.telemetry`)
+    are dropped with the rest of the quantisation.
 
     ```python
     model = eqx.nn.Linear(32, 16, key=jax.random.key(0))
@@ -127,63 +218,19 @@ def dequantize(model: Any) -> Any:
     ```
     """
 
-    def back(leaf):
-        return leaf.to_linear() if isinstance(leaf, QuantizedLinear) else leaf
+    def back(node: Any) -> Any:
+        if isinstance(node, QuantizedLinear):
+            return node.to_linear()
+        if isinstance(node, QWeight):
+            return node.array
+        if eqx.is_array(node) or node is None:
+            return node
+        flat, treedef = children(node)
+        if len(flat) == 1 and flat[0][1] is node:
+            return node
+        new = jax.tree_util.tree_unflatten(treedef, [back(c) for _, c in flat])
+        if isinstance(new, eqx.Module):
+            new = with_class(new, base_class(type(new)))
+        return new
 
-    return jax.tree_util.tree_map(back, model, is_leaf=_is_layer)
-
-
-def _layers(model: Any):
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
-    return [(path_str(p), leaf) for p, leaf in leaves if _is_layer(leaf)]
-
-
-def _nbytes(x) -> int:
-    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-
-
-def summary(model: Any) -> str:
-    """A table of every linear layer: path, weight shape, the formats of weight, input
-    and output gradient, bytes held (master weights; packed weights once frozen) and the
-    weight's bytes in its GEMM format, with totals.
-
-    **Arguments:**
-
-    - `model`: any PyTree holding `eqx.nn.Linear`, [`nvfp4x.QuantizedLinear`][] or
-      [`nvfp4x.FrozenLinear`][] layers. Paths are shown as [`nvfp4x.Policy`][] matches
-      them (`blocks[3].mlp.fc1`); a model that is itself one layer has the empty path.
-
-    **Returns:** the table as a string (print it).
-
-    ```python
-    model = [eqx.nn.Linear(32, 16, key=jax.random.key(0))]
-    print(nvfp4x.summary(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_inference())))
-    # path   shape     weight      input       grad  bytes held  weight bytes
-    # -----  --------  ----------  ----------  ----  ----------  ------------
-    # [0]    (16, 32)  nvfp4 1x16  nvfp4 1x16  -     2,048       288
-    # -----  --------  ----------  ----------  ----  ----------  ------------
-    # total                                          2,048       288
-    ```
-    """
-    from ._frozen import layer_summary_row  # frozen layers add their own rows
-
-    rows = [("path", "shape", "weight", "input", "grad", "bytes held", "weight bytes")]
-    total_master = total_q = 0
-    for path, layer in _layers_all(model):
-        row = layer_summary_row(path, layer)
-        rows.append(row[:-2] + (f"{row[-2]:,}", f"{row[-1]:,}"))
-        total_master += row[-2]
-        total_q += row[-1]
-    rows.append(("total", "", "", "", "", f"{total_master:,}", f"{total_q:,}"))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.insert(len(lines) - 1, lines[1])
-    return "\n".join(lines)
-
-
-def _layers_all(model: Any):
-    from ._frozen import is_layer_any
-
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer_any)[0]
-    return [(path_str(p), leaf) for p, leaf in leaves if is_layer_any(leaf)]
+    return back(model)

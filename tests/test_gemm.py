@@ -754,7 +754,7 @@ def test_nan_in_weight_gives_nan_columns_of_its_tile():
     layer = make_layer(TRAIN)
     w = np.asarray(layer.weight).copy()
     w[3, 7] = np.nan  # 16x16 tile (0, 0): output features 0..15
-    layer = eqx.tree_at(lambda m: m.weight, layer, jnp.asarray(w))
+    layer = eqx.tree_at(lambda m: m.weight.array, layer, jnp.asarray(w))
     y = np.asarray(layer(jnp.asarray(normal(49, (T, K)))))
     assert np.all(np.isnan(y[:, :16]))
     assert np.all(np.isfinite(y[:, 16:]))

@@ -255,7 +255,8 @@ def test_frozen_weight_is_held_in_its_format(model, name):
     kind, fields = HELD[name]
     for i, (m, f) in enumerate(zip(layers_of(master), layers_of(frozen), strict=True)):
         where = f"{model}/{name} layer {i}"
-        assert isinstance(f.weight, kind), (where, type(f.weight))
+        assert isinstance(f.weight, nvfp4x.FrozenWeight), (where, type(f.weight))
+        assert isinstance(f.weight.packed, kind), (where, type(f.weight.packed))
         assert tuple(f.weight.shape) == m.weight.shape, where
         for field, dtype in fields.items():
             assert getattr(f.weight, field).dtype == np.dtype(dtype), (where, field)
@@ -284,7 +285,7 @@ def test_frozen_nvfp4_weight_has_no_master_copy(model, name):
                 "looks like a master copy of a weight"
             )
     for i, (m, f) in enumerate(zip(layers_of(master), layers_of(frozen), strict=True)):
-        w = f.weight
+        w = f.weight.packed
         assert isinstance(w, nvfp4x.NVFP4Array)
         assert w.codes.dtype == np.uint8
         assert w.scales.dtype == E4M3
@@ -309,7 +310,7 @@ def test_frozen_stack_has_one_tensor_scale_per_layer(name):
     )
     qstack = nvfp4x.quantize(stack, recipe)
     frozen = freeze_jit(qstack)
-    w = frozen.layers.weight
+    w = frozen.layers.weight.packed
     assert isinstance(frozen.layers, nvfp4x.FrozenLinear)
     assert isinstance(w, nvfp4x.NVFP4Array)
     assert w.tensor_scale.shape == (nlayers,)

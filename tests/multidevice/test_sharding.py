@@ -268,3 +268,31 @@ def test_explicit_mesh_frozen_layer_eight_ways():
         got = call(placed, jax.device_put(x, P()))
     assert got.sharding.spec == P(None, ("data", "model"))
     assert jnp.allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+class _DirectReads(eqx.Module):
+    """A model that reads its Linears' weights directly (issue 12), on an explicit mesh."""
+
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = jnp.tanh(x @ self.a.weight.T)
+        return jnp.einsum("td,vd->tv", h, self.b.weight)
+
+
+def test_direct_weight_reads_sharded_match_one_device():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = _DirectReads(eqx.nn.Linear(D, D, key=k1), eqx.nn.Linear(D, D, key=k2))
+    q = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    ref_loss, ref_grad = step(q, _x())
+    assert str(eqx.filter_make_jaxpr(loss)(q, _x())[0]).count("nvfp4x_qdot[") == 2
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
+        loss_s, grad_s = step(q, xs)
+    assert abs(float(loss_s) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grad_s), jax.tree.leaves(ref_grad), strict=True):
+        assert _rel(g, r) <= 1e-5

@@ -1,0 +1,305 @@
+"""`coverage`: which GEMMs of a traced function ran in which format, with proof."""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax import lax
+
+from ._frozen import frozen_p
+from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
+from ._policy import Recipe
+from ._qweight import QWeight, record_unquantised
+from ._sites import path_str
+
+_PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
+         wgrad_p: "wgrad"}  # fmt: skip
+
+# Primitives through which an operand is still the same array (for provenance).
+_LAYOUT = {
+    lax.transpose_p,
+    lax.reshape_p,
+    lax.squeeze_p,
+    lax.broadcast_in_dim_p,
+    lax.convert_element_type_p,
+    lax.copy_p,
+    lax.reduce_precision_p,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverageRow:
+    """One GEMM of the traced program.
+
+    - `path`: the layer (or weight) it consumes, as the policy matches it; for a GEMM
+      of two activations (attention's QK and PV) `(activations)`.
+    - `pass_`: `"fprop"`, `"dgrad"`, `"wgrad"` for nvfp4x's GEMMs; `"fprop"` or
+      `"backward"` for plain ones.
+    - `shape`: `(M, K) x (K, N)` with batch dimensions folded into `M`, `batch` times.
+    - `flops`: `2 * M * K * N * batch * repeats` (`repeats`: scan iterations).
+    - `formats`: `(a, b)`, the format of each operand (`"nvfp4 1x16"`, `"float32"`...).
+    - `quantised`: whether the GEMM ran through nvfp4x.
+    """
+
+    path: str
+    pass_: str
+    shape: str
+    flops: int
+    formats: tuple[str, str]
+    quantised: bool
+
+    @property
+    def format(self) -> str:
+        """The GEMM's format: the operands' common format name, or `a x b`."""
+        a, b = (f.split(" ")[0] for f in self.formats)
+        return a if a == b else f"{a} x {b}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverageReport:
+    """What [`nvfp4x.coverage`][] found: every GEMM with its path, pass, shape, FLOPs and
+    operand formats; FLOP totals per format; and the selected weights that reached a
+    GEMM unquantised (`unquantised`, each `(path, where)`), which should be empty.
+
+    `str(report)` is a table; `report.share("nvfp4")` the fraction of GEMM FLOPs whose
+    operands were both NVFP4.
+    """
+
+    rows: tuple[CoverageRow, ...]
+    unquantised: tuple[tuple[str, str], ...]
+
+    @property
+    def total_flops(self) -> int:
+        return sum(r.flops for r in self.rows)
+
+    def flops_by_format(self) -> dict[str, int]:
+        """`{format: FLOPs}`, largest first."""
+        out: dict[str, int] = {}
+        for r in self.rows:
+            out[r.format] = out.get(r.format, 0) + r.flops
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def share(self, fmt: str = "nvfp4") -> float:
+        """The fraction of the GEMM FLOPs that ran in format `fmt` (both operands)."""
+        total = self.total_flops
+        return self.flops_by_format().get(fmt, 0) / total if total else 0.0
+
+    def __str__(self) -> str:
+        header = ("path", "pass", "shape", "FLOPs", "operand a", "operand b")
+        body = [(r.path, r.pass_, r.shape, _si(r.flops), *r.formats) for r in self.rows]
+        table = [header, *body]
+        widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
+                 for row in table]  # fmt: skip
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        total = self.total_flops
+        lines.append("")
+        lines.append(f"GEMM FLOPs per format (total {_si(total)}FLOP):")
+        for fmt, flops in self.flops_by_format().items():
+            lines.append(f"  {fmt:<24} {_si(flops):>9}FLOP  {100 * flops / total:5.1f}%")
+        if self.unquantised:
+            lines.append("")
+            lines.append("SELECTED WEIGHTS THAT REACHED A GEMM UNQUANTISED:")
+            lines.extend(f"  {p}: {why}" for p, why in self.unquantised)
+        return "\n".join(lines)
+
+
+def _fmt_name(fmt) -> str | None:
+    return None if fmt is None else str(fmt)
+
+
+def _dtype_name(aval) -> str:
+    return np.dtype(aval.dtype).name
+
+
+def _quantised_row(eqn, repeats: int) -> CoverageRow:
+    p = eqn.params
+    recipe: Recipe = p["recipe"]
+    avals = [v.aval for v in eqn.invars]
+    nb = p["nbatch"]
+    batch = math.prod(avals[0].shape[:nb])
+    kind = _PASS[eqn.primitive]
+    if kind == "wgrad":  # ct (tokens..., n), a (tokens..., k)
+        ct, a = avals[0], avals[1]
+        n, k = ct.shape[-1], a.shape[-1]
+        m = math.prod(ct.shape[nb:-1])  # contraction over tokens
+        shape, flops = f"({n}, {m}) x ({m}, {k})", 2 * m * n * k
+        fa, fb = recipe.grad, recipe.input
+    elif kind == "dgrad":  # ct (tokens..., n), wv (n, k)
+        ct, wv = avals[0], avals[1]
+        n, k = wv.shape[-2], wv.shape[-1]
+        m = math.prod(ct.shape[nb:-1])
+        shape, flops = f"({m}, {n}) x ({n}, {k})", 2 * m * n * k
+        fa, fb = recipe.grad, recipe.weight
+    else:  # x (tokens..., k), w (n, k)
+        x, w = avals[0], avals[1]
+        n, k = w.shape[-2], w.shape[-1]
+        m = math.prod(x.shape[nb:-1])
+        shape, flops = f"({m}, {k}) x ({k}, {n})", 2 * m * n * k
+        fa, fb = recipe.input, recipe.weight
+        if eqn.primitive is tw_p:
+            fb = None
+        if eqn.primitive is tx_p:
+            fa = None
+    if batch > 1:
+        shape += f" x{batch}"
+    dtype = _dtype_name(avals[0])
+    formats = (_fmt_name(fa) or dtype, _fmt_name(fb) or dtype)
+    path = p.get("name") or "(unnamed)"
+    return CoverageRow(path, kind, shape, flops * batch * repeats, formats, True)
+
+
+def _frozen_row(eqn, repeats: int) -> CoverageRow:
+    p = eqn.params
+    recipe: Recipe = p["recipe"]
+    x = eqn.invars[0].aval
+    w = jax.tree_util.tree_unflatten(p["wdef"], [v.aval for v in eqn.invars[1:]])
+    n, k = w.shape[-2], w.shape[-1]
+    nb = p["nbatch"]
+    m, batch = math.prod(x.shape[nb:-1]), math.prod(x.shape[:nb])
+    dtype = _dtype_name(x)
+    formats = (_fmt_name(recipe.input) or dtype, (_fmt_name(recipe.weight) or dtype))
+    shape = f"({m}, {k}) x ({k}, {n})" + (f" x{batch}" if batch > 1 else "")
+    return CoverageRow("(frozen)", "fprop", shape, 2 * m * n * k * batch * repeats, formats, True)
+
+
+def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    if eqn.primitive is lax.dot_general_p:
+        (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+        k = math.prod(lhs.shape[i] for i in lc)
+        batch = math.prod(lhs.shape[i] for i in lb)
+        m = math.prod(lhs.shape) // (k * batch)
+        n = math.prod(rhs.shape) // (k * batch)
+        shape = f"({m}, {k}) x ({k}, {n})" + (f" x{batch}" if batch > 1 else "")
+        flops = 2 * m * n * k * batch
+    else:  # convolution: output elements x kernel window x input features x 2
+        out = eqn.outvars[0].aval
+        flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[0]
+        shape = f"conv {lhs.shape} * {rhs.shape}"
+    backward = "transpose" in str(eqn.source_info.name_stack)
+    paths = [_origin(origin, v) for v in eqn.invars[:2]]
+    path = next((p for p in paths if p is not None), "(activations)")
+    formats = (_dtype_name(lhs), _dtype_name(rhs))
+    return CoverageRow(
+        path, "backward" if backward else "fprop", shape, flops * repeats, formats, False
+    )
+
+
+def _origin(origin: dict, var) -> str | None:
+    return None if isinstance(var, jax.extend.core.Literal) else origin.get(var)
+
+
+def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected: set):
+    """Collect the GEMMs of `jaxpr` (and its sub-jaxprs); `origin` maps a variable to the
+    path of the model array it is (through layout changes)."""
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive
+        if prim in _PASS:
+            rows.append(_quantised_row(eqn, repeats))
+            continue
+        if prim is frozen_p:
+            rows.append(_frozen_row(eqn, repeats))
+            continue
+        if prim in (lax.dot_general_p, lax.conv_general_dilated_p):
+            row = _plain_row(eqn, repeats, origin)
+            rows.append(row)
+            if row.path in selected:
+                flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
+            continue
+        if prim in _LAYOUT and _origin(origin, eqn.invars[0]) is not None:
+            origin[eqn.outvars[0]] = origin[eqn.invars[0]]
+            continue
+        times = eqn.params.get("length", 1) if prim is lax.scan_p else 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            inner = dict(_map_inputs(eqn, sub, origin))
+            _walk(sub, inner, repeats * times, rows, flagged, selected)
+
+
+def _map_inputs(eqn, sub, origin):
+    """Pair a sub-jaxpr's inputs with the equation's operands (aligned from the end, as
+    control-flow primitives put their extra operands, e.g. a cond's index, first)."""
+    outer = [v for v in eqn.invars]
+    inner = sub.invars
+    offset = len(outer) - len(inner)
+    for i, v in enumerate(inner):
+        j = i + offset
+        if 0 <= j < len(outer) and _origin(origin, outer[j]) is not None:
+            yield v, origin[outer[j]]
+
+
+def coverage(fn: Callable, *args: Any, **kwargs: Any) -> CoverageReport:
+    """Trace `fn(*args, **kwargs)` and report every GEMM in it: its path, pass, shape,
+    FLOPs and the format of each operand, with FLOP totals per format and, flagged, every
+    weight the policy selected that reached a GEMM unquantised.
+
+    `fn` may be a forward pass or a whole training step (`value_and_grad` and an optimiser
+    update): the backward GEMMs (dgrad, wgrad) are in the trace and counted. Nothing is
+    computed; the function is only traced. Looks through `jit`, `scan` (FLOPs times its
+    length), `cond` (every branch), `while` (one iteration), `checkpoint` and custom
+    derivatives.
+
+    **Arguments:**
+
+    - `fn`: the function to trace.
+    - `*args`, `**kwargs`: its arguments (arrays, models, or `jax.ShapeDtypeStruct`s).
+
+    **Returns:** an [`nvfp4x.CoverageReport`][]: print it, or read `report.share("nvfp4")`
+    and `report.unquantised`.
+
+    ```python
+    report = nvfp4x.coverage(lambda m, x: jnp.sum(jax.vmap(m)(x)), qmodel, x)
+    print(report)
+    report.share("nvfp4")   # the fraction of GEMM FLOPs with both operands in NVFP4
+    ```
+    """
+    with record_unquantised() as seen:
+        closed, _ = eqx.filter_make_jaxpr(fn)(*args, **kwargs)[:2]
+    leaves = jax.tree_util.tree_flatten_with_path(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, QWeight)
+    )[0]
+    arrays = [
+        (p, x)
+        for p, x in leaves
+        if eqx.is_array(x) or isinstance(x, QWeight | jax.ShapeDtypeStruct)
+    ]
+    origin, selected = {}, set()
+    for var, p in zip(closed.jaxpr.invars, _expand(arrays), strict=False):
+        origin[var] = p
+        if p.startswith("!"):
+            origin[var] = p[1:]
+            selected.add(p[1:])
+    rows: list[CoverageRow] = []
+    flagged: list[tuple[str, str]] = []
+    _walk(closed.jaxpr, origin, 1, rows, flagged, selected)
+    unquantised = tuple(dict.fromkeys([*seen, *flagged]))
+    return CoverageReport(tuple(rows), unquantised)
+
+
+def _expand(arrays):
+    """The traced inputs' paths in order, relative to their argument (`head.weight` of a
+    model passed first), a layer's weight named by its layer (`head`): a `QWeight`
+    contributes its array (marked `!`, named by its policy path) and its probe."""
+    for p, x in arrays:
+        name = path_str(p[2:])  # past `(args, kwargs)` and the argument
+        if isinstance(x, QWeight):
+            yield "!" + (x.path or _layer_of(name))
+            if x.probe is not None:
+                yield name + ".probe"
+        else:
+            yield _layer_of(name)
+
+
+def _layer_of(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _si(flops: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if flops >= size:
+            return f"{flops / size:.3g} {unit}"
+    return f"{flops:.0f} "

@@ -1,0 +1,169 @@
+"""The telemetry probe: a primitive that is the identity on a GEMM's output and whose
+transpose computes the quantisation statistics of the GEMM's operands (see
+`nvfp4x.telemetry`). Low in the package: the GEMM rules attach it, the telemetry API
+reads what it returns."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array, Float
+
+from ._format._constants import E2M1_MAX
+from ._format._nvfp4 import pad_to_blocks, quantize_blocks, to_blocks
+from ._formats import Format, quantize_operand
+from ._gemm import _grad_key, _mix_weight, _needs_key, compiled, qdot, wgrad_operands
+from ._policy import Recipe
+
+OPERANDS = ("fprop_x", "weight", "dgrad_dy", "wgrad_x", "wgrad_dy")
+STATS = ("amax", "zero_frac", "saturated_frac", "sqnr_db")
+PROBE_SHAPE = (len(OPERANDS), len(STATS))
+
+
+def operand_stats(
+    a: Array, fmt: Format | None, axis: int, key: jax.Array | None
+) -> Float[Array, "4"]:
+    """`(amax, zero_frac, saturated_frac, sqnr_db)` of quantising `a` along `axis`."""
+    a = a.astype(jnp.float32)
+    vals, scale = quantize_operand(a, fmt, axis, key)
+    deq = vals.astype(jnp.float32) * (1.0 if scale is None else scale)
+    amax = jnp.max(jnp.abs(a))
+    nonzero = a != 0
+    zero = jnp.sum(nonzero & (deq == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
+    if fmt is not None and fmt.name == "nvfp4":
+        # Saturated: beyond the largest magnitude of its block, 6 x block scale x s_dec.
+        # That magnitude is the block's largest |deq| whenever any element hit it.
+        blk = fmt.block
+        moved = a if blk == (16, 16) else jnp.moveaxis(a, axis, -1)
+        _, sb, s_dec = quantize_blocks(pad_to_blocks(moved, blk), blk, "nearest", None, None)
+        top = E2M1_MAX * sb * s_dec
+        top = top[..., None] if blk[0] == 1 else top[..., :, None, :, None]
+        magnitude = to_blocks(pad_to_blocks(jnp.abs(moved), blk), blk)
+        sat = jnp.sum(magnitude > top) / a.size
+    else:
+        sat = jnp.float32(0.0)
+    err = jnp.sum((a - deq) ** 2)
+    sqnr = 10.0 * jnp.log10(jnp.sum(a**2) / err)
+    return jnp.stack([amax, zero, sat, sqnr]).astype(jnp.float32)
+
+
+def layer_stats(dy: Array, x: Array, w: Array, seed: Array, *, recipe: Recipe) -> Array:
+    """The `(5, 4)` statistics table of one problem (no independent batch axes)."""
+    dy = dy.astype(jnp.float32)
+    g, a = wgrad_operands(dy, x.astype(jnp.float32), recipe)
+    sr = _needs_key(recipe)
+    rows = [
+        operand_stats(x, recipe.input, -1, None),
+        operand_stats(w, recipe.weight, -1, None),
+        operand_stats(dy, recipe.grad, -1, _grad_key(seed, 1) if sr else None),
+        operand_stats(a, recipe.input, 0, None),
+        operand_stats(g, recipe.grad, 0, _grad_key(seed, 2) if sr else None),
+    ]
+    return jnp.stack(rows)
+
+
+def _fold_or_stack(prim, args, dims, params, n_act: int):
+    """Batching shared by both probe primitives: the first `n_act` operands are
+    activation-like (a vmapped axis folds into their token axes), the rest weight-like
+    (a vmapped axis makes independent problems)."""
+    nbatch = params["nbatch"]
+    act, rest = args[:n_act], args[n_act:]
+    dact, drest = dims[:n_act], dims[n_act:]
+    if all(d is None for d in drest):
+        # every activation operand folds at the same place (they share token axes)
+        size = next(a.shape[d] for a, d in zip(act, dact, strict=True) if d is not None)
+        act = [
+            jnp.broadcast_to(
+                jnp.expand_dims(a, nbatch), a.shape[:nbatch] + (size,) + a.shape[nbatch:]
+            )
+            if d is None
+            else jnp.moveaxis(a, d, nbatch)
+            for a, d in zip(act, dact, strict=True)
+        ]
+        return prim.bind(*act, *rest, **params), nbatch
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+
+    def lead(v, d):
+        return jnp.broadcast_to(v, (size,) + v.shape) if d is None else jnp.moveaxis(v, d, 0)
+
+    args = [lead(v, d) for v, d in zip(args, dims, strict=True)]
+    return prim.bind(*args, **{**params, "nbatch": nbatch + 1}), 0
+
+
+# probe_p(y, x, w, seed, probe) -> y
+probe_p = Primitive("nvfp4x_probe")
+# probe_tangent_p(x, w, seed, tprobe) -> zeros like y (linear in tprobe)
+probe_tangent_p = Primitive("nvfp4x_probe_tangent")
+
+
+def _probe_impl(y, x, w, seed, probe, *, recipe, nbatch, n):
+    return y
+
+
+def _tangent_impl(x, w, seed, tprobe, *, recipe, nbatch, n):
+    return jnp.zeros(x.shape[:-1] + (n,), jnp.float32) + 0.0 * jnp.sum(tprobe)
+
+
+probe_p.def_impl(_probe_impl)
+probe_p.def_abstract_eval(lambda y, *a, **p: jax.core.ShapedArray(y.shape, y.dtype))
+mlir.register_lowering(probe_p, mlir.lower_fun(_probe_impl, multiple_results=False))
+probe_tangent_p.def_impl(_tangent_impl)
+probe_tangent_p.def_abstract_eval(
+    lambda x, w, s, t, *, n, **p: jax.core.ShapedArray(x.shape[:-1] + (n,), jnp.float32)
+)
+mlir.register_lowering(probe_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
+batching.primitive_batchers[probe_p] = lambda args, dims, **p: _fold_or_stack(
+    probe_p, args, dims, p, 2
+)
+batching.primitive_batchers[probe_tangent_p] = lambda args, dims, **p: _fold_or_stack(
+    probe_tangent_p, args, dims, p, 1
+)
+
+
+def _probe_jvp(primals, tangents, **params):
+    y, x, w, seed, probe = primals
+    ty, _, _, _, tprobe = tangents
+    out = probe_p.bind(y, x, w, seed, probe, **params)
+    parts = [] if type(ty) is ad.Zero else [ty]
+    if type(tprobe) is not ad.Zero:
+        mixed = _mix_weight(seed, w) if _needs_key(params["recipe"]) else seed
+        parts.append(probe_tangent_p.bind(x, w, mixed, tprobe, **params))
+    if not parts:
+        return out, ad.Zero.from_primal_value(out)
+    return out, functools.reduce(jnp.add, parts)
+
+
+def _tangent_transpose(ct, x, w, seed, tprobe, *, recipe, nbatch, n):
+    if type(ct) is ad.Zero:
+        return [None, None, None, ad.Zero(tprobe.aval)]
+    return [None, None, None, compiled(layer_stats, nbatch, recipe=recipe)(ct, x, w, seed)]
+
+
+ad.primitive_jvps[probe_p] = _probe_jvp
+ad.primitive_transposes[probe_tangent_p] = _tangent_transpose
+
+
+def probe(y: Array, x: Array, w: Array, seed: Array, p: Array, recipe: Recipe) -> Array:
+    """Attach a layer's telemetry probe to its output `y` (identity in the forward)."""
+    return probe_p.bind(y, x, w, seed, p, recipe=recipe, nbatch=0, n=y.shape[-1])
+
+
+def gemm_with_probe(
+    x, w, seed, probe_array, enabled=None, *, recipe: Recipe, fast: bool, name: str = ""
+) -> Array:
+    """`qdot(x, w)` with a layer's telemetry probe attached, if it has one. With a
+    boolean `enabled`, the quantised product where it is true and the plain float32
+    product `x @ w.T` where it is false (the weight is routed through `enabled`, so that
+    under `jax.vmap` over it every variant is its own problem, with its own scales)."""
+    if enabled is not None:
+        w = jnp.where(enabled, w, w)
+    y = qdot(x, w, recipe=recipe, seed=seed, fast=fast, name=name)
+    if probe_array is not None:
+        s = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+        y = probe(y, x, w, s, probe_array, recipe)
+    if enabled is not None:
+        plain = jnp.matmul(x, w.T, preferred_element_type=jnp.float32)
+        y = jnp.where(enabled, y, plain)
+    return y

@@ -1,0 +1,524 @@
+"""`QWeight`: a weight that the policy selected for NVFP4, wherever it is read.
+
+`nvfp4x.quantize` replaces each selected weight array by a `QWeight` (master array,
+recipe, path). Whatever the user's code does with it, every GEMM that consumes it runs
+quantised, because a `QWeight` is a [quax](https://github.com/patrick-kidger/quax) value:
+inside a module's `__call__` (see `interpreted`) and in its own operators (`w.T`, `x @ w`,
+`w * g`), each JAX primitive applied to it is dispatched here:
+
+- `dot_general` (`x @ w.T`, `w @ x`, `jnp.einsum`, `jnp.dot`, `lax.dot_general`,
+  called Linears) runs as the quantised GEMM `nvfp4x.qdot` on the *effective* weight:
+  fprop `Q(x) @ Q(W).T` (x and W blocked along the contraction axis), dgrad
+  `Q(dy) @ Q(W)` (along the output features), wgrad `Q(dy).T @ Q(x)` (along tokens).
+- Layout and linear elementwise primitives (transpose, reshape, slicing, dtype casts,
+  `w * g`, `w / norm`, ...) give a `QWeight` of their result: the effective weight of
+  `eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm` or a user's scaling is what gets quantised.
+- Anything else (reductions, gathers such as an embedding lookup, `stop_gradient`)
+  reads the master array: those are not GEMMs.
+- `jax.checkpoint` and `jax.custom_vjp` bodies are looked into; a primitive nvfp4x
+  cannot look into that holds a GEMM warns, naming the weight.
+
+Outside an interpreted call, a `QWeight` is not an array: passing it to a `jnp`
+function raises JAX's `TypeError` (its repr names the weight's path), so a silent float
+GEMM is never possible. `nvfp4x.quantized(fn)` makes any function interpreted.
+"""
+
+import functools
+import math
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import quax
+from jax import lax
+from jax._src import ad_checkpoint
+from jax._src.custom_derivatives import custom_vjp_call_p
+from jaxtyping import Array, ArrayLike
+
+from ._formats import widest_float
+from ._gemm import explicit_axes_as_auto
+from ._policy import Recipe
+from ._probe import gemm_with_probe
+
+
+class WeightValue(quax.ArrayValue):
+    """What quantised weights have in common (a `QWeight` and a frozen weight): a quax
+    value with a `recipe`, a `path` and a `fast` flag, whose GEMMs nvfp4x runs, and
+    the array operators (`w.T`, `x @ w`, `w * g`...), each run through the rules."""
+
+    def __array__(self, dtype=None, copy=None):
+        # Host reads (`np.asarray(w)`, printing) see the master values; JAX never does.
+        return np.asarray(type(self).materialise(self), dtype=dtype)
+
+    # Array-like operators outside an interpreted call: each runs through the rules.
+    @property
+    def T(self):  # noqa: N802 - numpy's name
+        return _op(lambda a: a.T)(self)
+
+    @property
+    def mT(self):  # noqa: N802 - numpy's name
+        return _op(lambda a: a.mT)(self)
+
+    def transpose(self, *axes):
+        return _op(lambda a: a.transpose(*axes))(self)
+
+    def reshape(self, *shape, **kwargs):
+        return _op(lambda a: a.reshape(*shape, **kwargs))(self)
+
+    def astype(self, dtype):
+        return _op(lambda a: a.astype(dtype))(self)
+
+    def __getitem__(self, index):
+        return _op(lambda a: a[index])(self)
+
+    def __matmul__(self, other):
+        return _op(operator.matmul)(self, other)
+
+    def __rmatmul__(self, other):
+        return _op(operator.matmul)(other, self)
+
+    def __mul__(self, other):
+        return _op(operator.mul)(self, other)
+
+    def __rmul__(self, other):
+        return _op(operator.mul)(other, self)
+
+    def __truediv__(self, other):
+        return _op(operator.truediv)(self, other)
+
+    def __add__(self, other):
+        return _op(operator.add)(self, other)
+
+    def __radd__(self, other):
+        return _op(operator.add)(other, self)
+
+    def __sub__(self, other):
+        return _op(operator.sub)(self, other)
+
+    def __rsub__(self, other):
+        return _op(operator.sub)(other, self)
+
+    def __neg__(self):
+        return _op(operator.neg)(self)
+
+
+class QWeight(WeightValue):
+    """A weight selected for NVFP4 (or another recipe) by [`nvfp4x.quantize`][].
+
+    It behaves as its master array in every non-GEMM use and runs every GEMM that
+    consumes it under `recipe`. An optimiser steps `array` (the only float leaf besides
+    a telemetry `probe`); [`nvfp4x.dequantize`][] puts `array` back.
+
+    **Fields:** `array` (the master weight, any float dtype, possibly stacked), `probe`
+    (None unless telemetry is on), `enabled` (None, or a boolean array of the weight's
+    stack shape: where false, the GEMMs run unquantised in float32; e.g. a scanned stack
+    whose first and last slices stay high-precision), `recipe` and `path` (static: the
+    policy's recipe, and the path the policy matched, used by reports), `fast` (static:
+    run GEMMs on the device's fast exact operand dtype).
+    """
+
+    array: Array
+    recipe: Recipe = eqx.field(static=True)
+    path: str = eqx.field(static=True)
+    fast: bool = eqx.field(static=True, default=True)
+    probe: Array | None = None
+    enabled: Array | None = None
+
+    def aval(self):
+        return jax.core.ShapedArray(self.array.shape, self.array.dtype)
+
+    def materialise(self) -> Array:
+        return self.array
+
+    def with_array(self, array) -> "QWeight":
+        """This weight's metadata (recipe, path, probe) on another (derived) array."""
+        return QWeight(array, self.recipe, self.path, self.fast, self.probe, self.enabled)
+
+    @staticmethod
+    def default(primitive, values, params):
+        return default_rule(primitive, values, params)
+
+
+def _op(fn: Callable) -> Callable:
+    return quax.quaxify(fn)
+
+
+def quantized(fn: Callable) -> Callable:
+    """Run `fn` with every GEMM on a quantised weight quantised, however `fn` reads it.
+
+    Modules that [`nvfp4x.quantize`][] returns already run their `__call__` this way;
+    use this for other functions that read quantised weights directly, e.g. a loss
+    function computing tied logits with `jnp.einsum("td,vd->tv", h, model.embed.weight)`.
+
+    **Arguments:**
+
+    - `fn`: any function; arguments may hold quantised weights anywhere.
+
+    **Returns:** a function with the same signature and results.
+
+    ```python
+    logits = nvfp4x.quantized(lambda m, h: jnp.einsum("td,vd->tv", h, m.lm_head.weight))(
+        qmodel, h
+    )
+    ```
+    """
+    return _Interpreted(fn)
+
+
+#: How many interpreted calls are running (their bodies may trace layers whose weights
+#: are plain tracers that the interpretation sees afterwards).
+_DEPTH = [0]
+
+
+def interpreting() -> bool:
+    """Whether an interpreted call (a quantised module's `__call__`, `quantized`) runs."""
+    return _DEPTH[0] > 0
+
+
+class _Interpreted:
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        _DEPTH[0] += 1
+        try:
+            return quax.quaxify(self.fn)(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+
+
+# --- the GEMM rule ---
+
+
+def weight_gemm(
+    shape: tuple, a: ArrayLike, w_is_lhs: bool, dimension_numbers, out_dtype, gemm: Callable
+) -> Array:
+    """`dot_general` of a weight of shape `shape` with the activation `a`, as one GEMM
+    `gemm(x, layout, nbatch)` on `x: (batch..., tokens..., K)`; `layout(e)` arranges the
+    weight array `e` as `(batch..., N, K)` (`layout.stored`: it already is, the weight's
+    own `(N, K)`). The output is put back in `dot_general`'s layout."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    wc, ac = (lc, rc) if w_is_lhs else (rc, lc)
+    wb, ab = (lb, rb) if w_is_lhs else (rb, lb)
+    a = jnp.asarray(a)
+    ndim = len(shape)
+    wf = [i for i in range(ndim) if i not in wc and i not in wb]
+    af = [i for i in range(a.ndim) if i not in ac and i not in ab]
+    k = math.prod(shape[i] for i in wc)
+    n_shape = tuple(shape[i] for i in wf)
+    x = jnp.transpose(a, (*ab, *af, *ac))
+    x = x.reshape(x.shape[: len(ab) + len(af)] + (k,))
+    stored = ndim == 2 and tuple(wc) == (1,) and not wb
+
+    def layout(e):
+        if stored:
+            return e
+        return jnp.transpose(e, (*wb, *wf, *wc)).reshape(
+            tuple(shape[i] for i in wb) + (math.prod(n_shape), k)
+        )
+
+    layout.stored = stored
+
+    y = gemm(x, layout, len(wb))  # (batch..., tokens..., N)
+    y = y.reshape(y.shape[:-1] + n_shape)
+    if w_is_lhs:  # dot_general's layout: (batch..., lhs free..., rhs free...)
+        nb, nt, nn = len(wb), len(af), len(n_shape)
+        perm = (*range(nb), *range(nb + nt, nb + nt + nn), *range(nb, nb + nt))
+        y = jnp.transpose(y, perm)
+    return y.astype(out_dtype)
+
+
+def _qweight_gemm(w: QWeight, x: Array, layout: Callable, nb: int) -> Array:
+    """The quantised GEMM of a `QWeight` (its array arranged by `layout`)."""
+    wm = layout(w.array)
+    fn = functools.partial(_gemm, recipe=w.recipe, fast=w.fast, name=w.path)
+    for _ in range(nb):
+        axes = (None if v is None else 0 for v in (w.probe, w.enabled))
+        fn = jax.vmap(fn, in_axes=(0, 0, *axes))
+    return fn(x, wm, w.probe, w.enabled)
+
+
+def _gemm(x, w, probe, enabled, *, recipe: Recipe, fast: bool, name: str) -> Array:
+    seed = jnp.zeros((2,), jnp.uint32)
+    matmul = functools.partial(gemm_with_probe, recipe=recipe, fast=fast, name=name)
+    return explicit_axes_as_auto(matmul, x, (w, seed, probe, enabled), (w.shape, w))
+
+
+def gemm_out_dtype(a, b, preferred_element_type):
+    if preferred_element_type is not None:
+        return preferred_element_type
+    return widest_float(jnp.result_type(a), jnp.result_type(b))
+
+
+def _dot_rule(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_):
+    dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
+    if isinstance(lhs, QWeight) and isinstance(rhs, QWeight):
+        _report_unquantised(lhs.path, "a product of two quantised weights")
+        return lax.dot_general(
+            lhs.array, rhs.array, dimension_numbers, preferred_element_type=dtype
+        )
+    w_is_lhs = isinstance(lhs, QWeight)
+    w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)
+    gemm = functools.partial(_qweight_gemm, w)
+    return weight_gemm(w.array.shape, a, w_is_lhs, dimension_numbers, dtype, gemm)
+
+
+@quax.register(lax.dot_general_p)
+def _(lhs: QWeight, rhs: ArrayLike, **params):
+    return _dot_rule(lhs, rhs, **params)
+
+
+@quax.register(lax.dot_general_p)
+def _(lhs: ArrayLike, rhs: QWeight, **params):
+    return _dot_rule(lhs, rhs, **params)
+
+
+@quax.register(lax.dot_general_p)
+def _(lhs: QWeight, rhs: QWeight, **params):
+    return _dot_rule(lhs, rhs, **params)
+
+
+@quax.register(lax.conv_general_dilated_p)
+def _(
+    lhs: ArrayLike,
+    rhs: QWeight,
+    *,
+    window_strides,
+    padding,
+    lhs_dilation,
+    rhs_dilation,
+    dimension_numbers,
+    feature_group_count,
+    batch_group_count,
+    preferred_element_type=None,
+    **_,
+):
+    """A convolution whose kernel is quantised, run as its GEMM: the input's patches
+    (input channels x kernel window, the contraction) times the kernel as
+    `(out channels, in channels x window)`. fprop, dgrad and wgrad are `qdot`'s, with
+    blocks along that contraction; extracting the patches is exact, and its transpose
+    (a convolution with a one-hot kernel) carries dgrad back to the input."""
+    if feature_group_count != 1 or batch_group_count != 1:
+        raise NotImplementedError(
+            f"nvfp4x: the convolution of `{rhs.path}` is grouped (feature groups "
+            f"{feature_group_count}, batch groups {batch_group_count}); grouped convolutions "
+            "do not run in NVFP4 yet. Leave the layer out of the policy."
+        )
+    lhs_spec, rhs_spec, out_spec = dimension_numbers
+    k = rhs.array
+    window = tuple(k.shape[i] for i in rhs_spec[2:])
+    patches = lax.conv_general_dilated_patches(
+        jnp.asarray(lhs),
+        window,
+        window_strides,
+        padding,
+        lhs_dilation,
+        rhs_dilation,
+        dimension_numbers,
+        precision=lax.Precision.HIGHEST,  # one-hot products: exact
+    )
+    x = jnp.moveaxis(patches, out_spec[1], -1)  # (batch, spatial..., in x window)
+    w = jnp.transpose(k, rhs_spec).reshape(k.shape[rhs_spec[0]], -1)  # (out, in x window)
+    y = _gemm(x, w, rhs.probe, rhs.enabled, recipe=rhs.recipe, fast=rhs.fast, name=rhs.path)
+    dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
+    return jnp.moveaxis(y, -1, out_spec[1]).astype(dtype)
+
+
+# --- everything else ---
+
+# Primitives whose result is still "the weight" (its effective value) when it has the
+# weight's shape: layout changes, casts and the linear elementwise operations.
+_CARRY = {
+    lax.transpose_p,
+    lax.reshape_p,
+    lax.squeeze_p,
+    lax.broadcast_in_dim_p,
+    lax.convert_element_type_p,
+    lax.copy_p,
+    lax.neg_p,
+    lax.mul_p,
+    lax.div_p,
+    lax.add_p,
+    lax.sub_p,
+    lax.slice_p,
+    lax.rev_p,
+    lax.select_n_p,
+    lax.reduce_precision_p,
+}
+
+
+def default_rule(primitive, values, params):
+    """Every primitive without a rule of its own, applied to quantised weights (a
+    `QWeight` or a frozen weight, anything with `materialise`, `recipe`, `path`, `fast`
+    and `probe`): computed on the master (or decoded) values; the result is a `QWeight`
+    again when it is still the weight (see `_CARRY`)."""
+    weights = [v for v in values if isinstance(v, WeightValue)]
+    arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v for v in values]
+    if _holds_gemm(params):
+        for w in weights:
+            _report_unquantised(w.path, f"`{primitive.name}`, which nvfp4x cannot look into")
+    out = primitive.bind(*arrays, **params)
+    if primitive.multiple_results or primitive not in _CARRY:
+        return out
+    src = weights[0]
+    carried = out.ndim >= 2 and jnp.issubdtype(out.dtype, jnp.inexact)
+    if primitive in (lax.reshape_p, lax.broadcast_in_dim_p):
+        carried = carried and out.size == math.prod(src.shape)
+    elif primitive is lax.slice_p:
+        carried = carried and out.ndim == len(src.shape)
+    elif primitive not in (lax.transpose_p, lax.squeeze_p):
+        # Elementwise: the weight was not broadcast up into something larger.
+        carried = carried and any(tuple(w.shape) == out.shape for w in weights)
+    if not carried:
+        return out
+    probe, enabled = getattr(src, "probe", None), getattr(src, "enabled", None)
+    return QWeight(out, src.recipe, src.path, src.fast, probe, enabled)
+
+
+def _holds_gemm(params: dict) -> bool:
+    """Whether a higher-order primitive's parameters hold a jaxpr with a GEMM."""
+    for v in params.values():
+        jaxpr = getattr(v, "jaxpr", v)
+        if isinstance(jaxpr, jax.extend.core.Jaxpr) and _jaxpr_has_gemm(jaxpr):
+            return True
+    return False
+
+
+def _jaxpr_has_gemm(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
+            return True
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if _jaxpr_has_gemm(sub):
+                return True
+    return False
+
+
+#: Open `record_unquantised()` blocks: each collects `(path, why)` of weights that
+#: reached a GEMM unquantised while it is open (`nvfp4x.coverage` reads them).
+_RECORDERS: list[list[tuple[str, str]]] = []
+
+
+class record_unquantised:  # noqa: N801 - a context manager, used as a function
+    """`with record_unquantised() as seen:` collects the unquantised uses traced inside."""
+
+    def __enter__(self) -> list[tuple[str, str]]:
+        self.seen: list[tuple[str, str]] = []
+        _RECORDERS.append(self.seen)
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        _RECORDERS.remove(self.seen)
+
+
+def _report_unquantised(path: str, why: str) -> None:
+    for seen in _RECORDERS:
+        seen.append((path, why))
+    warnings.warn(
+        f"nvfp4x: the weight `{path}` selected by the policy reached {why}; the GEMMs "
+        "there run unquantised. Rewrite that use as `x @ w.T`, `jnp.einsum` or "
+        "`lax.dot_general` on the weight, or exclude the weight in the policy.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+# `jax.checkpoint`: look into the body (quax itself would read the master array).
+@quax.register(ad_checkpoint.remat_p)
+def _(*args: quax.ArrayValue | ArrayLike, jaxpr, prevent_cse, differentiated, policy):
+    body = quax.quaxify(functools.partial(jax.core.eval_jaxpr, jaxpr, ()))
+    fn = jax.checkpoint(lambda *a: body(*a), prevent_cse=prevent_cse, policy=policy)
+    return fn(*args)
+
+
+def _process_custom_vjp_call(self, primitive, fun, fwd, bwd, tracers, **params):
+    """quax has no rule for `custom_vjp` calls: run them on the master arrays, with the
+    user's own backward; a quantised weight that enters one is reported."""
+    values = [self.to_value(t) for t in tracers]
+    arrays = []
+    for v in values:
+        if isinstance(v, QWeight):
+            _report_unquantised(v.path, "a `jax.custom_vjp` function")
+            v = v.array
+        arrays.append(v.array if type(v).__name__ == "_DenseArrayValue" else v)
+    avals = tuple(jax.typeof(a) for a in arrays)
+    outs = primitive.bind_with_trace(
+        self.parent_trace, tuple(arrays), avals, dict(params, subfuns=(fun, fwd, bwd))
+    )
+    from quax._trace import _QuaxTracer
+    from quax._values import _dense
+
+    return [_QuaxTracer(self, _dense(o)) for o in outs]
+
+
+def _install_custom_vjp() -> None:
+    from quax._trace import _QuaxTrace
+
+    if not hasattr(_QuaxTrace, "_nvfp4x_custom_vjp"):
+        _QuaxTrace.process_custom_vjp_call = _process_custom_vjp_call
+        _QuaxTrace._nvfp4x_custom_vjp = True
+
+
+_install_custom_vjp()
+del custom_vjp_call_p
+
+
+# --- modules whose calls are interpreted ---
+
+
+def is_qweight(x: Any) -> bool:
+    return isinstance(x, QWeight)
+
+
+def is_weight_value(x: Any) -> bool:
+    """A quantised weight, trainable (`QWeight`) or frozen."""
+    return isinstance(x, WeightValue)
+
+
+def as_qweight(x: Any) -> Any:
+    """The `QWeight` behind `x`: `x` itself, or, inside an interpreted call, the value
+    its tracer carries (a layer that runs its own GEMM reads it directly)."""
+    from quax._trace import _QuaxTracer
+
+    return x.value if isinstance(x, _QuaxTracer) else x
+
+
+@functools.cache
+def interpreted_class(cls: type) -> type:
+    """A subclass of the module class `cls`, named like it, whose `__call__` runs under
+    `quantized`: every read of a quantised weight inside it is seen. `isinstance` and
+    attribute reads behave as for `cls`; `nvfp4x.dequantize` restores `cls`."""
+    base_call = cls.__call__
+
+    def __call__(self, *args, **kwargs):  # noqa: N807
+        return _Interpreted(base_call)(self, *args, **kwargs)
+
+    __call__.__doc__ = base_call.__doc__
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "_nvfp4x_base": cls,
+    }
+    return type(cls)(cls.__name__, (cls,), namespace)
+
+
+def base_class(cls: type) -> type:
+    return cls.__dict__.get("_nvfp4x_base", cls)
+
+
+def with_class(module: eqx.Module, cls: type) -> eqx.Module:
+    """`module` as an instance of `cls` (same fields)."""
+    if type(module) is cls:
+        return module
+    new = object.__new__(cls)
+    for name, value in vars(module).items():
+        object.__setattr__(new, name, value)
+    return new

@@ -1,0 +1,96 @@
+"""What is quantisable, and where: the one place that answers "is this a layer?" and
+"what is this node's path?". `quantize`, `dequantize`, `summary`, `freeze`, `telemetry`
+and `sensitivity` all ask here.
+
+A *linear-like layer* is
+- an `eqx.nn.Linear`, or any subclass of it (its own fields and `__call__` are kept), or
+- any other `eqx.Module` with a floating-point array field `weight` of at least two
+  dimensions (a user's `LlamaLinear`, a LoRA layer...), except Equinox's layers whose
+  `weight` is not a linear map's (`Embedding`, convolutions, normalisations).
+
+Its weight is what a policy selects (by the layer's path, or `path.weight`): the GEMMs
+that consume it run quantised wherever they happen (see `_qweight`).
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._qweight import QWeight, WeightValue
+
+#: Equinox layers with a `weight` that is not a linear layer's: never linear-like.
+_NOT_LINEAR = (
+    eqx.nn.Embedding,
+    eqx.nn.Conv,
+    eqx.nn.ConvTranspose,
+    eqx.nn.LayerNorm,
+    eqx.nn.GroupNorm,
+    eqx.nn.RMSNorm,
+    eqx.nn.BatchNorm,
+    eqx.nn.PReLU,
+)
+
+
+def path_str(path: tuple) -> str:
+    """`blocks[3].mlp.fc1`: attributes joined by dots, indices and dict keys in brackets."""
+    out = ""
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            out += ("." if out else "") + k.name
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out += f"[{k.idx}]"
+        elif isinstance(k, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
+            out += f"[{k.key}]"
+        else:
+            out += str(k)
+    return out
+
+
+def _is_weight_array(w: Any) -> bool:
+    if isinstance(w, WeightValue):
+        return True
+    shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
+    if shape is None or dtype is None or len(shape) < 2:
+        return False
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:
+        return False
+
+
+def is_layer(x: Any) -> bool:
+    """Whether `x` is a linear-like layer (see the module docstring)."""
+    if isinstance(x, eqx.nn.Linear):
+        return True
+    if not isinstance(x, eqx.Module) or isinstance(x, (*_NOT_LINEAR, WeightValue)):
+        return False
+    return _is_weight_array(getattr(x, "weight", None)) and callable(x)
+
+
+def is_conv(x: Any) -> bool:
+    """Whether `x` is one of Equinox's convolutions (selected only by a
+    `Policy(..., convolutions=True)`)."""
+    return isinstance(x, eqx.nn.Conv | eqx.nn.ConvTranspose)
+
+
+def layers(model: Any) -> list[tuple[str, Any]]:
+    """`(path, layer)` of every linear-like layer of `model`, in tree order. Layers
+    nested inside a layer (a LoRA layer holding a Linear) are not listed separately."""
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)[0]
+    return [(path_str(p), leaf) for p, leaf in leaves if is_layer(leaf)]
+
+
+def qweights(model: Any, *, frozen: bool = False) -> list[tuple[str, Any]]:
+    """`(tree path, weight)` of every `QWeight` of `model` (and frozen weight, if
+    `frozen`), in tree order."""
+    kind = WeightValue if frozen else QWeight
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, kind))
+    return [(path_str(p), w) for p, w in leaves[0] if isinstance(w, kind)]
+
+
+def children(node: Any) -> tuple[list, Any]:
+    """The immediate children of a pytree node with their keys, and how to rebuild it."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    return flat, treedef
