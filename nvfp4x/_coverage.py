@@ -13,22 +13,11 @@ from jax import lax
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
-from ._qweight import QWeight, record_unquantised
+from ._qweight import LAYOUT, QWeight, record_unquantised
 from ._sites import path_str
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
          wgrad_p: "wgrad"}  # fmt: skip
-
-# Primitives through which an operand is still the same array (for provenance).
-_LAYOUT = {
-    lax.transpose_p,
-    lax.reshape_p,
-    lax.squeeze_p,
-    lax.broadcast_in_dim_p,
-    lax.convert_element_type_p,
-    lax.copy_p,
-    lax.reduce_precision_p,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +200,7 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
             if row.path in selected:
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
             continue
-        if prim in _LAYOUT and _origin(origin, eqn.invars[0]) is not None:
+        if prim in LAYOUT and _origin(origin, eqn.invars[0]) is not None:
             origin[eqn.outvars[0]] = origin[eqn.invars[0]]
             continue
         times = eqn.params.get("length", 1) if prim is lax.scan_p else 1

@@ -20,7 +20,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 from ._array import NVFP4Array, to_nvfp4
 from ._formats import quantize_operand, scaled_dot
 from ._gemm import _vmapped, fprop
-from ._linear import QuantizedLinear, apply_linear, plain_matmul
+from ._linear import QuantizedLinear, apply_linear, product_seen_by_interpreter
 from ._packed import FP8Array, MXFP8Array, to_fp8, to_mxfp8
 from ._policy import Recipe
 from ._qweight import (
@@ -29,7 +29,6 @@ from ._qweight import (
     as_qweight,
     default_rule,
     gemm_out_dtype,
-    interpreting,
     weight_gemm,
 )
 from ._sites import layers as site_layers, path_str
@@ -148,16 +147,8 @@ class FrozenLinear(eqx.Module):
         del key
         w = as_qweight(self.weight)
         if not isinstance(w, FrozenWeight):
-            if not interpreting():
-                raise TypeError(
-                    f"This FrozenLinear's `weight` is a {type(w).__name__}, not an "
-                    "`nvfp4x.FrozenWeight` (made by `nvfp4x.freeze`)."
-                )
-            # Inside an interpreted call: traced as a plain array (see QuantizedLinear),
-            # or a weight a wrapper derived (`eqx.nn.WeightNorm`): the product is seen.
-            w = self.weight
-            plain = functools.partial(plain_matmul)
-            return apply_linear(self, x, plain, (w,), (w.shape, w), w.dtype)
+            fix = "as `nvfp4x.freeze` makes it."
+            return product_seen_by_interpreter(self, x, "nvfp4x.FrozenWeight", fix)
         leaves, wdef = jax.tree_util.tree_flatten(w.packed)
         if len(self.weight_shape) != 2:
             raise ValueError(

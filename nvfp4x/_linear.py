@@ -89,9 +89,7 @@ class QuantizedLinear(eqx.nn.Linear):
         **Returns:** a `QuantizedLinear` with `linear`'s weight, bias and features.
         """
         if not isinstance(recipe, Recipe):
-            raise TypeError(
-                f"`recipe` must be an `nvfp4x.Recipe`, got {type(recipe).__name__}."
-            )
+            raise TypeError(f"`recipe` must be an `nvfp4x.Recipe`, got {type(recipe).__name__}.")
         return cls(
             weight=QWeight(linear.weight, recipe, path, fast),
             bias=linear.bias,
@@ -129,19 +127,11 @@ class QuantizedLinear(eqx.nn.Linear):
         """
         qw = as_qweight(self.weight)
         if not isinstance(qw, QWeight):
-            if not interpreting():
-                raise TypeError(
-                    f"This QuantizedLinear's `weight` is a {type(qw).__name__}, not an "
-                    "`nvfp4x.QWeight`, so its recipe is lost. To put new values into a "
-                    "quantised layer, replace the master array: "
-                    "`eqx.tree_at(lambda m: m.weight.array, layer, new)`."
-                )
-            # Traced as a plain array: the body of a `lax.scan`, `jit` or `cond` inside an
-            # interpreted call, whose jaxpr is interpreted afterwards. Written as the
-            # product it is, so that the interpretation runs it quantised.
-            w = self.weight
-            plain = functools.partial(plain_matmul)
-            return apply_linear(self, x, plain, (w,), (w.shape, w), w.dtype)
+            fix = (
+                "so its recipe is lost. To put new values into a quantised layer, replace "
+                "the master array: `eqx.tree_at(lambda m: m.weight.array, layer, new)`."
+            )
+            return product_seen_by_interpreter(self, x, "nvfp4x.QWeight", fix)
         w = qw.array
         if w.ndim != 2:
             raise ValueError(
@@ -150,11 +140,24 @@ class QuantizedLinear(eqx.nn.Linear):
                 "unquantised stack would be."
             )
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
-        matmul = functools.partial(
-            gemm_with_probe, recipe=qw.recipe, fast=qw.fast, name=qw.path
-        )
+        matmul = functools.partial(gemm_with_probe, recipe=qw.recipe, fast=qw.fast, name=qw.path)
         operands = (w, seed, qw.probe, qw.enabled)
         return apply_linear(self, x, matmul, operands, (w.shape, w), w.dtype)
+
+
+def product_seen_by_interpreter(layer, x: Array, expected: str, fix: str) -> Array:
+    """A quantised or frozen layer whose weight is not its quantised value. Inside an
+    interpreted call that is the body of a `lax.scan`, `jit` or `cond` (traced with plain
+    arrays, its jaxpr interpreted afterwards) or a weight a wrapper derived
+    (`eqx.nn.WeightNorm`): the product is written out as one `dot_general` on the
+    weight, which the interpretation runs quantised. Anywhere else it is an error."""
+    if not interpreting():
+        raise TypeError(
+            f"This {type(layer).__name__}'s `weight` is a {type(layer.weight).__name__}, "
+            f"not an `{expected}`, {fix}"
+        )
+    w = layer.weight
+    return apply_linear(layer, x, functools.partial(plain_matmul), (w,), (w.shape, w), w.dtype)
 
 
 def plain_matmul(x: Array, w: Array) -> Array:

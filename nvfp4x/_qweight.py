@@ -332,15 +332,22 @@ def _(
 
 # --- everything else ---
 
+#: Primitives after which an array is still the same values, laid out or typed anew.
+LAYOUT = frozenset(
+    {
+        lax.transpose_p,
+        lax.reshape_p,
+        lax.squeeze_p,
+        lax.broadcast_in_dim_p,
+        lax.convert_element_type_p,
+        lax.copy_p,
+        lax.reduce_precision_p,
+    }
+)
+
 # Primitives whose result is still "the weight" (its effective value) when it has the
 # weight's shape: layout changes, casts and the linear elementwise operations.
-_CARRY = {
-    lax.transpose_p,
-    lax.reshape_p,
-    lax.squeeze_p,
-    lax.broadcast_in_dim_p,
-    lax.convert_element_type_p,
-    lax.copy_p,
+_CARRY = LAYOUT | {
     lax.neg_p,
     lax.mul_p,
     lax.div_p,
@@ -349,7 +356,6 @@ _CARRY = {
     lax.slice_p,
     lax.rev_p,
     lax.select_n_p,
-    lax.reduce_precision_p,
 }
 
 
