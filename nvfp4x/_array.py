@@ -1,6 +1,7 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
-from collections.abc import Sequence
+import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -9,13 +10,13 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray, Shaped, UInt8
 
-from ._checks import check_amax, check_block, check_float, check_rounding
+from ._checks import check_amax, check_block, check_float, check_ndim, check_rounding
 from ._format import _e2m1
 from ._format._constants import BLOCK
+from ._format._ieee import is_tiny_scale, mul_exact
 from ._format._nvfp4 import (
-    dequantize_blocks,
+    fake_quantize_blocks,
     pad_to_blocks,
-    quantize_blocks,
     scale_blocks,
     to_blocks,
 )
@@ -111,15 +112,16 @@ class NVFP4Array(eqx.Module):
 
         **Returns:** an array of shape `self.shape`.
         """
-        q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
         ts = self.tensor_scale.reshape(
             self.tensor_scale.shape + (1,) * (self.codes.ndim - self.tensor_scale.ndim)
         )
-        scale = self.scales.astype(jnp.float32)
-        if self.block[0] == 1:
-            x = (q * scale[..., None]).reshape(self.codes.shape[:-1] + (-1,)) * ts
-        else:
-            x = (q * scale[..., :, None, :, None]).reshape(self.codes.shape[:-1] + (-1,)) * ts
+
+        # (value * block scale) is exact; its product with the tensor scale is the IEEE
+        # float32 one, even where that is subnormal (tiny tensors) on a device that
+        # flushes subnormals: a separate loop, run for tiny tensor scales only.
+        exact, plain = _dequantize_loops(self.block)
+        tiny = jnp.any(is_tiny_scale(ts))
+        x = jax.lax.cond(tiny, exact, plain, self.codes, self.scales.astype(jnp.float32), ts)
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return x[index].astype(self.dtype if dtype is None else dtype)
 
@@ -149,8 +151,23 @@ class NVFP4Array(eqx.Module):
         return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
 
 
+@functools.cache
+def _dequantize_loops(block: tuple[int, int]):
+    """The two loops of `NVFP4Array.dequantize`, cached (`lax.cond` caches its traced
+    branches by function identity; eagerly, a new branch function compiles again)."""
+
+    def values(exact, codes, scale, ts):
+        q = to_blocks(_e2m1.decode(unpack(codes)), block)
+        expanded = scale[..., None] if block[0] == 1 else scale[..., :, None, :, None]
+        p = (q * expanded).reshape(codes.shape[:-1] + (-1,))
+        return mul_exact(p, ts) if exact else p * ts
+
+    return functools.partial(values, True), functools.partial(values, False)
+
+
 def _prepare(x, block, rounding, key, amax):
     x = check_float(x)
+    check_ndim(x, 1, "NVFP4 (blocks of 16 elements)")
     block = check_block(block, x.ndim)
     check_rounding(rounding, key)
     return x, block, check_amax(amax)
@@ -159,10 +176,10 @@ def _prepare(x, block, rounding, key, amax):
 def to_nvfp4(
     x: ArrayLike,
     *,
-    block: Sequence[int] = (1, BLOCK),
+    block: Any = (1, BLOCK),
     rounding: str = "nearest",
     key: PRNGKeyArray | None = None,
-    amax: ArrayLike | None = None,
+    amax: Any = None,
 ) -> NVFP4Array:
     """Quantise an array to NVFP4, bit for bit as Blackwell's cast does (spec §2).
 
@@ -175,9 +192,15 @@ def to_nvfp4(
     - `rounding`: `"nearest"` (round half to even) or `"stochastic"` (unbiased; needs `key`).
     - `key`: a PRNG key for stochastic rounding.
     - `amax`: a precomputed tensor amax (from calibration, or reduced across devices with
-      `jax.lax.pmax`); by default `max(|x|)`.
+      `jax.lax.pmax`): a real number or scalar array, `>= 0`; by default `max(|x|)`.
 
     **Returns:** an [`nvfp4x.NVFP4Array`][].
+
+    **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex), a non-real
+    `amax` (e.g. a string) or a `key` that is not a PRNG key; `ValueError` for a 0-d `x`,
+    a `block` other than the tuple or list `(1, 16)` or `(16, 16)` (`(1.5, 16)` and
+    `"16x16"` included), an unknown rounding, stochastic rounding without `key`, or a
+    non-scalar or negative `amax`.
 
     ```python
     q = nvfp4x.to_nvfp4(jnp.linspace(-1, 1, 64))
@@ -206,10 +229,10 @@ def to_nvfp4(
 def fake_quantize(
     x: ArrayLike,
     *,
-    block: Sequence[int] = (1, BLOCK),
+    block: Any = (1, BLOCK),
     rounding: str = "nearest",
     key: PRNGKeyArray | None = None,
-    amax: ArrayLike | None = None,
+    amax: Any = None,
 ) -> Shaped[Array, "..."]:
     """Quantise to NVFP4 and dequantise again in one fused step, without packing.
 
@@ -224,9 +247,12 @@ def fake_quantize(
       two axes).
     - `rounding`: `"nearest"` (round half to even) or `"stochastic"` (needs `key`).
     - `key`: a PRNG key for stochastic rounding.
-    - `amax`: a precomputed tensor amax; by default `max(|x|)`.
+    - `amax`: a precomputed tensor amax (a real number or scalar array, `>= 0`); by
+      default `max(|x|)`.
 
     **Returns:** an array of `x`'s shape and dtype holding the NVFP4-representable values.
+
+    **Raises:** the errors of [`nvfp4x.to_nvfp4`][], for the same arguments.
 
     ```python
     x = jnp.linspace(-1, 1, 64)
@@ -236,7 +262,6 @@ def fake_quantize(
     """
     x, block, amax = _prepare(x, block, rounding, key, amax)
     xp = pad_to_blocks(x, block)
-    q, scale_b, s_dec = quantize_blocks(xp, block, rounding, key, amax)
-    y = dequantize_blocks(q, scale_b, s_dec, block)
+    y = fake_quantize_blocks(xp, block, rounding, key, amax)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
     return y[index].astype(x.dtype)

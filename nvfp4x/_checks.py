@@ -1,6 +1,15 @@
-"""Input checks shared by the public functions: clear errors naming the problem and the fix."""
+"""Input checks shared by the public quantisers: clear errors naming the problem and the fix.
 
-from collections.abc import Sequence
+Every public quantiser (`to_nvfp4`, `fake_quantize`, `to_mxfp8`, `to_fp8`, `rht`) takes
+its array through `check_float` (and `check_ndim` where it blocks an axis), and its other
+arguments through the checks below, so the same mistake gives the same error everywhere.
+The checks read only static information (dtypes, shapes, Python values), so they work
+unchanged under `jax.jit`, where arrays are tracers; a traced `amax` is checked for dtype
+and shape, its value only when it is concrete.
+"""
+
+import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +18,29 @@ import numpy as np
 from ._format._constants import BLOCK
 from ._format._nvfp4 import BLOCKS, ROUNDINGS
 
+_ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (
+    "(16x16 tiles over the last two axes)"
+)
 
-def check_float(x, name: str = "x") -> jax.Array:
-    """Return `x` as a JAX array, or raise `TypeError` if it is not a floating-point array."""
+
+def check_float(x: Any, name: str = "x") -> jax.Array:
+    """Return `x` as a JAX array, or raise `TypeError` if it is not a floating-point array.
+
+    Integer, boolean and complex arrays are refused (casting them silently would hide a
+    bug: an index array, a mask, or a complex signal is not a tensor to quantise).
+    """
+    if isinstance(x, (str, bytes)) or x is None:
+        raise TypeError(
+            f"`{name}` must be a floating-point array, got {type(x).__name__} {x!r:.40}."
+        )
     dtype = getattr(x, "dtype", None)
     if dtype is None:
-        x = jnp.asarray(x)
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"`{name}` must be a floating-point array, got {type(x).__name__}: {e}"
+            ) from None
         dtype = x.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
@@ -25,44 +51,115 @@ def check_float(x, name: str = "x") -> jax.Array:
     return jnp.asarray(x)
 
 
-def check_block(block: Sequence[int], ndim: int) -> tuple[int, int]:
-    try:
-        block = tuple(int(b) for b in block)
-    except TypeError:
-        block = None
-    if block not in BLOCKS:
+def check_ndim(x: jax.Array, min_ndim: int, what: str, name: str = "x") -> None:
+    """Raise `ValueError` unless `x` has at least `min_ndim` axes (`what` says why)."""
+    if x.ndim < min_ndim:
         raise ValueError(
-            f"`block={block!r}` is not supported; use `(1, {BLOCK})` (blocks of 16 along the "
-            f"last axis) or `({BLOCK}, {BLOCK})` (16x16 tiles over the last two axes)."
+            f"`{name}` has shape {tuple(x.shape)}, but {what} needs an array with at least "
+            f"{min_ndim} dimension(s); reshape it, e.g. `jnp.atleast_{min_ndim}d({name})`."
         )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def check_block(block: Any, ndim: int) -> tuple[int, int]:
+    """Return `block` as a tuple of two Python ints, or raise `ValueError`.
+
+    `block` must be a tuple or list of two integers, `(1, 16)` or `(16, 16)`: floats such
+    as `1.5` (which `int()` would truncate), strings such as `"16x16"`, and any other
+    block raise. The array must have the axes the block needs.
+    """
+    ok = isinstance(block, (tuple, list)) and len(block) == 2 and all(_is_int(b) for b in block)
+    if not ok or tuple(int(b) for b in block) not in BLOCKS:
+        raise ValueError(f"`block={block!r}` is not supported; use {_ALLOWED_BLOCKS}.")
+    block = (int(block[0]), int(block[1]))
     if ndim < 1 or (block[0] == BLOCK and ndim < 2):
+        need = 1 + (block[0] == BLOCK)
+        hint = f" (or `block=(1, {BLOCK})` for 1-D arrays)" if ndim == 1 else ""
         raise ValueError(
-            f"`block={block}` needs an array with at least {1 + (block[0] == BLOCK)} "
-            f"dimension(s), got {ndim}; use `block=(1, {BLOCK})` for 1-D arrays."
+            f"`block={block}` needs an array with at least {need} dimension(s), got {ndim}: "
+            f"reshape it, e.g. `x.reshape(1, -1)`{hint}."
         )
     return block
 
 
-def check_rounding(rounding: str, key) -> None:
-    if rounding not in ROUNDINGS:
+def check_rounding(rounding: Any, key: Any) -> None:
+    """Raise `ValueError` for an unknown rounding or stochastic rounding without a key,
+    `TypeError` for a key that is not a PRNG key."""
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"`rounding={rounding!r}` is unknown; use one of {ROUNDINGS}.")
     if rounding == "stochastic" and key is None:
         raise ValueError(
             "`rounding='stochastic'` needs a PRNG key: pass `key=jax.random.key(seed)` "
             "(a fresh one per step, e.g. from `jax.random.split`)."
         )
+    if key is not None:
+        dtype = getattr(key, "dtype", None)
+        typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        legacy = dtype == np.uint32 and getattr(key, "shape", ())[-1:] == (2,)
+        if not (typed or legacy):
+            raise TypeError(
+                f"`key` must be a PRNG key such as `jax.random.key(seed)`, got {key!r:.60}."
+            )
 
 
-def check_amax(amax):
+def check_amax(amax: Any) -> jax.Array | None:
+    """Return `amax` as a float32 scalar (None stays None), or raise.
+
+    `TypeError` unless `amax` is a real number or a real (float or integer) array: strings,
+    booleans and complex values are refused. `ValueError` unless it has one element, and,
+    when its value is known (not traced), unless it is `>= 0` (NaN is let through: it
+    makes every output NaN). A concrete `-0.0` is taken as `+0.0`.
+    """
     if amax is None:
         return None
+    bad = isinstance(amax, (str, bytes, bool, np.bool_)) or not (
+        hasattr(amax, "dtype") or isinstance(amax, numbers.Real)
+    )
+    dtype = getattr(amax, "dtype", None)
+    if not bad and dtype is not None:
+        bad = not (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        ) or jnp.issubdtype(dtype, jnp.bool_)
+    if bad:
+        what = f"dtype `{np.dtype(dtype).name}`" if dtype is not None else type(amax).__name__
+        raise TypeError(
+            f"`amax` must be a real number or a real scalar array (`max(|x|)`, e.g. "
+            f"`jnp.max(jnp.abs(x))`), got {what}: {amax!r:.40}."
+        )
+    if int(np.prod(np.shape(amax))) != 1:
+        raise ValueError(
+            f"`amax` must be a scalar, got shape {tuple(np.shape(amax))}; pass the amax of "
+            "the whole tensor, e.g. `jnp.max(jnp.abs(x))`."
+        )
     if not isinstance(amax, jax.core.Tracer):
-        value = np.asarray(amax)
-        if value.size != 1:
-            raise ValueError(f"`amax` must be a scalar, got shape {value.shape}.")
-        if value.reshape(()) < 0:
+        value = np.asarray(amax, np.float32).reshape(())
+        if value < 0:
             raise ValueError(
                 f"`amax={float(value)}` is negative; it must be `max(|x|)` (>= 0), e.g. "
                 "`jnp.max(jnp.abs(x))` or its `jax.lax.pmax` across devices."
             )
+        return jnp.asarray(np.abs(value))  # -0.0 -> +0.0
     return jnp.asarray(amax, jnp.float32).reshape(())
+
+
+def check_axis(axis: Any, ndim: int, name: str = "axis") -> int:
+    """Return `axis` as a non-negative int below `ndim`, or raise (`TypeError` for a
+    non-integer, `ValueError` out of range)."""
+    if not _is_int(axis):
+        raise TypeError(f"`{name}` must be an int, got {axis!r}.")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"`{name}={axis}` is out of range for an array with {ndim} dimension(s); use "
+            f"an axis in [{-ndim}, {ndim - 1}]."
+        )
+    return int(axis) % ndim
+
+
+def check_fp8_kind(kind: Any) -> str:
+    """Return `kind` (`"e4m3"` or `"e5m2"`), or raise `ValueError`."""
+    if not isinstance(kind, str) or kind not in ("e4m3", "e5m2"):
+        raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
+    return kind

@@ -4,9 +4,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Shaped, UInt8
 
 from ._array import as_bits
+from ._checks import check_float, check_fp8_kind, check_ndim
 from ._format._constants import MX_BLOCK
 from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
 from ._format._nvfp4 import tensor_amax
@@ -136,21 +138,29 @@ class FP8Array(eqx.Module):
         return out.astype(self.dtype if dtype is None else dtype)
 
 
-def to_mxfp8(x: Float[Array, "..."]) -> MXFP8Array:
+def to_mxfp8(x: ArrayLike) -> MXFP8Array:
     """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32).
 
     **Arguments:**
 
-    - `x`: a floating-point array; the last axis is blocked (zero-padded to a multiple
-      of 32 internally), leading axes are batch axes.
+    - `x`: a floating-point array with at least one axis; the last axis is blocked
+      (zero-padded to a multiple of 32 internally), leading axes are batch axes.
 
-    **Returns:** an [`nvfp4x.MXFP8Array`][] of `x`'s shape.
+    **Returns:** an [`nvfp4x.MXFP8Array`][] of `x`'s shape. Its scales are
+    `2^ceil(log2(bamax / 448))` (spec §6); a finite input always dequantises to finite
+    values (elements saturate so that element × scale stays below the float32 maximum),
+    and a block holding NaN or ±inf dequantises to NaN.
+
+    **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex); `ValueError`
+    for a 0-d `x`.
 
     ```python
     m = nvfp4x.to_mxfp8(jax.random.normal(jax.random.key(0), (4, 40)))
     m.scales.shape, m.dequantize().shape   # (4, 2), (4, 40)
     ```
     """
+    x = check_float(x)
+    check_ndim(x, 1, "MXFP8 (blocks of 32 along the last axis)")
     q, scale = quantize_mxfp8(mx_pad(x))
     return MXFP8Array(
         data_bits=as_bits(q, jnp.float8_e4m3fn),
@@ -160,25 +170,27 @@ def to_mxfp8(x: Float[Array, "..."]) -> MXFP8Array:
     )
 
 
-def to_fp8(x: Float[Array, "..."], kind: str = "e4m3") -> FP8Array:
+def to_fp8(x: ArrayLike, kind: str = "e4m3") -> FP8Array:
     """Quantise to FP8 (`kind` "e4m3" or "e5m2") with a current per-tensor scale.
 
     **Arguments:**
 
-    - `x`: a floating-point array.
+    - `x`: a floating-point array (a 0-d array too: there are no blocks).
     - `kind`: `"e4m3"` (the default; weights and activations) or `"e5m2"` (gradients).
-      Anything else raises `ValueError`.
 
     **Returns:** an [`nvfp4x.FP8Array`][] whose scale maps `max(|x|)` to the format's
-    largest finite value.
+    largest finite value. Non-finite elements dequantise to NaN.
+
+    **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex); `ValueError`
+    for an unknown `kind`.
 
     ```python
     f = nvfp4x.to_fp8(jax.random.normal(jax.random.key(0), (4, 40)))
     f.data.dtype, f.dequantize().shape   # float8_e4m3fn, (4, 40)
     ```
     """
-    if kind not in ("e4m3", "e5m2"):
-        raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
+    x = check_float(x)
+    kind = check_fp8_kind(kind)
     q, scale = quantize_fp8(x, kind, tensor_amax(x))
     dtype = jnp.float8_e4m3fn if kind == "e4m3" else jnp.float8_e5m2
     return FP8Array(data_bits=as_bits(q, dtype), scale=scale, kind=kind, dtype=x.dtype)

@@ -1,12 +1,14 @@
 """MXFP8 (E4M3 elements, 32-element blocks, E8M0 scales) and FP8 with per-tensor current
 scaling (E4M3 / E5M2), spec §6. Plain `jax.numpy`, float32 math."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._constants import E4M3_MAX, E5M2_MAX, MX_BLOCK
+from ._constants import E4M3_MAX, E5M2_MAX, FLT_MAX, MX_BLOCK
 from ._e4m3 import round_e4m3, round_e5m2
+from ._ieee import INF_BITS, abs_bits, from_bits, mul_normal
 
 FP8_KINDS = {"e4m3": (E4M3_MAX, round_e4m3), "e5m2": (E5M2_MAX, round_e5m2)}
 
@@ -22,20 +24,33 @@ def quantize_mxfp8(
     """MXFP8 along the last axis (a multiple of 32).
 
     **Returns:** `(q, scale)`: `q` the E4M3 element values (float32), `scale` the
-    power-of-two block scales `2^ceil(log2(bamax / 448))` (NaN for a non-finite block),
-    exponent clamped to E8M0's range [-127, 127]. Dequantised value: `q * scale`.
+    power-of-two block scales `2^ceil(log2(bamax / 448))` (NaN for a non-finite block; 1
+    for a zero block), exponent clamped to [-126, 120]. Dequantised value: `q * scale`.
+
+    - The exponent never exceeds 120 (`ceil(log2(FLT_MAX / 448))`). At 120, an element
+      rounding up to 256 would dequantise to 2^128 = inf, so elements saturate at the
+      largest E4M3 value whose product with the scale is finite (240 there, 448 below),
+      as the spec's "saturate" asks: a finite input never becomes inf.
+    - The lower clamp is -126, not E8M0's -127, so that every scale is a normal float32
+      (2^-127 is subnormal, read as 0 by devices that flush subnormals).
+    - Block maxima and elements are read through their bits (`_ieee`), so subnormal
+      inputs are quantised the same on every device.
     """
     xb = xp.astype(jnp.float32).reshape(*xp.shape[:-1], xp.shape[-1] // MX_BLOCK, MX_BLOCK)
-    bamax = jnp.max(jnp.abs(xb), axis=-1)
-    # ceil(log2(bamax / 448)) without a division: bamax = m * 2^E (m in [0.5, 1)) and
-    # 448 = 0.875 * 2^9, so the ratio is (m / 0.875) * 2^(E - 9).
-    mant, exp = jnp.frexp(bamax)
-    e = exp - 9 + (mant > 0.875).astype(exp.dtype)
-    e = jnp.where(bamax == 0.0, 0, jnp.clip(e, -126, 127))
-    finite = jnp.isfinite(bamax)
+    bits = jnp.max(abs_bits(xb), axis=-1)  # NaN (above inf) propagates
+    finite = bits < INF_BITS
+    # bamax = 1.m * 2^(E - 127) and 448 = 1.75 * 2^8, so
+    # ceil(log2(bamax / 448)) = E - 135 + (1.m > 1.75); 0.75 * 2^23 = 0x600000.
+    e = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+    e = jnp.where(bits == 0, 0, jnp.clip(e, -126, 127))  # (subnormal maxima: -126)
     e = jnp.where(finite, e, 0)
-    q = round_e4m3(jnp.ldexp(xb, -e[..., None]))
-    scale = jnp.where(finite, jnp.ldexp(jnp.ones_like(bamax), e), jnp.nan)
+    inv = from_bits((127 - e) << 23)[..., None]  # 2^-e, normal for e in [-126, 127]
+    scale = jnp.where(finite, from_bits((127 + e) << 23), jnp.nan)
+    # The largest E4M3 value v with v * 2^e <= FLT_MAX: FLT_MAX * 2^-e truncated to 3
+    # mantissa bits (keeping the top 12 bits), at most 448.
+    limit = jnp.minimum(FLT_MAX * inv, E4M3_MAX)
+    limit = from_bits(jax.lax.bitcast_convert_type(limit, jnp.int32) & ~0xFFFFF)
+    q = jnp.clip(round_e4m3(mul_normal(xb, inv)), -limit, limit)
     return q.reshape(xp.shape), scale
 
 

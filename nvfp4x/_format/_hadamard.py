@@ -5,6 +5,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
+from .._checks import check_axis, check_float, check_ndim
 from ._constants import BLOCK, RHT_SIGNS
 
 
@@ -19,11 +20,16 @@ def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
 
     **Returns:** a float32 NumPy array of shape `(16, 16)`, `h @ h.T == I`.
 
+    **Raises:** `ValueError` unless `signs` holds 16 values, each +1 or -1.
+
     ```python
     h = nvfp4x.hadamard_matrix()
     np.allclose(h @ h.T, np.eye(16))   # True
     ```
     """
+    s = np.asarray(signs)
+    if s.shape != (BLOCK,) or not np.isin(s, (1, -1)).all():
+        raise ValueError(f"`signs` must be {BLOCK} values of +1 or -1, got {signs!r}.")
     h = np.ones((1, 1), np.float32)
     while h.shape[0] < BLOCK:
         h = np.block([[h, h], [h, -h]])
@@ -46,6 +52,9 @@ def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
     **Returns:** a float32 array of `x`'s shape, except that `axis` has its length
     rounded up to a multiple of 16.
 
+    **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex) or a
+    non-integer `axis`; `ValueError` for a 0-d `x` or an `axis` out of range.
+
     ```python
     a = jax.random.normal(jax.random.key(0), (20, 3))
     b = jax.random.normal(jax.random.key(1), (20, 5))
@@ -53,7 +62,10 @@ def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
     jnp.allclose(nvfp4x.rht(a).T @ nvfp4x.rht(b), a.T @ b, atol=1e-5)   # True
     ```
     """
-    x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, 0)
+    x = check_float(x)
+    check_ndim(x, 1, "`rht` (a transform along `axis`)")
+    axis = check_axis(axis, x.ndim)
+    x = jnp.moveaxis(x.astype(jnp.float32), axis, 0)
     pad = -x.shape[0] % BLOCK
     if pad:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))

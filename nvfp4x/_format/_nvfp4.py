@@ -1,19 +1,35 @@
 """The NVFP4 quantiser of spec §2–3, in plain `jax.numpy` (the reference path).
 
-Everything is float32, in the order the spec writes it. The functions here work on
-arrays whose blocked axes are already padded to multiples of 16.
+Everything is float32, in the order the spec writes it, with IEEE subnormals: the steps
+where an operand or a result can fall below 2^-126 (tiny tensors, whose tensor scale
+`s_dec` is then subnormal or nearly so, and subnormal inputs) go through `_ieee`, so the
+bits do not depend on whether the device flushes subnormals (XLA on CPU does). The
+functions here work on arrays whose blocked axes are already padded to multiples of 16.
 """
 
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 from . import _e2m1
 from ._constants import BLOCK, FLT_MAX, INV_E2M1_MAX, NVFP4_RANGE
 from ._e4m3 import round_e4m3
+from ._ieee import (
+    INF_BITS,
+    MIN_NORMAL_BITS,
+    abs_bits,
+    from_bits,
+    is_tiny_scale,
+    is_zero,
+    mul_exact,
+    mul_normal,
+    reciprocal,
+    reciprocal_capped,
+    scale_down_149,
+)
 
 Block = tuple[int, int]
 Rounding = Literal["nearest", "stochastic"]
@@ -23,16 +39,96 @@ ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 
 def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
     """`max(|x|)` over the whole array, ignoring NaN (as CUDA's `fmaxf` does, so one NaN
-    poisons only its own block). An infinity counts."""
+    poisons only its own block). An infinity counts.
+
+    A float max reads subnormals as 0 on a device that flushes them, but is exact when
+    the maximum is normal; only when it comes out below 2^-126 is the maximum taken
+    again over the bits (an int32 max over a whole array is ~15x slower on XLA:CPU).
+    """
     a = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isnan(a), 0.0, a), initial=0.0)
+    m = jnp.max(jnp.where(jnp.isnan(a), 0.0, a), initial=0.0)
+    return jax.lax.cond(abs_bits(m) < MIN_NORMAL_BITS, _amax_of_bits, _second, x, m)
+
+
+# Branches of `lax.cond` are module-level functions taking their operands, never fresh
+# lambdas or closures: `cond` caches its traced branches by function identity, and an
+# eager (un-jitted) call compiles a cond again for every new branch function (~0.1 s).
+
+
+def _amax_of_bits(x: Float[Array, "..."], m: Float[Array, ""]) -> Float[Array, ""]:
+    b = abs_bits(x)
+    return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
+
+
+def _second(x, m):
+    return m
 
 
 def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
-    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`."""
+    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`.
+
+    A subnormal `amax` gives FLT_MAX (2688 / amax > 2^137 overflows), whether or not the
+    device reads it as 0; the zero test is on the bits (`is_zero`), so a subnormal is
+    not mistaken for 0 on a device that flushes subnormals.
+    """
     amax = jnp.asarray(amax, jnp.float32)
     s_enc = jnp.minimum(NVFP4_RANGE / amax, FLT_MAX)
-    return jnp.where((amax == 0.0) | (s_enc == 0.0), jnp.float32(1.0), s_enc)
+    # `s_enc <= 0`: an infinite amax (0), and -0.0 (-inf; no test of the bits of |amax|,
+    # see `is_zero`).
+    return jnp.where(is_zero(amax) | (s_enc <= 0.0), jnp.float32(1.0), s_enc)
+
+
+def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """`(S_enc, s_dec)` of a tensor with the given amax; `s_dec = 1 / S_enc` is subnormal
+    when `S_enc > 2^126` (amax below about 3.2e-35), computed exactly then.
+
+    (A `cond` rather than a `where`: besides skipping the exact path in the common case,
+    it makes XLA compute the scalars once instead of once per element of the loops that
+    use them, into which it would otherwise fuse the whole scalar computation.)
+    """
+    s_enc = encode_scale(amax)
+    s_dec = jax.lax.cond(s_enc > 2.0**126, reciprocal, _one_over, s_enc)
+    return s_enc, s_dec
+
+
+def _one_over(s: Float[Array, ""]) -> Float[Array, ""]:
+    return 1.0 / s
+
+
+def _block_scales(
+    bamax: Float[Array, "*g"], s_enc: Float[Array, ""], s_dec: Float[Array, ""]
+) -> tuple[Float[Array, "*g"], Float[Array, "*g"], Float[Array, "*g"]]:
+    """`(scale_b, inv_b, inv_b * 2^-149)` from the block maxima (see `mul_normal` for
+    the last: it lets a subnormal `x_i` be scaled exactly).
+
+    A subnormal `bamax` is read exactly (`mul_normal`); a product below 2^-103, where
+    `mul_normal` is inexact, rounds to a zero E4M3 scale whatever its exact value. For a
+    tiny tensor (`s_dec < 2^-64`),
+    `scale_b * s_dec` may be subnormal: it is rounded exactly, then inverted
+    (`mul_exact`, `reciprocal_capped`); otherwise it is at least 2^-73 and plain float32
+    is IEEE. (A `cond` again, which also keeps XLA from recomputing these per-block
+    steps for every element.)
+    """
+    return jax.lax.cond(
+        is_tiny_scale(s_dec), _block_scales_exact, _block_scales_plain, bamax, s_enc, s_dec
+    )
+
+
+def _block_scale_values(bamax, s_enc):
+    scale_b = round_e4m3(jnp.minimum(mul_normal(bamax, s_enc * INV_E2M1_MAX), 448.0))
+    return jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
+
+
+def _block_scales_exact(bamax, s_enc, s_dec):
+    scale_b = _block_scale_values(bamax, s_enc)
+    inv_b = reciprocal_capped(mul_exact(scale_b, s_dec))
+    return scale_b, inv_b, scale_down_149(inv_b)
+
+
+def _block_scales_plain(bamax, s_enc, s_dec):
+    scale_b = _block_scale_values(bamax, s_enc)
+    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
+    return scale_b, inv_b, scale_down_149(inv_b)
 
 
 def pad_to_blocks(x: Array, block: Block) -> Array:
@@ -82,19 +178,53 @@ def block_absmax(xp: Float[Array, "..."], block: Block) -> Float[Array, "..."]:
     """Per block, `max|x|` with NaN propagating (a block holding NaN gets NaN), on the
     padded array, in the shape of the block grid (`to_blocks` with the block axes gone).
 
-    A `reduce_window` rather than a reduction over the `to_blocks` view: XLA:CPU
-    vectorises it about 9x better than a reduction over a minor axis of 16."""
-    window = (1,) * (xp.ndim - 1) + (BLOCK,) if block[0] == 1 else (1,) * (xp.ndim - 2) + block
-    return jax.lax.reduce_window(jnp.abs(xp), np.float32(0.0), jax.lax.max, window, window, "VALID")
+    The maximum is taken over the bits of `|x|` as int32 (ordered as the magnitudes, NaN
+    above inf): a float max reads subnormals as 0 on a device that flushes them. On
+    XLA:CPU an int32 max over a minor axis of 16 is as fast as a float `reduce_window`
+    for 1x16 blocks and ~10x faster for 16x16 and 16x1 ones (an int32 `reduce_window`
+    is ~10x slower); 16x16 tiles reduce each row's 16 first, then 16 rows.
+    """
+    bits = abs_bits(xp)
+    if block[0] == 1:
+        return from_bits(jnp.max(to_blocks(bits, block), axis=-1))
+    *lead, r, c = bits.shape
+    if block[1] == 1:
+        out = jnp.max(bits.reshape(*lead, r // BLOCK, BLOCK, c), axis=-2)
+    else:
+        rows = jnp.max(bits.reshape(*lead, r, c // BLOCK, BLOCK), axis=-1)
+        out = jnp.max(rows.reshape(*lead, r // BLOCK, BLOCK, c // BLOCK), axis=-2)
+    return from_bits(out)
 
 
 def _amax_given_blocks(x: Float[Array, "..."], bamax: Float[Array, "..."]) -> Float[Array, ""]:
     """`tensor_amax(x)`, from the block maxima when no block holds a NaN (the common case:
     XLA:CPU's NaN-ignoring reduction over the whole array is ~8x slower). The max of the
     block maxima propagates NaN, so it is also the test: one reduction (one all-reduce
-    when sharded) in the common case."""
+    when sharded) in the common case. A float max reads subnormal block maxima as 0 on a
+    device that flushes subnormals, but is exact when it is normal; only when it comes out
+    below 2^-126 are the block maxima reduced again, over their bits."""
     m = jnp.max(bamax, initial=0.0)
-    return jax.lax.cond(jnp.isnan(m), lambda: tensor_amax(x), lambda: m)
+    m = jax.lax.cond(abs_bits(m) < MIN_NORMAL_BITS, _amax_of_bits, _second, bamax, m)
+    return jax.lax.cond(jnp.isnan(m), _tensor_amax_first, _second, x, m)
+
+
+def _tensor_amax_first(x, m):
+    return tensor_amax(x)
+
+
+def _prepare(xp: Float[Array, "..."], block: Block, amax: Float[Array, ""] | None):
+    """Everything of §2 above the elements: `(xb, scale_b, inv_b, inv_sub, s_dec, tiny)`,
+    `xb` the float32 `to_blocks` view, `inv_sub = inv_b * 2^-149` (for `mul_normal`),
+    `tiny` whether `s_dec < 2^-64` (products with it may be subnormal)."""
+    # The barrier keeps XLA from constant-folding the block reduction when `xp` is a
+    # compile-time constant (a closed-over weight): its evaluator takes seconds on it.
+    xf = jax.lax.optimization_barrier(xp.astype(jnp.float32))
+    bamax = block_absmax(xf, block)
+    if amax is None:
+        amax = _amax_given_blocks(xf, bamax)
+    s_enc, s_dec = tensor_scales(amax)
+    scale_b, inv_b, inv_sub = _block_scales(bamax, s_enc, s_dec)
+    return to_blocks(xf, block), scale_b, inv_b, inv_sub, s_dec, is_tiny_scale(s_dec)
 
 
 def scale_blocks(
@@ -103,22 +233,22 @@ def scale_blocks(
     """The scale part of §2 on a padded array.
 
     **Returns:** `(v, scale_b, s_dec)`: `v = x_i * inv_b` in the `to_blocks` view (ready
-    for E2M1 rounding), the block scales (float32 copies of E4M3 values; NaN for a block
-    holding a non-finite value) and the float32 tensor decode scale.
+    for E2M1 rounding; a subnormal `x_i` is read exactly), the block scales (float32
+    copies of E4M3 values; NaN for a block holding a non-finite value) and the float32
+    tensor decode scale.
     """
-    # The barrier keeps XLA from constant-folding the block reduction when `xp` is a
-    # compile-time constant (a closed-over weight): its evaluator takes seconds on it.
-    xf = jax.lax.optimization_barrier(xp.astype(jnp.float32))
-    bamax = block_absmax(xf, block)
-    if amax is None:
-        amax = _amax_given_blocks(xf, bamax)
-    xb = to_blocks(xf, block)
-    s_enc = encode_scale(amax)
-    s_dec = 1.0 / s_enc
-    scale_b = round_e4m3(jnp.minimum(bamax * (s_enc * INV_E2M1_MAX), 448.0))
-    scale_b = jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
-    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
-    return xb * _expand(inv_b, block), scale_b, s_dec
+    xb, scale_b, inv_b, inv_sub, s_dec, _ = _prepare(xp, block, amax)
+    return mul_normal(xb, _expand(inv_b, block), _expand(inv_sub, block)), scale_b, s_dec
+
+
+def _round(
+    v: Float[Array, "..."], rounding: Rounding, key: jax.Array | None
+) -> Float[Array, "..."]:
+    if rounding == "nearest":
+        return _e2m1.round_nearest(v)
+    if key is None:
+        raise ValueError("`rounding='stochastic'` needs a PRNG key: pass `key=...`.")
+    return _e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape))
 
 
 def quantize_blocks(
@@ -135,17 +265,42 @@ def quantize_blocks(
     a block holding a non-finite value), `s_dec` the float32 tensor decode scale.
     """
     v, scale_b, s_dec = scale_blocks(xp, block, amax)
-    if rounding == "nearest":
-        q = _e2m1.round_nearest(v)
-    else:
-        if key is None:
-            raise ValueError("`rounding='stochastic'` needs a PRNG key: pass `key=...`.")
-        q = _e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape))
-    return q, scale_b, s_dec
+    return _round(v, rounding, key), scale_b, s_dec
 
 
-def dequantize_blocks(
-    q: Float[Array, "..."], scale_b: Float[Array, "..."], s_dec: Float[Array, ""], block: Block
+def fake_quantize_blocks(
+    xp: Float[Array, "..."],
+    block: Block,
+    rounding: Rounding,
+    key: jax.Array | None,
+    amax: Float[Array, ""] | None,
 ) -> Float[Array, "..."]:
-    """`(e2m1_value * block_scale) * s_dec` in float32, back in the padded (unblocked) view."""
-    return from_blocks((q * _expand(scale_b, block)) * s_dec, block)
+    """Quantise and dequantise a padded float32 array in one per-element loop: the
+    values `(e2m1_value * block_scale) * s_dec` of `quantize_blocks(...)`, in float32,
+    back in the padded (unblocked) view. The block product is exact; its product with
+    `s_dec` is the IEEE one even where that is subnormal.
+
+    Only a tiny tensor (`s_dec < 2^-64`) can meet subnormal products: it takes the exact
+    loop (`mul_normal`, `mul_exact`); the rest the plain one (a subnormal `x_i` then
+    gives a code of 0 in a nonzero-scale block whatever it is read as, and any code
+    decodes to 0 in a zero-scale block). The `cond` runs one loop, and is a `select`
+    of both under `vmap`.
+    """
+    xb, scale_b, inv_b, inv_sub, s_dec, tiny = _prepare(xp, block, amax)
+    exact, plain = _fake_quantize_loops(block, rounding)
+    return jax.lax.cond(tiny, exact, plain, xb, scale_b, inv_b, inv_sub, s_dec, key)
+
+
+@functools.cache
+def _fake_quantize_loops(block: Block, rounding: Rounding):
+    """The two per-element loops of `fake_quantize_blocks` (cached: see `_second`)."""
+
+    def loop(exact, xb, scale_b, inv_b, inv_sub, s_dec, key):
+        if exact:
+            v = mul_normal(xb, _expand(inv_b, block), _expand(inv_sub, block))
+        else:
+            v = xb * _expand(inv_b, block)
+        p = _round(v, rounding, key) * _expand(scale_b, block)
+        return from_blocks(mul_exact(p, s_dec) if exact else p * s_dec, block)
+
+    return functools.partial(loop, True), functools.partial(loop, False)

@@ -1,0 +1,190 @@
+"""IEEE float32 results that do not depend on how a device treats subnormals.
+
+The spec's formulas are IEEE float32, subnormals included. XLA on CPU runs with
+denormals-are-zero and flush-to-zero (measured with jax 0.10 on x86, eagerly and under
+`jit`: `f32(1e-40) * 2 == 0`, `f32(1e-40) == 0` is True, a max-reduction over
+`[1e-40, 2e-40]` gives 0), GPUs keep subnormals, and XLA's constant folding keeps them
+too. So any float operation that reads a subnormal operand, or whose result lands below
+2^-126, gives different bits on different devices, and even under `jit` and eagerly when
+a constant gets folded.
+
+The helpers here reproduce the IEEE results with integer operations on bit patterns and
+float operations whose operands and results are all normal (or irrelevant), so their
+bits are the same on every device, whatever its subnormal mode. Products of exact
+operands are never contracted differently: where a multiplication feeds an addition, the
+product is exact, so an FMA gives the same bits.
+
+Powers of two are applied by adding to the exponent bits (`ldexp_normal`), never by
+chains of multiplications by constants: XLA's simplifier folds `(x * 2^75) * 2^74` into
+`x * 2^149`, whose constant is inf (or, scaling down, a subnormal that a flushing device
+reads as 0).
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._constants import FLT_MAX
+
+#: Bits of the smallest normal float32, 2^-126: `|x|` bits below it are zero or subnormal.
+MIN_NORMAL_BITS = 0x00800000
+#: Bits of +inf; `|x|` bits above it are NaN.
+INF_BITS = 0x7F800000
+
+
+def abs_bits(x: Float[Array, "*s"]) -> Int[Array, "*s"]:
+    """The bits of `|x|` as int32: ordered as the magnitudes, NaN above +inf."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+
+
+def from_bits(b: Int[Array, "*s"]) -> Float[Array, "*s"]:
+    """The float32 whose bits are the int32 `b`."""
+    return jax.lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
+
+
+def is_zero(x: Float[Array, "*s"]) -> Bool[Array, "*s"]:
+    """`x == +0.0` by its bits: false for a subnormal, which a DAZ device compares equal
+    to 0. (Deliberately not `(bits & 0x7FFFFFFF) == 0`: LLVM rewrites that test as the
+    float comparison `x == 0.0`, assuming IEEE subnormals, and XLA:CPU then runs it with
+    DAZ on; measured with jax 0.10. A test of `+0.0` alone has no float equivalent.)"""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) == 0
+
+
+def ldexp_normal(x: Float[Array, "*s"], k: int) -> Float[Array, "*s"]:
+    """`x * 2^k` by adding `k` to the exponent bits: exact for a normal `x` whose result
+    is normal; anything else (0, subnormal, inf, NaN, or a result out of the normal
+    range) gives garbage, so mask those cases with `jnp.where`."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return from_bits(bits + (k << 23))
+
+
+def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`c * 2^-149` for `mul_normal`: exact when `|c| >= 2^23` (a normal result), 0 for
+    smaller finite `c`, and `c` itself when inf or NaN."""
+    bits = abs_bits(c)
+    ok = bits >= abs_bits(jnp.float32(2.0**23))
+    out = jnp.where(ok, ldexp_normal(jnp.where(ok, c, 1.0), -149), 0.0)
+    return jnp.where(bits >= INF_BITS, c, out)
+
+
+def mul_normal(
+    x: Float[Array, "..."], c: Float[Array, "..."], c_sub: Float[Array, "..."] | None = None
+) -> Float[Array, "..."]:
+    """`x * c` rounded once, reading a subnormal `x` exactly; `c` is normal (or NaN/inf).
+
+    Exact whenever the IEEE product is at least 2^-103 in magnitude, or overflows (and
+    for a normal `x`, whenever it is normal). Smaller products come out as some value of
+    the right sign below 2^-103 (possibly ±0): use this only where such values round to
+    zero next, as E2M1 codes (below 0.25) and E4M3 block scales (below 2^-10) do.
+
+    A subnormal `x = m * 2^-149` (`m` its 23-bit field, exact as a float) is multiplied
+    as `m * c_sub` with `c_sub = scale_down_149(c)` (pass it when `c` is broadcast, so it
+    is computed once): exact when `|c| >= 2^23`; for smaller `c` the product is below
+    2^-103 and `c_sub = 0` is used.
+    """
+    x = x.astype(jnp.float32)
+    c = jnp.asarray(c, jnp.float32)
+    if c_sub is None:
+        c_sub = scale_down_149(c)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    sub = (bits & INF_BITS) == 0
+    m = (bits & 0x007FFFFF).astype(jnp.float32)
+    m = from_bits(jax.lax.bitcast_convert_type(m, jnp.int32) | (bits & jnp.int32(-(2**31))))
+    return jnp.where(sub, m * c_sub, x * c)
+
+
+def scale_up_149(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`s * 2^149` exactly for `0 <= s < 2^-21`, subnormals included (normal result)."""
+    bits = abs_bits(s)
+    sub = bits < MIN_NORMAL_BITS
+    return jnp.where(sub, bits.astype(jnp.float32), ldexp_normal(jnp.where(sub, 1.0, s), 149))
+
+
+#: Below this `s`, `mul_exact` takes its exact-rounding path (see there).
+TINY_SCALE = 2.0**-64
+
+
+def is_tiny_scale(s: Float[Array, "*s"]) -> Bool[Array, "*s"]:
+    """Whether `mul_exact(p, s)` needs its exact path (`s < 2^-64`): only then can a
+    product with `s` of an E2M1 value times an E4M3 scale (at least 2^-10) be subnormal."""
+    return abs_bits(s) < abs_bits(jnp.float32(TINY_SCALE))
+
+
+def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."]) -> Float[Array, "..."]:
+    """The IEEE float32 product `p * s`, subnormal results and operands included.
+
+    Preconditions (true of every use in nvfp4x): `p` is 0, NaN, or normal with at most
+    12 significant bits and `2^-24 <= |p| <= 2^24` (an E2M1 value times an E4M3 scale,
+    or an E4M3 scale); `s` is positive and finite, possibly subnormal (a tensor scale).
+
+    For `s >= 2^-64` no operand or result is subnormal and this is `p * s`. Below,
+    `sigma = s * 2^149` (exact, normal) is split into two 12-bit halves, so that
+    `p * sigma = A + B` with both products exact; `S + err = A + B` exactly (Fast2Sum),
+    and the result is `S * 2^-149` when normal, or else the subnormal whose 23-bit field
+    is `A + B` rounded to the nearest integer, ties to even, built from its bits.
+    """
+    p = p.astype(jnp.float32)
+    s = jnp.asarray(s, jnp.float32)
+    tiny = is_tiny_scale(s)
+    sigma = jnp.where(tiny, scale_up_149(s), 1.0)
+    hi = from_bits(jax.lax.bitcast_convert_type(sigma, jnp.int32) & ~0xFFF)
+    lo = sigma - hi  # exact: hi <= sigma < 2 hi
+    a = jnp.abs(p)
+    big_a, small_b = a * hi, a * lo  # exact: at most 24 significant bits each
+    total = big_a + small_b
+    err = small_b - (total - big_a)  # Fast2Sum: total + err == big_a + small_b exactly
+    r = jnp.round(total)  # half to even
+    frac = total - r  # exact
+    n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
+    n = n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
+    n = jnp.where(total < 2.0**23, n, 0.0)  # (unused there: keeps the cast in range)
+    sub = from_bits(n.astype(jnp.int32))
+    normal = total >= 2.0**23
+    mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)
+    sign = jax.lax.bitcast_convert_type(p, jnp.int32) & jnp.int32(-(2**31))
+    y = from_bits(jax.lax.bitcast_convert_type(mag, jnp.int32) | sign)
+    return jnp.where(tiny & ~jnp.isnan(p), y, p * s)
+
+
+def reciprocal(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """The IEEE float32 `1 / s` for a positive normal finite `s`, subnormal results included.
+
+    Above 2^126 the result is subnormal: its 23-bit field `n = RNE(2^149 / s)` is computed
+    exactly in int32 (`s = M * 2^(E-23)`, so `n = RNE(2^(172-E) / M)`): a float estimate
+    of the quotient, the remainder `2^K - q M` taken modulo 2^32 (it is small), one
+    correction each way, and round half to even on the remainder.
+    """
+    s = jnp.asarray(s, jnp.float32)
+    bits = abs_bits(s)
+    big = bits > abs_bits(jnp.float32(2.0**126))
+    m = (bits & 0x007FFFFF) | MIN_NORMAL_BITS  # 24-bit significand
+    e = (bits >> 23) - 127  # 126 or 127 where it matters
+    num = jnp.where(e == 126, jnp.float32(2.0**46), jnp.float32(2.0**45))
+    q = jnp.floor(num / m.astype(jnp.float32)).astype(jnp.int32)
+    q = jnp.where(big, q, 0)
+    m = jnp.where(big, m, 1)
+    # 2^K is 0 modulo 2^32 (K >= 45), and |2^K - q m| < 2^25: wrap-around is exact.
+    prod = jax.lax.bitcast_convert_type(q.astype(jnp.uint32) * m.astype(jnp.uint32), jnp.int32)
+    rem = -prod
+    q, rem = jnp.where(rem < 0, q - 1, q), jnp.where(rem < 0, rem + m, rem)
+    q, rem = jnp.where(rem >= m, q + 1, q), jnp.where(rem >= m, rem - m, rem)
+    up = (2 * rem > m) | ((2 * rem == m) & ((q & 1) == 1))
+    sub = from_bits(q + up.astype(jnp.int32))
+    return jnp.where(big, sub, 1.0 / jnp.where(big, 1.0, s))
+
+
+def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`min(1 / p, FLT_MAX)` in IEEE float32 for `p >= 0`, reading a subnormal `p` exactly.
+
+    A subnormal `p = m * 2^-149` gives `(1 / m) * 2^149` (`1 / m` is normal; scaling it
+    is exact, or overflows to inf, hence FLT_MAX). `p = 0` gives FLT_MAX; NaN stays NaN.
+    """
+    p = p.astype(jnp.float32)
+    bits = abs_bits(p)
+    sub = bits < MIN_NORMAL_BITS
+    r = 1.0 / bits.astype(jnp.float32)  # in [2^-23, 1], or inf for p = 0
+    r_bits = jax.lax.bitcast_convert_type(r, jnp.int32)
+    overflow = (r_bits >> 23) + 149 >= 255
+    r_sub = jnp.where(overflow, jnp.inf, ldexp_normal(r, 149))
+    r = jnp.where(sub, r_sub, 1.0 / jnp.where(sub, 1.0, p))
+    return jnp.minimum(r, FLT_MAX)

@@ -1,0 +1,636 @@
+"""Every public quantiser's input checks, and the numbers at float32's extremes.
+
+- One set of checks for `to_nvfp4`, `fake_quantize`, `to_mxfp8`, `to_fp8` and `rht`:
+  non-float arrays, 0-d arrays, malformed `block` and `amax`, eagerly and under `jit`.
+- Non-finite input never comes out finite, from any quantiser.
+- MXFP8 near float32's maximum stays finite (spec §6: the scale rounds up, elements
+  saturate).
+- NVFP4 of tiny tensors, down to the smallest subnormal amax, bit for bit against the
+  spec's float32 formulas (§2) in NumPy, which keeps subnormals. XLA on CPU runs with
+  denormals-are-zero and flush-to-zero (checked below), so this is what catches any step
+  of the library that does float arithmetic on a subnormal.
+
+The references here are written from `shared/spec/nvfp4.md` with NumPy float32 and
+`ml_dtypes` casts only; they never call into `nvfp4x`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import nvfp4x
+
+F32 = np.float32
+FLT_MAX = np.finfo(F32).max
+E4M3 = ml_dtypes.float8_e4m3fn
+E5M2 = ml_dtypes.float8_e5m2
+E2M1 = ml_dtypes.float4_e2m1fn
+LAYOUTS = {"1x16": (1, 16), "16x16": (16, 16)}
+#: The shape of (almost) every array below: one compile per function, layout and mode
+#: (eager calls compile each primitive once per shape); 20 and 40 exercise the padding.
+SHAPE = (20, 40)
+layouts = pytest.mark.parametrize("block", list(LAYOUTS.values()), ids=list(LAYOUTS))
+MODES = pytest.mark.parametrize("mode", ["eager", "jit"])
+
+
+def call(fn, mode, *args, **kwargs):
+    """`fn(*args, **kwargs)` eagerly, or under `jit` with the array keyword arguments traced
+    and the others static (jitted functions are cached: one compile per signature)."""
+    if mode == "eager":
+        return fn(*args, **kwargs)
+    static = tuple(sorted(k for k, v in kwargs.items() if not hasattr(v, "shape")))
+    return _jitted(fn, static)(*args, **kwargs)
+
+
+@functools.cache
+def _jitted(fn, static: tuple[str, ...]):
+    return jax.jit(fn, static_argnames=static)
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_bits(got, want, what: str) -> None:
+    """Bitwise equality (dtype and shape too), every NaN equal to every NaN."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    nan = np.isnan(want.astype(F32))
+    np.testing.assert_array_equal(np.isnan(got.astype(F32)), nan, err_msg=f"{what}: NaNs")
+    np.testing.assert_array_equal(
+        np.where(nan, 0, bits(got)), np.where(nan, 0, bits(want)), err_msg=f"{what}: bits"
+    )
+
+
+def unpack(packed) -> np.ndarray:
+    p = np.asarray(packed)
+    return np.stack([p & 0x0F, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# References (spec §2 and §6) in NumPy float32.
+# ---------------------------------------------------------------------------------------
+
+
+def ref_nvfp4(x: np.ndarray, block, amax=None) -> dict:
+    """Spec §2, line by line, in NumPy float32 (IEEE: subnormals kept)."""
+    x32 = np.asarray(x).astype(F32)
+    pads = [(0, 0)] * x32.ndim
+    pads[-1] = (0, -x32.shape[-1] % 16)
+    if block[0] == 16:
+        pads[-2] = (0, -x32.shape[-2] % 16)
+    xp = np.pad(x32, pads)
+    if block[0] == 1:
+        xb, axes = xp.reshape(*xp.shape[:-1], -1, 16), (-1,)
+        per = lambda s: s[..., None]  # noqa: E731
+    else:
+        *lead, r, c = xp.shape
+        xb, axes = xp.reshape(*lead, r // 16, 16, c // 16, 16), (-3, -1)
+        per = lambda s: s[..., :, None, :, None]  # noqa: E731
+    with np.errstate(all="ignore"):
+        if amax is None:
+            a = np.abs(xp)
+            amax = np.max(np.where(np.isnan(a), F32(0), a), initial=F32(0))
+        amax = F32(amax)
+        s_enc = np.minimum(F32(2688) / amax, FLT_MAX)
+        if amax == 0 or s_enc == 0:
+            s_enc = F32(1)
+        s_dec = F32(1) / s_enc
+        bamax = np.max(np.abs(xb), axis=axes)
+        sb = np.minimum(bamax * (s_enc * (F32(1) / F32(6))), F32(448))
+        sb = np.where(np.isfinite(bamax), sb, F32(np.nan)).astype(E4M3)
+        sbf = sb.astype(F32)
+        inv = np.minimum(F32(1) / (sbf * s_dec), FLT_MAX)
+        v = xb * per(inv)
+        v = np.clip(np.where(np.isnan(v), F32(0), v), F32(-6), F32(6))
+        codes = v.astype(E2M1).view(np.uint8)
+        deq = (codes.view(E2M1).astype(F32) * per(sbf)) * s_dec
+    deq = deq.reshape(xp.shape)[tuple(slice(0, n) for n in x32.shape)]
+    valid = np.broadcast_to(per(np.isfinite(bamax)), xb.shape).reshape(xp.shape)
+    return dict(
+        codes=codes.reshape(xp.shape),
+        valid=valid,
+        scales=sb,
+        tensor_scale=np.asarray(s_dec, F32),
+        deq=deq.astype(np.asarray(x).dtype),
+    )
+
+
+def ref_mxfp8(x: np.ndarray) -> dict:
+    """Spec §6 in NumPy: `scale = 2^ceil(log2(bamax / 448))`, with the library's
+    documented clamps (exponent in [-126, 120], 1 for a zero block) and saturation of
+    each element at the largest E4M3 value `v` with `v * scale <= FLT_MAX`."""
+    x32 = np.asarray(x).astype(F32)
+    xp = np.pad(x32, [(0, 0)] * (x32.ndim - 1) + [(0, -x32.shape[-1] % 32)])
+    xb = xp.reshape(*xp.shape[:-1], -1, 32)
+    with np.errstate(all="ignore"):
+        bamax = np.max(np.abs(xb), axis=-1)
+        mant, exp = np.frexp(bamax.astype(np.float64))  # exact; bamax = mant * 2^exp
+        e = exp - 9 + (mant > 0.875)  # 448 = 0.875 * 2^9
+        e = np.where(bamax == 0, 0, np.clip(e, -126, 127))
+        finite = np.isfinite(bamax)
+        e = np.where(finite, e, 0)
+        scale = np.where(finite, np.ldexp(F32(1), e).astype(F32), F32(np.nan))
+        grid = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+        limit = np.array(
+            [grid[grid * 2.0**k <= FLT_MAX].max() for k in e.ravel()], np.float64
+        ).reshape(e.shape)
+        y = (xb.astype(np.float64) / np.ldexp(1.0, e)[..., None]).astype(F32)
+        y = np.clip(np.where(np.isnan(y), 0, y), -448, 448).astype(E4M3).astype(np.float64)
+        q = np.clip(y, -limit[..., None], limit[..., None]).astype(E4M3)
+        deq = (q.astype(F32) * scale[..., None]).reshape(xp.shape)[..., : x32.shape[-1]]
+    return dict(data=q.reshape(xp.shape), scales=scale, deq=deq)
+
+
+def ref_fp8(x: np.ndarray, kind: str) -> dict:
+    """§6 per-tensor FP8: `scale = amax * f32(1/max)` (the library's documented form of
+    `amax / max`), 1 for a zero or non-finite amax; non-finite elements give NaN."""
+    fp8, top = (E4M3, 448.0) if kind == "e4m3" else (E5M2, 57344.0)
+    x32 = np.asarray(x).astype(F32)
+    with np.errstate(all="ignore"):
+        a = np.abs(x32)
+        amax = np.max(np.where(np.isnan(a), F32(0), a), initial=F32(0))
+        scale = amax * F32(1.0 / top)
+        if scale == 0 or not np.isfinite(scale):
+            scale = F32(1)
+        y = np.clip(x32 / scale, F32(-top), F32(top))
+        q = np.where(np.isfinite(x32), y, F32(np.nan)).astype(fp8)
+        deq = q.astype(F32) * scale
+    return dict(data=q, scale=np.asarray(scale, F32), deq=deq)
+
+
+# ---------------------------------------------------------------------------------------
+# 1. One set of input checks.
+# ---------------------------------------------------------------------------------------
+
+QUANTISERS = {
+    "to_nvfp4": nvfp4x.to_nvfp4,
+    "fake_quantize": nvfp4x.fake_quantize,
+    "to_mxfp8": nvfp4x.to_mxfp8,
+    "to_fp8": nvfp4x.to_fp8,
+    "rht": nvfp4x.rht,
+}
+all_quantisers = pytest.mark.parametrize("fn", list(QUANTISERS.values()), ids=list(QUANTISERS))
+blocked = pytest.mark.parametrize(
+    "fn",
+    [nvfp4x.to_nvfp4, nvfp4x.fake_quantize, nvfp4x.to_mxfp8, nvfp4x.rht],
+    ids=["to_nvfp4", "fake_quantize", "to_mxfp8", "rht"],
+)
+nvfp4_quantisers = pytest.mark.parametrize(
+    "fn", [nvfp4x.to_nvfp4, nvfp4x.fake_quantize], ids=["to_nvfp4", "fake_quantize"]
+)
+BAD_DTYPES = {
+    "int32": np.arange(32, dtype=np.int32),
+    "uint8": np.arange(32, dtype=np.uint8),
+    "bool": np.ones(32, dtype=bool),
+    "complex64": np.ones(32, dtype=np.complex64),
+}
+
+
+@all_quantisers
+@MODES
+@pytest.mark.parametrize("x", list(BAD_DTYPES.values()), ids=list(BAD_DTYPES))
+def test_non_float_dtype(fn, mode, x):
+    for arg in (x, jnp.asarray(x)):
+        with pytest.raises(TypeError, match=rf"`x` has dtype `{x.dtype.name}`.*astype"):
+            call(fn, mode, arg)
+
+
+@blocked
+@MODES
+def test_zero_dimensional(fn, mode):
+    with pytest.raises(ValueError, match=r"`x` has shape \(\).*at least 1 dimension"):
+        call(fn, mode, jnp.float32(1.5))
+
+
+@MODES
+def test_fp8_zero_dimensional(mode):
+    # Per-tensor FP8 has no blocks: a scalar is fine, and gives the reference's numbers.
+    for kind in ("e4m3", "e5m2"):
+        for v in (F32(1.5), F32(-3.0e-3), F32(0.0)):
+            f = call(nvfp4x.to_fp8, mode, jnp.asarray(v), kind=kind)
+            ref = ref_fp8(v, kind)
+            assert_bits(f.data, ref["data"], f"{kind} {v} data")
+            assert_bits(f.scale, ref["scale"], f"{kind} {v} scale")
+            assert_bits(f.dequantize(), ref["deq"], f"{kind} {v} dequantize")
+
+
+BAD_BLOCKS = {
+    "float 1.5": (1.5, 16),
+    "floats 1.0, 16.0": (1.0, 16.0),
+    "string": "16x16",
+    "string 1x16": "1x16",
+    "one entry": (16,),
+    "three entries": (1, 16, 16),
+    "bools": (True, 16),
+    "numpy array": np.array([1, 16]),
+    "wrong size": (2, 16),
+    "mxfp8 size": (1, 32),
+    "none entries": (None, 16),
+}
+
+
+@nvfp4_quantisers
+@MODES
+@pytest.mark.parametrize("block", list(BAD_BLOCKS.values()), ids=list(BAD_BLOCKS))
+def test_bad_block(fn, mode, block):
+    x = jnp.ones((32, 32))
+    with pytest.raises(ValueError, match=r"not supported; use `\(1, 16\)`.*`\(16, 16\)`"):
+        if mode == "eager" or isinstance(block, np.ndarray):  # (not hashable: not static)
+            fn(x, block=block)
+        else:
+            call(fn, mode, x, block=block)
+
+
+@nvfp4_quantisers
+def test_block_spellings(fn):
+    # A list, and NumPy integers, are the same block as the tuple of Python ints.
+    x = np.random.default_rng(0).standard_normal(SHAPE).astype(F32)
+    want = fn(x, block=(16, 16))
+    for block in ([16, 16], (np.int64(16), np.int32(16))):
+        got = fn(x, block=block)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            assert_bits(a, b, f"block={block!r}")
+
+
+@nvfp4_quantisers
+@MODES
+def test_tile_block_needs_two_axes(fn, mode):
+    with pytest.raises(ValueError, match=r"`block=\(16, 16\)` needs .* at least 2 dim"):
+        call(fn, mode, jnp.ones(32), block=(16, 16))
+
+
+BAD_AMAX_TYPES = {
+    "str": "3",
+    "bytes": b"3",
+    "bool": True,
+    "complex": 1 + 2j,
+    "complex array": np.ones((), np.complex64),
+    "bool array": np.ones((), bool),
+    "list": [3.0],
+    "none in list": [None],
+}
+
+
+@nvfp4_quantisers
+@pytest.mark.parametrize("amax", list(BAD_AMAX_TYPES.values()), ids=list(BAD_AMAX_TYPES))
+def test_amax_must_be_real(fn, amax):
+    with pytest.raises(TypeError, match=r"`amax` must be a real number"):
+        fn(jnp.ones(32), amax=amax)
+
+
+@nvfp4_quantisers
+def test_amax_traced_must_be_real(fn):
+    f = jax.jit(lambda x, a: fn(x, amax=a))
+    with pytest.raises(TypeError, match=r"`amax` must be a real number.*bool"):
+        f(jnp.ones(32), jnp.ones((), bool))
+    with pytest.raises(ValueError, match=r"`amax` must be a scalar, got shape \(2,\)"):
+        f(jnp.ones(32), jnp.ones(2))
+
+
+@nvfp4_quantisers
+@MODES
+def test_amax_real_spellings(fn, mode):
+    # An int, a NumPy scalar, 0-d and 1-element arrays (float or int) are all amax=3.
+    x = np.random.default_rng(1).standard_normal(SHAPE).astype(F32)
+    want = call(fn, mode, x, amax=3.0)
+    for amax in (3, np.float64(3.0), np.int32(3), np.full((1,), 3.0, F32), jnp.int32(3)):
+        got = call(fn, mode, x, amax=amax)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            assert_bits(a, b, f"amax={amax!r}")
+    with pytest.raises(ValueError, match=r"`amax` must be a scalar"):
+        fn(x, amax=np.ones(3))
+
+
+@nvfp4_quantisers
+@MODES
+def test_nan_amax_poisons_everything(fn, mode):
+    # A NaN amax (a diverged calibration) is let through, and nothing comes out finite.
+    x = jnp.ones(SHAPE)
+    for amax in (float("nan"), jnp.float32(np.nan)):
+        out = call(fn, mode, x, amax=amax)
+        y = np.asarray(out if isinstance(out, jax.Array) else out.dequantize())
+        assert np.isnan(y).all()
+
+
+@MODES
+def test_rht_axis(mode):
+    x = jnp.ones(SHAPE)
+    with pytest.raises(ValueError, match=r"`axis=2` is out of range .* \[-2, 1\]"):
+        call(nvfp4x.rht, mode, x, axis=2)
+    # A negative axis counts from the end, as in NumPy.
+    a = np.random.default_rng(2).standard_normal(SHAPE).astype(F32)
+    np.testing.assert_array_equal(
+        np.asarray(call(nvfp4x.rht, mode, a, axis=-1)), np.asarray(nvfp4x.rht(a, axis=1))
+    )
+
+
+def test_hadamard_signs():
+    with pytest.raises(ValueError, match=r"`signs` must be 16 values of \+1 or -1"):
+        nvfp4x.hadamard_matrix((1,) * 15)
+    with pytest.raises(ValueError, match=r"`signs` must be 16 values of \+1 or -1"):
+        nvfp4x.hadamard_matrix((2,) * 16)
+
+
+def test_fp8_kind():
+    with pytest.raises(ValueError, match=r"`kind='e3m4'` is unknown; use 'e4m3' or 'e5m2'"):
+        nvfp4x.to_fp8(jnp.ones(4), kind="e3m4")
+
+
+# ---------------------------------------------------------------------------------------
+# Non-finite input never comes out finite.
+# ---------------------------------------------------------------------------------------
+
+
+@all_quantisers
+@MODES
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+def test_non_finite_stays_non_finite(fn, mode, bad):
+    x = np.random.default_rng(3).standard_normal(SHAPE).astype(F32)
+    x[5, 20] = bad
+    out = call(fn, mode, x)
+    y = np.asarray(out if isinstance(out, jax.Array) else out.dequantize())
+    if fn is nvfp4x.rht:  # rows 0..15 of column 20 mix x[5, 20] in
+        assert not np.isfinite(y[:16, 20]).any()
+        assert np.isfinite(np.delete(y, 20, axis=1)).all() and np.isfinite(y[16:, 20]).all()
+    else:
+        assert not np.isfinite(y[5, 20]), f"{bad} became {y[5, 20]}"
+
+
+# ---------------------------------------------------------------------------------------
+# 2. MXFP8 near float32's maximum.
+# ---------------------------------------------------------------------------------------
+
+NEAR_MAX = [
+    FLT_MAX,
+    F32(3.4e38),
+    F32(248 * 2.0**120),  # x / 2^120 = 248: the tie between 240 and 256 (rounds to 256)
+    np.nextafter(F32(248 * 2.0**120), F32(0)),
+    F32(240 * 2.0**120),
+    F32(448 * 2.0**119),  # the largest block maximum of the next smaller scale
+    np.nextafter(F32(448 * 2.0**119), F32(np.inf)),
+    F32(1e38),
+]
+
+
+@MODES
+def test_mxfp8_near_float32_max(mode):
+    rng = np.random.default_rng(4)
+    x = np.zeros(SHAPE, F32)
+    for i, v in enumerate(NEAR_MAX):
+        x[i, :32] = v * rng.uniform(-1, 1, 32).astype(F32)
+        x[i, 3] = v
+        x[i, 32:] = -v
+    # Random magnitudes in the top binades of float32, both signs.
+    n = len(NEAR_MAX)
+    x[n:] = rng.choice([-1, 1], (20 - n, 40)) * FLT_MAX * rng.uniform(0.5, 1, (20 - n, 40))
+    assert np.isfinite(x).all()
+    m = call(nvfp4x.to_mxfp8, mode, x)
+    ref = ref_mxfp8(x)
+    assert_bits(m.data, ref["data"], "elements")
+    assert_bits(np.asarray(m.scales).astype(F32), ref["scales"], "scales")
+    deq = np.asarray(m.dequantize())
+    assert np.isfinite(deq).all(), deq[~np.isfinite(deq)]
+    assert_bits(deq, ref["deq"], "dequantize")
+    assert np.abs(np.asarray(m.scales).astype(F32)).max() == 2.0**120
+
+
+@MODES
+def test_mxfp8_matches_reference(mode):
+    # Ordinary data, and blocks across float32's range (no element is subnormal after
+    # scaling, so nothing depends on the device's subnormal mode).
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(SHAPE) * 2.0 ** rng.integers(-100, 120, (20, 1))
+    x = x.astype(F32)
+    m = call(nvfp4x.to_mxfp8, mode, x)
+    ref = ref_mxfp8(x)
+    assert_bits(m.data, ref["data"], "elements")
+    assert_bits(np.asarray(m.scales).astype(F32), ref["scales"], "scales")
+    assert_bits(m.dequantize(), ref["deq"], "dequantize")
+
+
+@MODES
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+def test_fp8_near_float32_max(mode, kind):
+    x = np.array([FLT_MAX, -FLT_MAX, F32(3.0e38), F32(1.0), F32(-1.0e30)], F32)
+    f = call(nvfp4x.to_fp8, mode, x, kind=kind)
+    ref = ref_fp8(x, kind)
+    assert_bits(f.data, ref["data"], "data")
+    assert_bits(f.scale, ref["scale"], "scale")
+    assert np.isfinite(np.asarray(f.dequantize())).all()
+    assert_bits(f.dequantize(), ref["deq"], "dequantize")
+
+
+# ---------------------------------------------------------------------------------------
+# 3. NVFP4 of tiny tensors: the spec's float32 numbers, subnormals included.
+# ---------------------------------------------------------------------------------------
+
+
+def test_cpu_flushes_subnormals_but_numpy_does_not():
+    # The premise of the tests below, measured: XLA:CPU runs with FTZ/DAZ (eagerly and
+    # under jit), NumPy keeps IEEE subnormals. On other devices the first may not hold.
+    tiny = F32(2.0**-140)
+    assert tiny * F32(2) == F32(2.0**-139)  # NumPy: IEEE
+    if jax.default_backend() == "cpu":
+        assert float(jnp.asarray(tiny) * 2) == 0.0
+        assert float(jax.jit(lambda t: t * 2)(jnp.asarray(tiny))) == 0.0
+
+
+def check_nvfp4(x: np.ndarray, block, mode: str, amax=None, what: str = "") -> None:
+    ref = ref_nvfp4(x, block, amax)
+    if mode == "eager":
+        q = nvfp4x.to_nvfp4(x, block=block, amax=amax)
+        deq, fake = q.dequantize(), nvfp4x.fake_quantize(x, block=block, amax=amax)
+    else:
+        q, deq, fake = _nvfp4_jit(jnp.asarray(x), block, amax)
+    codes = unpack(q.codes)
+    np.testing.assert_array_equal(
+        np.where(ref["valid"], codes, 0), np.where(ref["valid"], ref["codes"], 0), what
+    )
+    assert_bits(q.scales, ref["scales"], f"{what}: block scales")
+    assert_bits(q.tensor_scale, ref["tensor_scale"], f"{what}: tensor scale")
+    assert_bits(deq, ref["deq"], f"{what}: dequantize")
+    assert_bits(fake, ref["deq"], f"{what}: fake_quantize")
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def _nvfp4_jit(x, block, amax):
+    q = nvfp4x.to_nvfp4(x, block=block, amax=amax)
+    return q, q.dequantize(), nvfp4x.fake_quantize(x, block=block, amax=amax)
+
+
+@layouts
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(0, 149), seed=st.integers(0, 2**32 - 1), spread=st.integers(0, 40))
+def test_tiny_tensors_match_the_spec(block, k, seed, spread):
+    # Normal values times 2^-k, each block further scaled down by up to 2^-spread: from
+    # ordinary tensors (k = 0) through a subnormal tensor scale (amax below ~3.2e-35,
+    # k >= 115) to subnormal inputs and amax (k >= 127), down to all-2^-149 values.
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(SHAPE)
+    shifts = rng.integers(0, spread + 1, (2 if block[0] == 16 else 20, 3))
+    x *= 2.0 ** -shifts.repeat(block[0], 0)[:20].repeat(16, 1)[:, :40]
+    x = (x * 2.0**-k).astype(F32)
+    for mode in ("eager", "jit"):
+        check_nvfp4(x, block, mode, what=f"{mode} k={k} spread={spread}")
+
+
+TINY_CASES = {
+    # amax at which s_dec = 1 / S_enc becomes subnormal: 2688 * 2^-126 and its neighbours
+    "s_dec at 2^-126": np.full(16, F32(2688 * 2.0**-126)),
+    "s_dec just subnormal": np.full(16, np.nextafter(F32(2688 * 2.0**-126), F32(0))),
+    # 2688 / amax just overflows (S_enc clamps to FLT_MAX)
+    "S_enc overflows": np.full(16, F32(2688) / FLT_MAX * F32(0.999)),
+    "smallest normal amax": np.full(16, np.finfo(F32).tiny),
+    "largest subnormal amax": np.full(16, np.nextafter(np.finfo(F32).tiny, F32(0))),
+    "single 2^-149": np.where(np.arange(16) == 3, F32(2.0**-149), F32(0)),
+    "all -2^-149": np.full(16, F32(-(2.0**-149))),
+    "mixed normal and subnormal": np.array([1e-38, -3e-39, 1.2e-38, 5e-40] * 4, F32),
+    # scale_b * s_dec subnormal although s_dec is normal: small blocks of a ~1e-33 tensor
+    "subnormal block product": np.concatenate(
+        [np.full(16, F32(1e-33)), np.linspace(1e-38, 1e-37, 16, dtype=F32)]
+    ),
+    "zeros": np.zeros(16, F32),
+    "negative zeros": np.full(16, F32(-0.0)),
+}
+
+
+@layouts
+@MODES
+@pytest.mark.parametrize("x", list(TINY_CASES.values()), ids=list(TINY_CASES))
+def test_tiny_hand_picked(block, mode, x):
+    x = np.resize(np.tile(x, 3), SHAPE)  # the case in every row, padded blocks too
+    x = x * np.where(np.arange(40) % 3 == 1, F32(-1), F32(1))  # both signs
+    check_nvfp4(x.astype(F32), block, mode, what=f"{mode} {block}")
+
+
+SUBNORMAL_AMAX = [F32(2.0**-149), F32(1e-40), np.nextafter(np.finfo(F32).tiny, F32(0))]
+
+
+@layouts
+@MODES
+@pytest.mark.parametrize("amax", SUBNORMAL_AMAX, ids=[f"{a:.3g}" for a in SUBNORMAL_AMAX])
+def test_subnormal_amax_argument(block, mode, amax):
+    # A given subnormal amax, concrete or traced, is not mistaken for zero.
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal(SHAPE) * amax / 4).astype(F32)
+    check_nvfp4(x, block, mode, amax=amax, what=f"{mode} amax={amax}")
+    assert float(nvfp4x.to_nvfp4(x, block=block, amax=amax).tensor_scale) == 1 / FLT_MAX
+
+
+def test_tiny_under_vmap():
+    # Under vmap the library's per-tensor branches become selects of both paths; slices
+    # with ordinary, tiny and subnormal amax side by side.
+    rng = np.random.default_rng(7)
+    ks = np.array([0, 100, 118, 130, 140, 149])
+    x = (rng.standard_normal((len(ks), *SHAPE)) * 2.0 ** -ks[:, None, None]).astype(F32)
+
+    @jax.jit
+    def batched(x):
+        q = jax.vmap(nvfp4x.to_nvfp4)(x)
+        return q, jax.vmap(lambda t: t.dequantize())(q), jax.vmap(nvfp4x.fake_quantize)(x)
+
+    q, deq, fake = batched(jnp.asarray(x))
+    for i, k in enumerate(ks):
+        ref = ref_nvfp4(x[i], (1, 16))
+        np.testing.assert_array_equal(unpack(q.codes[i]), ref["codes"], f"k={k}")
+        assert_bits(q.tensor_scale[i], ref["tensor_scale"], f"k={k} tensor scale")
+        assert_bits(deq[i], ref["deq"], f"k={k} vmapped dequantize")
+        assert_bits(fake[i], ref["deq"], f"k={k} vmapped fake_quantize")
+    assert_bits(q.dequantize(), np.stack([ref_nvfp4(s, (1, 16))["deq"] for s in x]), "batch")
+
+
+def test_tiny_bfloat16():
+    # bfloat16 has float32's exponent range: its subnormals go through the same path.
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(SHAPE) * 2.0**-128).astype(ml_dtypes.bfloat16)
+    for mode in ("eager", "jit"):
+        check_nvfp4(x, (1, 16), mode, what=f"bfloat16 {mode}")
+
+
+# The float32 helpers behind the above, against NumPy's IEEE arithmetic on many values.
+
+
+def _e2m1_times_e4m3() -> np.ndarray:
+    e2m1 = np.arange(16, dtype=np.uint8).view(E2M1).astype(F32)
+    e4m3 = np.arange(256, dtype=np.uint8).view(E4M3).astype(F32)
+    p = (e2m1[:, None] * e4m3[None, :]).ravel()
+    return p[np.isfinite(p)]
+
+
+@MODES
+def test_mul_exact_matches_ieee(mode):
+    from nvfp4x._format._ieee import mul_exact
+
+    rng = np.random.default_rng(9)
+    p = _e2m1_times_e4m3()  # every block product (and E4M3 scales: times 1.0)
+    s = np.concatenate(
+        [
+            rng.integers(1, 2**23, 64).astype(np.uint32).view(F32),  # subnormal
+            (2.0 ** rng.uniform(-126, -60, 64)).astype(F32),  # tiny normal
+            (2.0 ** rng.uniform(-60, 100, 16)).astype(F32),
+            np.array([2.0**-149, 2.0**-126, 2.0**-64, 1 / FLT_MAX], F32),
+        ]
+    )
+    want = p[:, None] * s[None, :]  # NumPy: IEEE, subnormal results included
+    got = call(mul_exact, mode, jnp.asarray(p[:, None]), jnp.asarray(s[None, :]))
+    assert_bits(got, want, "mul_exact")
+
+
+@MODES
+def test_reciprocals_match_ieee(mode):
+    from nvfp4x._format._ieee import reciprocal, reciprocal_capped
+
+    rng = np.random.default_rng(10)
+    # S_enc above 2^126 (subnormal reciprocal), every significand pattern class.
+    big = rng.integers(0x7E800001, 0x7F7FFFFF, 20000, dtype=np.uint32).view(F32)
+    normal = (2.0 ** rng.uniform(-120, 126, 2000)).astype(F32)
+    s = np.concatenate([big, normal, np.array([2.0**126, FLT_MAX], F32)])
+    with np.errstate(all="ignore"):
+        assert_bits(call(reciprocal, mode, jnp.asarray(s)), F32(1) / s, "reciprocal")
+        p = np.concatenate(
+            [
+                rng.integers(0, 2**23, 20000, dtype=np.uint32).view(F32),  # 0 and subnormal
+                (2.0 ** rng.uniform(-126, 100, 2000)).astype(F32),
+                np.array([np.nan, np.finfo(F32).tiny, 2.0**-128, 2.0**-149], F32),
+            ]
+        )
+        want = np.minimum(F32(1) / p, FLT_MAX)
+    assert_bits(call(reciprocal_capped, mode, jnp.asarray(p)), want, "reciprocal_capped")
+
+
+@MODES
+def test_mul_normal_matches_ieee(mode):
+    from nvfp4x._format._ieee import mul_normal
+
+    rng = np.random.default_rng(11)
+    x = np.concatenate(
+        [
+            rng.integers(0, 2**23, 3000, dtype=np.uint32).view(F32),  # subnormal
+            (rng.standard_normal(1000) * 2.0 ** rng.uniform(-126, 0, 1000)).astype(F32),
+        ]
+    )
+    x[::2] *= -1
+    c = (2.0 ** rng.uniform(-110, 127, x.size)).astype(F32)
+    got = np.asarray(call(mul_normal, mode, jnp.asarray(x), jnp.asarray(c)))
+    with np.errstate(all="ignore"):
+        want = x * c
+    # Exact from 2^-103 up (and for every normal product of a normal x); below that only
+    # the sign and "below 2^-103" are promised (such values round to zero codes/scales).
+    exact = (np.abs(want) >= 2.0**-103) | (
+        (np.abs(want) >= np.finfo(F32).tiny) & (np.abs(x) >= np.finfo(F32).tiny)
+    )
+    assert exact.sum() > 1000 and (~exact).sum() > 100
+    assert_bits(got[exact], want[exact], "products from 2^-103 up")
+    assert (np.abs(got[~exact]) < 2.0**-103).all()
+    np.testing.assert_array_equal(np.signbit(got[~exact]), np.signbit(want[~exact]))
