@@ -14,8 +14,8 @@ import numpy as np
 import quax
 from jaxtyping import Array, Float
 
-from ._policy import Policy, Recipe, recipes
 from ._coverage import coverage
+from ._policy import Policy, Recipe, recipes
 from ._qweight import QWeight, is_qweight
 from ._sites import layers, path_str
 from ._transform import quantize

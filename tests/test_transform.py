@@ -181,7 +181,8 @@ def test_zoo_quantize_run_grad_dequantize(name):
         lambda v: None if is_linear(v) else v, m, is_leaf=is_linear
     )
     assert isinstance(qmodel, type(model))
-    assert tree_equal(jax.tree_util.tree_leaves(strip(qmodel)), jax.tree_util.tree_leaves(strip(model)))
+    leaves = jax.tree_util.tree_leaves
+    assert tree_equal(leaves(strip(qmodel)), leaves(strip(model)))
 
     x = normal(1, xshape)
 
