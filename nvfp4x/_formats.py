@@ -69,7 +69,15 @@ class Format:
         if self.name not in FORMATS:
             raise ValueError(f"Unknown format `{self.name!r}`; use one of {sorted(FORMATS)}.")
         default = {"nvfp4": (1, BLOCK), "mxfp8": (1, MX_BLOCK)}.get(self.name)
-        block = default if self.block is None else tuple(self.block)
+        block = default if self.block is None else self.block
+        ints = isinstance(block, tuple | list) and all(
+            isinstance(b, int) and not isinstance(b, bool) for b in block
+        )
+        if block is not None and not ints:
+            raise ValueError(
+                f"`block={self.block!r}` must be a tuple of two ints, e.g. `(1, 16)`."
+            )
+        block = None if block is None else tuple(block)
         allowed = {"nvfp4": ((1, BLOCK), (BLOCK, BLOCK)), "mxfp8": ((1, MX_BLOCK),)}.get(
             self.name, (None,)
         )

@@ -634,3 +634,10 @@ def test_mul_normal_matches_ieee(mode):
     assert_bits(got[exact], want[exact], "products from 2^-103 up")
     assert (np.abs(got[~exact]) < 2.0**-103).all()
     np.testing.assert_array_equal(np.signbit(got[~exact]), np.signbit(want[~exact]))
+
+
+@pytest.mark.parametrize("block", [(1.0, 16.0), (1.5, 16), "16x16", (True, 16)], ids=str)
+def test_format_block_must_be_two_ints(block):
+    # (the runtime type checker of the tests may refuse it first, as a TypeError)
+    with pytest.raises((ValueError, TypeError), match="block"):
+        nvfp4x.Format("nvfp4", block=block)
