@@ -37,7 +37,6 @@ import numpy as np
 import quax
 from jax import lax
 from jax._src import ad_checkpoint
-from jax._src.custom_derivatives import custom_vjp_call_p
 from jaxtyping import Array, ArrayLike
 
 from ._formats import widest_float
@@ -134,10 +133,6 @@ class QWeight(WeightValue):
 
     def materialise(self) -> Array:
         return self.array
-
-    def with_array(self, array) -> "QWeight":
-        """This weight's metadata (recipe, path, probe) on another (derived) array."""
-        return QWeight(array, self.recipe, self.path, self.fast, self.probe, self.enabled)
 
     @staticmethod
     def default(primitive, values, params):
@@ -472,7 +467,6 @@ def _install_custom_vjp() -> None:
 
 
 _install_custom_vjp()
-del custom_vjp_call_p
 
 
 # --- modules whose calls are interpreted ---
@@ -480,11 +474,6 @@ del custom_vjp_call_p
 
 def is_qweight(x: Any) -> bool:
     return isinstance(x, QWeight)
-
-
-def is_weight_value(x: Any) -> bool:
-    """A quantised weight, trainable (`QWeight`) or frozen."""
-    return isinstance(x, WeightValue)
 
 
 def as_qweight(x: Any) -> Any:
