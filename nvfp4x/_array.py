@@ -10,6 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray, Shaped, UInt8
 
+from ._axes import follows_input_sharding
 from ._checks import check_amax, check_block, check_float, check_ndim, check_rounding
 from ._format import _e2m1
 from ._format._constants import BLOCK
@@ -103,6 +104,7 @@ class NVFP4Array(eqx.Module):
         """Bytes held: packed codes + block scales + tensor scale(s)."""
         return int(self.codes.nbytes + self.scale_bits.nbytes + self.tensor_scale.nbytes)
 
+    @follows_input_sharding(like=lambda self, *_, **__: self.codes)
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
         """The array's values `(e2m1 × block_scale) × tensor_scale`, in the logical shape.
 
@@ -125,6 +127,7 @@ class NVFP4Array(eqx.Module):
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return x[index].astype(self.dtype if dtype is None else dtype)
 
+    @follows_input_sharding(like=lambda self: self.codes)
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
         """The GEMM operand form: block-scaled values and the tensor decode scale.
 
@@ -173,6 +176,7 @@ def _prepare(x, block, rounding, key, amax):
     return x, block, check_amax(amax)
 
 
+@follows_input_sharding
 def to_nvfp4(
     x: ArrayLike,
     *,
@@ -226,6 +230,7 @@ def to_nvfp4(
     )
 
 
+@follows_input_sharding
 def fake_quantize(
     x: ArrayLike,
     *,

@@ -38,7 +38,6 @@ processes in one call, and only a primitive's batching rule can see that:
 """
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +60,13 @@ def _grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
 def _mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:
     """Mix an integer checksum of the weight into the seed. The weight changes every
     optimiser step, so a loop that never mentions keys still draws fresh thresholds each
-    step; an integer sum is exact in any order, so every device layout draws the same."""
-    bits = lax.bitcast_convert_type(w.astype(jnp.float32), jnp.uint32)
+    step; an integer sum is exact in any order, so every device layout draws the same.
+
+    The checksum sums each element's upper 16 bits (its bfloat16 truncation): an update
+    changes them, but a difference in the last float32 bits does not (runs whose
+    all-reduces sum in another order, e.g. on another number of processes, differ there
+    and must still draw the same thresholds, or they would drift apart)."""
+    bits = lax.bitcast_convert_type(w.astype(jnp.float32), jnp.uint32) >> 16
     c = jnp.sum(bits, axis=(-2, -1), dtype=jnp.uint32)
     return seed ^ jnp.stack([c, c * jnp.uint32(0x9E3779B9)], axis=-1)
 
@@ -380,29 +384,3 @@ def qdot(
         seed = jnp.zeros((2,), jnp.uint32)
     wv, ws = quantize_weight(lax.stop_gradient(w), recipe, axis=-1, fast=fast)
     return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, fast=fast, nbatch=0, name=name)
-
-
-def explicit_axes_as_auto(matmul: functools.partial, x: Array, operands: tuple, weight) -> Array:
-    """`matmul(x, *operands)`, the GEMM `x @ W.T`. Under a mesh with explicit axes
-    ("sharding in types"), it runs with those axes switched to automatic (XLA places the
-    amax all-reduces and gathers, as under an automatic mesh), and its output gets the
-    sharding JAX gives the plain `x @ W.T`, so that a quantised model type-checks where
-    the plain one does and raises JAX's own error where it does not.
-
-    `matmul` is a `functools.partial` of a module-level function with hashable keywords:
-    the switched GEMM is jitted once per (function, keywords, output sharding), so that
-    eager calls and eager `jax.grad` go through the same traced program as jitted ones."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.explicit_axes:
-        return matmul(x, *operands)
-    shape, like = weight
-    w = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.typeof(like).sharding)
-    out = jax.eval_shape(lambda a, b: jnp.matmul(a, b.T, preferred_element_type=jnp.float32), x, w)
-    keywords = tuple(sorted(matmul.keywords.items()))
-    return _auto_gemm(matmul.func, keywords, out.sharding)(x, *operands)
-
-
-@functools.cache
-def _auto_gemm(func, keywords: tuple, out_sharding) -> Callable:
-    fn = functools.partial(func, **dict(keywords))
-    return jax.jit(jax.sharding.auto_axes(fn, out_sharding=out_sharding))

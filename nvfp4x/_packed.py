@@ -8,6 +8,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Shaped, UInt8
 
 from ._array import as_bits
+from ._axes import follows_input_sharding
 from ._checks import check_float, check_fp8_kind, check_ndim
 from ._format._constants import MX_BLOCK
 from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
@@ -56,6 +57,7 @@ class MXFP8Array(eqx.Module):
         """Bytes held: the (padded) elements plus the block scales."""
         return int(self.data_bits.nbytes + self.scale_bits.nbytes)
 
+    @follows_input_sharding(like=lambda self: self.data_bits)
     def operand(self) -> tuple[Shaped[Array, "..."], None]:
         """The GEMM operand form.
 
@@ -138,6 +140,7 @@ class FP8Array(eqx.Module):
         return out.astype(self.dtype if dtype is None else dtype)
 
 
+@follows_input_sharding
 def to_mxfp8(x: ArrayLike) -> MXFP8Array:
     """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32).
 
@@ -170,6 +173,7 @@ def to_mxfp8(x: ArrayLike) -> MXFP8Array:
     )
 
 
+@follows_input_sharding
 def to_fp8(x: ArrayLike, kind: str = "e4m3") -> FP8Array:
     """Quantise to FP8 (`kind` "e4m3" or "e5m2") with a current per-tensor scale.
 
