@@ -282,6 +282,15 @@ class Training:
     mesh: Any
 
 
+def optimizer():
+    """SGD with momentum. (Adam's first steps turn last-bit differences of gradients near
+    zero into differences of a whole learning rate, `g / (|g| + eps)` for `|g| ~ eps`, in
+    the float32 model too, which would hide what the process count itself changes.)"""
+    import optax
+
+    return optax.sgd(0.05, momentum=0.9)
+
+
 def training(axis_type: str, quantised: bool) -> Training:
     """Data parallel (`data`, across the processes) + FSDP (`fsdp`) training of
     `model(quantised)`. Under explicit axes the loss gathers the weights before use
@@ -289,7 +298,6 @@ def training(axis_type: str, quantised: bool) -> Training:
     axes XLA places the gathers."""
     import equinox as eqx
     import jax
-    import optax
     from jax.sharding import PartitionSpec as P
 
     _, loss_fn = _modules()
@@ -300,10 +308,7 @@ def training(axis_type: str, quantised: bool) -> Training:
             m = jax.tree.map(lambda a: jax.sharding.reshard(a, P()) if eqx.is_array(a) else a, m)
         return loss_fn(m, x, y)
 
-    # SGD with momentum: Adam's first steps turn last-bit differences of gradients near
-    # zero into differences of a learning rate (g / (|g| + eps) for |g| ~ eps), in the
-    # float32 model too, which would hide what the process count itself changes.
-    optim = optax.sgd(0.05, momentum=0.9)
+    optim = optimizer()
     params = place(model(quantised), mesh, weight_spec)
     # The momentum sharded as its weights: the step's outputs then have its inputs'
     # shardings, and the second step runs the first step's program.
@@ -397,9 +402,11 @@ def with_weights(weights: list) -> Any:
     """The quantised model holding `weights` (host arrays, in leaf order)."""
     import equinox as eqx
     import jax
+    import jax.numpy as jnp
 
     params, static = eqx.partition(model(True), eqx.is_array)
-    return eqx.combine(jax.tree.unflatten(jax.tree.structure(params), weights), static)
+    leaves = [jnp.asarray(w) for w in weights]
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(params), leaves), static)
 
 
 def frozen_codes(weights: list, mesh) -> tuple[dict, dict]:
@@ -434,12 +441,15 @@ def save_checkpoint(path: str, params, opt_state) -> None:
         ckptr.wait_until_finished()
 
 
-def run_all(out: pathlib.Path | None = None, *, measure: bool = False) -> tuple[dict, dict]:
+def run_all(
+    out: pathlib.Path | None = None, *, measure: bool = False, training_only: bool = False
+) -> tuple[dict, dict]:
     """Everything the tests compare, in this run (one process or all of them): the
     training runs (`{axis}_{nvfp4|f32}_{losses|grads_i|weights_i|opt_i}`), the codes of
     `quantised_codes`, the frozen leaves of the explicit-axes run's final weights, and
     `info` (per-leaf held bytes, step times, collective bytes). With `out`, the sharded
-    state of the explicit-axes NVFP4 run is saved there with Orbax (`out/checkpoint`)."""
+    state of the explicit-axes NVFP4 run is saved there with Orbax (`out/checkpoint`).
+    `training_only`: the training runs alone (a reference run)."""
     import numpy as np
 
     results, info = {}, {"timings": {}, "collective_bytes": {}}
@@ -455,6 +465,8 @@ def run_all(out: pathlib.Path | None = None, *, measure: bool = False) -> tuple[
             info["collective_bytes"][tag] = r["collective_bytes"]
             if quantised and axis_type == "explicit":
                 last = r
+    if training_only:
+        return results, info
     results.update(quantised_codes(make_mesh("auto")))
     frozen, info["held"] = frozen_codes(last["weights"], make_mesh("explicit"))
     results.update(frozen)
@@ -484,7 +496,7 @@ def _die(die_after: int, rank: int) -> None:
     (its peers are then inside that step's collectives)."""
     import jax
 
-    t = training("explicit", True)
+    t = training("explicit", False)
     params, opt_state = t.params, t.opt_state
     x, y = batches()[0]
     for i in range(die_after + 1000):
