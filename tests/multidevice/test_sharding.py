@@ -296,3 +296,90 @@ def test_direct_weight_reads_sharded_match_one_device():
     assert abs(float(loss_s) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for g, r in zip(jax.tree.leaves(grad_s), jax.tree.leaves(ref_grad), strict=True):
         assert _rel(g, r) <= 1e-5
+
+
+# --- explicit axes carried by the arrays' types alone (no `jax.set_mesh`) ---
+
+
+def _explicit_fsdp():
+    """A (2, 4) data x fsdp mesh with explicit axes and a weight whose rows are sharded
+    over `fsdp`, as `jax.device_put` leaves it outside any mesh context."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    w = jax.random.normal(jax.random.key(6), (256, 128))
+    return mesh, w, jax.device_put(w, NamedSharding(mesh, P("fsdp")))
+
+
+def test_format_core_on_explicit_axes_matches_one_device():
+    """The quantisers' block reshapes have no sharding JAX can infer under explicit axes
+    (`float32[256@fsdp,128] -> (16, 16, 8, 16)`): they run with the axes automatic, bit
+    for bit as on one device, and the packed leaves keep the weight's row sharding;
+    with the mesh only in the arrays' types (eagerly) and under `jax.set_mesh` (jitted)."""
+    mesh, w, ws = _explicit_fsdp()
+    for block in [(1, 16), (16, 16)]:
+        ref = nvfp4x.to_nvfp4(w, block=block)
+        jitted = jax.jit(nvfp4x.to_nvfp4, static_argnames="block")
+        with jax.set_mesh(mesh):
+            under_mesh = jitted(ws, block=block)
+        for got in (nvfp4x.to_nvfp4(ws, block=block), under_mesh):
+            assert jnp.array_equal(got.codes, ref.codes)
+            assert jnp.array_equal(got.scale_bits, ref.scale_bits)
+            assert got.tensor_scale == ref.tensor_scale
+            assert jax.typeof(got.codes).sharding.spec == P("fsdp", None)
+        deq = under_mesh.dequantize()
+        assert jnp.array_equal(deq, ref.dequantize())
+        assert jax.typeof(deq).sharding.spec == P("fsdp", None)
+        assert jnp.array_equal(nvfp4x.fake_quantize(ws, block=block), ref.dequantize())
+    assert jnp.array_equal(nvfp4x.to_mxfp8(ws).dequantize(), nvfp4x.to_mxfp8(w).dequantize())
+    assert jnp.array_equal(nvfp4x.to_fp8(ws).dequantize(), nvfp4x.to_fp8(w).dequantize())
+
+
+def test_every_path_runs_on_explicit_axes_without_set_mesh():
+    """Training step, `freeze` and the frozen forward, telemetry and sensitivity of a
+    model whose weights are FSDP-sharded on an explicit mesh, with no mesh context: the
+    numbers of one device, outputs sharded as the plain model's."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+
+    def put(a):
+        if not eqx.is_array(a):
+            return a
+        return jax.device_put(a, NamedSharding(mesh, P("fsdp") if a.ndim == 2 else P()))
+
+    model = eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
+    q = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
+    qs, plain = jax.tree.map(put, q), jax.tree.map(put, model)
+    x = jax.random.normal(jax.random.key(1), (64, 128))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    (ref_loss, ref_grad), (got_loss, got_grad) = step(q, x), step(qs, xs)
+    _, plain_grad = step(plain, xs)
+    assert abs(float(got_loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for g, r, p in zip(
+        jax.tree.leaves(got_grad),
+        jax.tree.leaves(ref_grad),
+        jax.tree.leaves(plain_grad),
+        strict=True,
+    ):
+        assert _rel(g, r) <= 1e-5
+        assert jax.typeof(g).sharding.spec == jax.typeof(p).sharding.spec
+
+    frozen, frozen_s = nvfp4x.freeze(q), nvfp4x.freeze(qs)
+    codes = frozen_s.layers[0].weight.codes
+    assert jnp.array_equal(codes, frozen.layers[0].weight.codes)
+    assert jax.typeof(codes).sharding.spec == P("fsdp", None)
+    call = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    assert jnp.allclose(call(frozen_s, xs), call(frozen, x), rtol=1e-6, atol=1e-6)
+
+    stats = nvfp4x.telemetry.collect(step(nvfp4x.telemetry.enable(qs), xs)[1])
+    ref_stats = nvfp4x.telemetry.collect(step(nvfp4x.telemetry.enable(q), x)[1])
+    assert stats.keys() == ref_stats.keys() and stats
+    for name in stats:
+        for op in stats[name]:
+            for k, v in stats[name][op].items():
+                assert jnp.allclose(v, ref_stats[name][op][k], rtol=1e-5), (name, op, k)
+
+    report = nvfp4x.sensitivity(plain, loss, xs)
+    ref_report = nvfp4x.sensitivity(model, loss, x)
+    for a, b in zip(report.rows, ref_report.rows, strict=True):
+        assert a.path == b.path
+        assert abs(a.loss_delta - b.loss_delta) <= 1e-5 * (abs(b.loss_delta) + 1e-6)
