@@ -11,11 +11,21 @@ tensor); beyond those, the target is a ratio of at most 1.
 Needs 8 devices: on a machine with fewer it runs itself again in a subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (host CPU devices). The multi-device
 tests (`tests/multidevice/`) assert the same comparison.
+
+    python benchmarks/bench_sharding.py --processes 2
+
+compares JAX's multi-process runtime instead: the training run of
+`benchmarks/multihost.py` (a stack of blocks, `nvfp4_training()`, data parallel x FSDP on
+a 2 x 4 mesh, automatic and explicit axes) on 2 processes x 4 devices (gloo over the
+loopback interface) against 1 process x 8 devices: step time (for information: loopback
+gloo is not a datacentre network) and the bytes moved by the step's non-scalar
+collectives (target: the same).
 """
 
 import argparse
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -159,10 +169,52 @@ def _measure() -> dict:
     return out
 
 
+def multiprocess(timeout: float = 900) -> dict:
+    """Step time and collective bytes of the 2-process run over the 1-process run."""
+    import tempfile
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks import multihost
+
+    info = {}
+    for processes in (2, 1):
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["-m", "benchmarks.multihost", "--worker", "--measure", "--out", out]
+            for r in multihost.launch(argv, processes, timeout=timeout):
+                if r.returncode:
+                    raise RuntimeError(f"{processes}-process run failed:\n{r.output[-3000:]}")
+            info[processes] = json.loads((pathlib.Path(out) / "info_0.json").read_text())
+    result = {}
+    for run in sorted(info[1]["timings"]):
+        two, one = info[2], info[1]
+        result[run] = {
+            "step_s_2proc": two["timings"][run],
+            "step_s_1proc": one["timings"][run],
+            "time_ratio": two["timings"][run] / one["timings"][run],
+            "collective_bytes_2proc": two["collective_bytes"][run],
+            "collective_bytes_1proc": one["collective_bytes"][run],
+            "bytes_ratio": two["collective_bytes"][run] / max(one["collective_bytes"][run], 1),
+        }
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="2: compare 2 processes x 4 devices with 1 x 8"
+    )
     args = parser.parse_args(argv)
+    if args.processes == 2:
+        result = multiprocess()
+        print("2 processes x 4 devices / 1 process x 8 devices (gloo over loopback)")
+        for run, r in result.items():
+            print(
+                f"  {run:16s} step time {r['time_ratio']:.2f}x "
+                f"({r['step_s_2proc'] * 1e3:.0f} ms / {r['step_s_1proc'] * 1e3:.0f} ms), "
+                f"collective bytes {r['bytes_ratio']:.3f}x ({r['collective_bytes_2proc']} B)"
+            )
+        return result
     if jax.device_count() >= 8:
         result = _measure()
     else:
