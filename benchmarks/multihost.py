@@ -351,7 +351,7 @@ def train(axis_type: str, quantised: bool, *, measure: bool = False) -> dict:
         if measure and moved is None:
             with jax_mesh(t.mesh, axis_type):
                 compiled = t.jitted.lower(params, opt_state, *t.place_batch(x, y)).compile()
-            moved = collective_bytes(compiled.as_text())
+            moved = collective_bytes(compiled.compiled.as_text())
     return {
         "losses": losses,
         "grads": first_grads,

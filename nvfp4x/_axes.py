@@ -104,20 +104,27 @@ def follows_input_sharding(fn: Callable | None = None, *, like: Callable | None 
     return wrapper
 
 
-def explicit_axes_as_auto(matmul: functools.partial, x: Array, operands: tuple, weight) -> Array:
+def explicit_axes_as_auto(matmul: Callable, x: Array, operands: tuple, weight) -> Array:
     """`matmul(x, *operands)`, the GEMM `x @ W.T`. Under a mesh with explicit axes it
     runs with those axes switched to automatic, and its output gets the sharding JAX
     gives the plain `x @ W.T`, so that a quantised model type-checks where the plain one
     does and raises JAX's own error where it does not.
 
     `weight` is `(shape, like)`: the logical weight's shape and an array with its
-    partition spec (the weight itself, or a packed weight's codes). `matmul` is a
-    `functools.partial` of a module-level function with hashable keywords: the switched
-    GEMM is jitted once per (function, keywords, output sharding), so that eager calls
-    and eager `jax.grad` go through the same traced program as jitted ones."""
+    partition spec (the weight itself, or a packed weight's codes); or `None` for a
+    weight rearranged inside `matmul` (the output then keeps `x`'s sharding on its
+    leading axes, its features replicated). A `matmul` that is a `functools.partial` of a
+    module-level function with hashable keywords is jitted once per (function, keywords,
+    output sharding), so that eager calls and eager `jax.grad` go through the same
+    traced program as jitted ones."""
     mesh = explicit_mesh(x, operands)
     if mesh is None:
         return matmul(x, *operands)
+    if weight is None:
+        spec = tuple(jax.typeof(x).sharding.spec)
+        spec = spec + (None,) * (x.ndim - len(spec))
+        out_sharding = NamedSharding(mesh, PartitionSpec(*spec[:-1], None))
+        return jax.jit(jax.sharding.auto_axes(matmul, out_sharding=out_sharding))(x, *operands)
     shape, like = weight
     w = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.typeof(like).sharding)
     out = jax.eval_shape(lambda a, b: jnp.matmul(a, b.T, preferred_element_type=jnp.float32), x, w)

@@ -18,6 +18,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from ._array import NVFP4Array, to_nvfp4
+from ._axes import explicit_axes_as_auto
 from ._formats import quantize_operand, scaled_dot
 from ._gemm import _vmapped, fprop
 from ._linear import QuantizedLinear, apply_linear, product_seen_by_interpreter
@@ -257,15 +258,20 @@ def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
 
 
 def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout, nb: int) -> Array:
+    leaves, wdef = jax.tree_util.tree_flatten(w.packed)
     if layout.stored:  # the stored layout: decode inside the primitive
-        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
-        return frozen_p.bind(x, *leaves, wdef=wdef, recipe=w.recipe, fast=w.fast, nbatch=0)
-    wv, ws = weight_operand(w.packed, w.recipe)  # exact values, rearranged exactly
-    wv = layout(wv)
-    fn = functools.partial(fprop, recipe=w.recipe, fast=w.fast)
-    for _ in range(nb):
-        fn = jax.vmap(fn, in_axes=(0, 0, None))
-    return fn(x, wv, jnp.float32(1.0) if ws is None else ws)
+        matmul = functools.partial(_matmul, wdef=wdef, recipe=w.recipe, fast=w.fast)
+        return explicit_axes_as_auto(matmul, x, tuple(leaves), (w.shape, leaves[0]))
+
+    def relaid(x, *leaves):
+        wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), w.recipe)
+        fn = functools.partial(fprop, recipe=w.recipe, fast=w.fast)
+        for _ in range(nb):
+            fn = jax.vmap(fn, in_axes=(0, 0, None))
+        # exact values, rearranged exactly
+        return fn(x, layout(wv), jnp.float32(1.0) if ws is None else ws)
+
+    return explicit_axes_as_auto(relaid, x, tuple(leaves), None)
 
 
 def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_):

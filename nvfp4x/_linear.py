@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._formats import widest_float
 from ._axes import explicit_axes_as_auto
+from ._formats import widest_float
 from ._policy import Recipe
 from ._probe import gemm_with_probe
 from ._qweight import QWeight, as_qweight, interpreting, with_class

@@ -39,8 +39,8 @@ from jax import lax
 from jax._src import ad_checkpoint
 from jaxtyping import Array, ArrayLike
 
-from ._formats import widest_float
 from ._axes import explicit_axes_as_auto
+from ._formats import widest_float
 from ._policy import Recipe
 from ._probe import gemm_with_probe
 

@@ -383,3 +383,25 @@ def test_every_path_runs_on_explicit_axes_without_set_mesh():
     for a, b in zip(report.rows, ref_report.rows, strict=True):
         assert a.path == b.path
         assert abs(a.loss_delta - b.loss_delta) <= 1e-5 * (abs(b.loss_delta) + 1e-6)
+
+
+def test_direct_reads_of_frozen_weights_on_explicit_axes():
+    """A frozen model that reads its weights directly (stored and transposed layouts),
+    weights FSDP-sharded on an explicit mesh carried by the types alone: one device's
+    numbers, output sharded as the plain model's."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = _DirectReads(eqx.nn.Linear(D, D, key=k1), eqx.nn.Linear(D, D, key=k2))
+    frozen = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training()))
+
+    def put(a):
+        if not eqx.is_array(a):
+            return a
+        return jax.device_put(a, NamedSharding(mesh, P("fsdp") if a.ndim == 2 else P()))
+
+    call = eqx.filter_jit(lambda m, x: m(x) + x @ m.b.weight)  # + a transposed read
+    xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
+    got, ref = call(jax.tree.map(put, frozen), xs), call(frozen, _x())
+    plain = call(jax.tree.map(put, model), xs)
+    assert _rel(got, ref) <= 1e-6
+    assert jax.typeof(got).sharding.spec == jax.typeof(plain).sharding.spec
