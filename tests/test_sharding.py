@@ -23,7 +23,7 @@ def test_multidevice_suite():
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
