@@ -31,7 +31,11 @@ from ._qweight import QWeight as QWeight, quantized as quantized
 from ._sensitivity import SensitivityReport as SensitivityReport, sensitivity as sensitivity
 from ._sharding import packed_sharding as packed_sharding, shard_packed as shard_packed
 from ._summary import summary as summary
-from ._transform import dequantize as dequantize, quantize as quantize
+from ._transform import (
+    dequantize as dequantize,
+    quantize as quantize,
+    requantize as requantize,
+)
 
 try:
     __version__ = importlib.metadata.version("nvfp4x")

@@ -1,5 +1,6 @@
-"""`quantize` / `dequantize` over any Equinox model."""
+"""`quantize` / `dequantize` / `requantize` over any Equinox model."""
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +11,7 @@ import jax
 from ._linear import QuantizedLinear
 from ._policy import Policy, PolicyLike, Recipe, as_recipe
 from ._qweight import QWeight, base_class, interpreted_class, with_class
-from ._sites import children, is_conv, is_layer, path_str, qweights
+from ._sites import children, is_conv, is_layer, layers as site_layers, path_str, qweights
 
 
 def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], Recipe | None], Policy | None]:
@@ -234,3 +235,110 @@ def dequantize(model: Any) -> Any:
         return new
 
     return back(model)
+
+
+def requantize(model: Any, policy: PolicyLike, *, state: Any = None) -> Any:
+    """Switch a quantised model to new recipes mid-run: every quantised weight gets the
+    recipe `policy` gives its path; master weights, telemetry probes and every other
+    array stay as they are (the same arrays, not copies).
+
+    This is the paper's precision schedule (NVFP4 for most of the run, then the last
+    steps in bf16) in one call: no `quantize(dequantize(model), policy)`, and the
+    optimiser state carries on. An optimiser state built from the model (`optax`'s
+    moments mirror the model, quantised weights included, and their recipes are part of
+    the tree structure) must be switched with it: pass it as `state`.
+
+    **Arguments:**
+
+    - `model`: a model returned by [`nvfp4x.quantize`][] (not a frozen one).
+    - `policy`: like `quantize`'s: an [`nvfp4x.Policy`][], a recipe or recipe name, or a
+      callable `(path, layer) -> recipe | None`. A weight it maps to `None` (or no rule
+      matches) keeps its recipe.
+    - `state`: any PyTree holding the model's quantised weights too (an optimiser state,
+      gradients); they get the same recipes, found by their paths.
+
+    **Returns:** the switched model, or `(model, state)` when `state` is given.
+
+    Raises `ValueError` if `model` holds no quantised weight, if the policy selects a
+    layer that `quantize` left unquantised (its weight is a plain array, and giving it a
+    recipe would change the structure of the optimiser state: quantise it from the start,
+    with `nvfp4x.recipes.float32()` if it should begin unquantised), if a rule of a strict
+    `Policy` matches no quantised weight, or for a frozen model.
+
+    ```python
+    qmodel = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
+    opt_state = optim.init(eqx.filter(qmodel, eqx.is_array))
+    ...  # train; then, for the last 10% of the steps:
+    qmodel, opt_state = nvfp4x.requantize(qmodel, nvfp4x.recipes.bf16(), state=opt_state)
+    ```
+    """
+    resolve, rules = _resolver(policy)
+    if qweights(model, frozen=True) and not qweights(model):
+        raise ValueError(
+            "nvfp4x.requantize: the model is frozen (packed weights); switch the training "
+            "model and `freeze` it again."
+        )
+    weights = qweights(model)
+    if not weights:
+        raise ValueError(
+            "nvfp4x.requantize: the model holds no quantised weight; use `nvfp4x.quantize`."
+        )
+    matched: set[int] = set()
+
+    def lookup(path: str, layer: Any) -> Recipe | None:
+        if rules is None:
+            return resolve(path, layer)
+        index, recipe = rules.lookup(path)
+        if index is None:
+            index, recipe = rules.lookup(f"{path}.weight" if path else "weight")
+        if index is not None:
+            matched.add(index)
+        return recipe
+
+    owners = {w.path: layer for layer in _weight_owners(model) for w in [layer.weight]}
+    recipes = {}
+    for _, w in weights:
+        recipe = lookup(w.path, owners.get(w.path, w))
+        recipes[w.path] = w.recipe if recipe is None else recipe
+    for path, layer in site_layers(model):
+        if isinstance(layer.weight, QWeight) or not eqx.is_array(layer.weight):
+            continue
+        if lookup(path, layer) is not None:
+            raise ValueError(
+                f"nvfp4x.requantize: the policy selects `{path}`, which `quantize` left "
+                "unquantised; its weight is a plain array, and giving it a recipe would "
+                "change the structure of the optimiser state. Quantise it from the start "
+                "(`nvfp4x.recipes.float32()` runs it unquantised until you switch it), or "
+                "leave it out of the policy."
+            )
+    if rules is not None and rules.strict:
+        unused = [i for i in range(len(rules.rules)) if i not in matched]
+        if unused:
+            names = ", ".join(f"rule {i} `{rules.rules[i][0].pattern}`" for i in unused)
+            raise ValueError(
+                f"nvfp4x.requantize: {names} matched no quantised weight. Its paths: "
+                f"{sorted(recipes)}. Pass `Policy(..., strict=False)` to allow unused rules."
+            )
+
+    def switch(tree: Any) -> Any:
+        def one(node: Any) -> Any:
+            if not isinstance(node, QWeight):
+                return node
+            if node.path not in recipes:
+                raise ValueError(
+                    f"nvfp4x.requantize: `state` holds a quantised weight `{node.path}` "
+                    "that the model does not; pass the state built from this model."
+                )
+            return dataclasses.replace(node, recipe=recipes[node.path])
+
+        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QWeight))
+
+    if state is None:
+        return switch(model)
+    return switch(model), switch(state)
+
+
+def _weight_owners(model: Any) -> list[Any]:
+    """The layers of `model` whose weight is a `QWeight` (for a policy callable's
+    `layer` argument)."""
+    return [layer for _, layer in site_layers(model) if isinstance(layer.weight, QWeight)]
