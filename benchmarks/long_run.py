@@ -236,6 +236,9 @@ def run_variant(
     variant = VARIANTS[name]
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
+    if not _checkpoints(folder) and _complete(folder, cfg):
+        # finished on another machine or session (its CSVs kept, its checkpoint not)
+        return read_losses(folder), None
     step, model, opt_state, losses, val = load(folder, cfg, variant)
     if step >= cfg.steps:
         return losses, model
@@ -259,6 +262,10 @@ def run_variant(
             write_csvs(folder, losses[:done], val[:done], sched)
         bar.set_postfix(loss=f"{losses[i]:.3f}", refresh=False)
     return losses, model
+
+
+def _complete(folder: pathlib.Path, cfg) -> bool:
+    return (folder / "losses.csv").exists() and len(read_losses(folder)) >= cfg.steps
 
 
 def write_csvs(folder: pathlib.Path, losses, val, sched) -> None:
