@@ -452,6 +452,8 @@ def train(
     label: str = "model",
     progress: bool = True,
     telemetry: bool = False,
+    switch_at: int | None = None,
+    switch_to: Any = None,
 ) -> TrainResult:
     """Train `model` (quantised or not) for `cfg.steps` AdamW steps on `data`.
 
@@ -466,6 +468,8 @@ def train(
     - `progress`: show a tqdm bar with the loss and tokens/s.
     - `telemetry`: record every quantised layer's statistics each step (see
       `nvfp4x.telemetry`); the model must hold probes (`nvfp4x.telemetry.enable`).
+    - `switch_at`, `switch_to`: before step `switch_at`, switch the quantised model to the
+      policy `switch_to` with `nvfp4x.requantize` (weights and optimiser state carry on).
 
     **Returns:** a `TrainResult`.
     """
@@ -481,6 +485,8 @@ def train(
     compile_seconds = 0.0
     records = [] if telemetry else None
     for step in bar:
+        if step == switch_at:
+            model, opt_state = nvfp4x.requantize(model, switch_to, state=opt_state)
         x, y = windows(data.train, starts[step], cfg.seq)
         if telemetry:
             model, opt_state, loss, stats = train_step_telemetry(model, opt_state, optimizer, x, y)
@@ -610,6 +616,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a tiny configuration, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
+        "--bf16-from",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="switch every quantised layer to bf16 from this fraction of the steps on "
+        "(the paper's precision schedule, e.g. 0.9; nvfp4x.requantize)",
+    )
+    p.add_argument(
         "--telemetry",
         action="store_true",
         help="record per-layer NVFP4 operand statistics each step and plot them",
@@ -668,7 +682,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"GEMM FLOPs of one training step by format (nvfp4x.coverage): {shares}")
     progress = not args.no_progress
     baseline = train(model, cfg, data, label="float32", progress=progress)
-    quant = train(qmodel, cfg, data, label="nvfp4", progress=progress, telemetry=args.telemetry)
+    switch = {}
+    if args.bf16_from is not None:
+        if not 0 < args.bf16_from <= 1:
+            raise SystemExit(f"error: --bf16-from must be in (0, 1], got {args.bf16_from}")
+        switch = {
+            "switch_at": int(args.bf16_from * cfg.steps),
+            "switch_to": lambda path, _: None if path == "lm_head" else nvfp4x.recipes.bf16(),
+        }
+        print(f"precision schedule: NVFP4 until step {switch['switch_at']}, then bf16")
+    quant = train(
+        qmodel, cfg, data, label="nvfp4", progress=progress, telemetry=args.telemetry, **switch
+    )
 
     print("\n" + nvfp4x.summary(quant.model) + "\n")
     gap = lambda a, b: (b - a) / a
