@@ -16,6 +16,7 @@ from ._format import _e2m1
 from ._format._constants import BLOCK
 from ._format._ieee import is_tiny_scale, mul_exact
 from ._format._nvfp4 import (
+    SCALE_ROUNDINGS,
     fake_quantize_blocks,
     pad_to_blocks,
     scale_blocks,
@@ -168,11 +169,15 @@ def _dequantize_loops(block: tuple[int, int]):
     return functools.partial(values, True), functools.partial(values, False)
 
 
-def _prepare(x, block, rounding, key, amax):
+def _prepare(x, block, rounding, key, amax, scale_rounding):
     x = check_float(x)
     check_ndim(x, 1, "NVFP4 (blocks of 16 elements)")
     block = check_block(block, x.ndim)
     check_rounding(rounding, key)
+    if not isinstance(scale_rounding, str) or scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(
+            f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
+        )
     return x, block, check_amax(amax)
 
 
@@ -184,6 +189,7 @@ def to_nvfp4(
     rounding: str = "nearest",
     key: PRNGKeyArray | None = None,
     amax: Any = None,
+    scale_rounding: str = "nearest",
 ) -> NVFP4Array:
     """Quantise an array to NVFP4, bit for bit as Blackwell's cast does (spec §2).
 
@@ -197,23 +203,29 @@ def to_nvfp4(
     - `key`: a PRNG key for stochastic rounding.
     - `amax`: a precomputed tensor amax (from calibration, or reduced across devices with
       `jax.lax.pmax`): a real number or scalar array, `>= 0`; by default `max(|x|)`.
+    - `scale_rounding`: `"nearest"` (default: the spec's E4M3 block scale, bit for bit
+      Blackwell's) or `"up"` (the smallest E4M3 scale with which no element of the block
+      exceeds 6: nothing is clamped, so stochastic rounding is unbiased; see
+      [`nvfp4x.Format`][]). With `"up"`, elements can still be clamped where the given
+      `amax` is below `max(|x|)` (block scales stop at 448), and by a few float32 ulps in
+      the block holding the tensor's amax.
 
     **Returns:** an [`nvfp4x.NVFP4Array`][].
 
     **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex), a non-real
     `amax` (e.g. a string) or a `key` that is not a PRNG key; `ValueError` for a 0-d `x`,
     a `block` other than the tuple or list `(1, 16)` or `(16, 16)` (`(1.5, 16)` and
-    `"16x16"` included), an unknown rounding, stochastic rounding without `key`, or a
-    non-scalar or negative `amax`.
+    `"16x16"` included), an unknown rounding or scale rounding, stochastic rounding
+    without `key`, or a non-scalar or negative `amax`.
 
     ```python
     q = nvfp4x.to_nvfp4(jnp.linspace(-1, 1, 64))
     q.codes.shape, q.scales.dtype, q.dequantize().shape   # (32,), float8_e4m3fn, (64,)
     ```
     """
-    x, block, amax = _prepare(x, block, rounding, key, amax)
+    x, block, amax = _prepare(x, block, rounding, key, amax, scale_rounding)
     xp = pad_to_blocks(x, block)
-    v, scale_b, s_dec = scale_blocks(xp, block, amax)
+    v, scale_b, s_dec = scale_blocks(xp, block, amax, scale_rounding)
     if rounding == "nearest":
         codes = _e2m1.encode_nearest(v)
     else:
@@ -238,6 +250,7 @@ def fake_quantize(
     rounding: str = "nearest",
     key: PRNGKeyArray | None = None,
     amax: Any = None,
+    scale_rounding: str = "nearest",
 ) -> Shaped[Array, "..."]:
     """Quantise to NVFP4 and dequantise again in one fused step, without packing.
 
@@ -254,6 +267,8 @@ def fake_quantize(
     - `key`: a PRNG key for stochastic rounding.
     - `amax`: a precomputed tensor amax (a real number or scalar array, `>= 0`); by
       default `max(|x|)`.
+    - `scale_rounding`: `"nearest"` (default, the spec's block scales) or `"up"` (block
+      scales rounded up so that nothing is clamped: unbiased stochastic rounding).
 
     **Returns:** an array of `x`'s shape and dtype holding the NVFP4-representable values.
 
@@ -265,8 +280,8 @@ def fake_quantize(
     jnp.array_equal(y, nvfp4x.to_nvfp4(x).dequantize())   # True
     ```
     """
-    x, block, amax = _prepare(x, block, rounding, key, amax)
+    x, block, amax = _prepare(x, block, rounding, key, amax, scale_rounding)
     xp = pad_to_blocks(x, block)
-    y = fake_quantize_blocks(xp, block, rounding, key, amax)
+    y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
     return y[index].astype(x.dtype)

@@ -19,7 +19,13 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._format._constants import BLOCK, MX_BLOCK
 from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
-from ._format._nvfp4 import from_blocks, pad_to_blocks, quantize_blocks, tensor_amax
+from ._format._nvfp4 import (
+    SCALE_ROUNDINGS,
+    from_blocks,
+    pad_to_blocks,
+    quantize_blocks,
+    tensor_amax,
+)
 
 #: Format names a recipe may use, with what each is.
 FORMATS = {
@@ -50,20 +56,32 @@ class Format:
       `(16, 16)` (16x16 tiles of a weight: the same numbers in every GEMM). MXFP8 uses
       `(1, 32)`; the other formats have no blocks (`None`).
     - `rounding`: `"nearest"` or `"stochastic"` (NVFP4 only).
+    - `scale_rounding`: how NVFP4's E4M3 block scales are rounded. `"nearest"` (default)
+      is the spec's rule, bit for bit Blackwell's cast: a scale that rounds down lets the
+      block's largest elements scale past 6, and they are clamped to 6, which biases
+      stochastic rounding towards zero. `"up"` takes the smallest E4M3 scale with which
+      no element of the block exceeds 6, so nothing is clamped and stochastic rounding
+      is unbiased (`E[dequantised] == x`, up to float32 rounding); it is not what
+      Blackwell's cast computes. It is allowed with either rounding (with
+      `"nearest"` it trades clamping for a coarser grid) and for NVFP4 only.
 
-    Raises `ValueError` for an unknown name or rounding, a block the format does not
-    allow, or stochastic rounding of a format other than NVFP4.
+    Raises `ValueError` for an unknown name, rounding or scale rounding, a block the
+    format does not allow, or stochastic rounding or `scale_rounding="up"` of a format
+    other than NVFP4.
 
     ```python
     fmt = nvfp4x.Format("nvfp4", block=(1, 16), rounding="stochastic")
     str(fmt), fmt.bits_per_element   # 'nvfp4 1x16, SR', 4.5
     nvfp4x.Format("mxfp8").block     # (1, 32)
+    str(nvfp4x.Format("nvfp4", rounding="stochastic", scale_rounding="up"))
+    # 'nvfp4 1x16, SR, scale up'
     ```
     """
 
     name: str
     block: tuple[int, int] | None = None
     rounding: str = "nearest"
+    scale_rounding: str = "nearest"
 
     def __post_init__(self):
         if self.name not in FORMATS:
@@ -74,9 +92,7 @@ class Format:
             isinstance(b, int) and not isinstance(b, bool) for b in block
         )
         if block is not None and not ints:
-            raise ValueError(
-                f"`block={self.block!r}` must be a tuple of two ints, e.g. `(1, 16)`."
-            )
+            raise ValueError(f"`block={self.block!r}` must be a tuple of two ints, e.g. `(1, 16)`.")
         block = None if block is None else tuple(block)
         allowed = {"nvfp4": ((1, BLOCK), (BLOCK, BLOCK)), "mxfp8": ((1, MX_BLOCK),)}.get(
             self.name, (None,)
@@ -94,6 +110,16 @@ class Format:
             raise ValueError(
                 f"Stochastic rounding is implemented for `nvfp4` only, not `{self.name}`."
             )
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise ValueError(
+                f"`scale_rounding={self.scale_rounding!r}` is unknown; use one of "
+                f"{SCALE_ROUNDINGS}."
+            )
+        if self.scale_rounding != "nearest" and self.name != "nvfp4":
+            raise ValueError(
+                f"`scale_rounding={self.scale_rounding!r}` applies to `nvfp4`'s E4M3 block "
+                f"scales only, not `{self.name}`; leave it at 'nearest'."
+            )
 
     @property
     def quantised(self) -> bool:
@@ -104,7 +130,8 @@ class Format:
     def __str__(self) -> str:
         if self.name == "nvfp4":
             sr = ", SR" if self.rounding == "stochastic" else ""
-            return f"nvfp4 {self.block[0]}x{self.block[1]}{sr}"
+            up = ", scale up" if self.scale_rounding == "up" else ""
+            return f"nvfp4 {self.block[0]}x{self.block[1]}{sr}{up}"
         return self.name
 
     @property
@@ -126,7 +153,8 @@ def quantize_operand(
     axis: int,
     key: jax.Array | None = None,
 ) -> tuple[Array, Float[Array, ""] | None]:
-    """Quantise a GEMM operand whose contraction axis is `axis`.
+    """Quantise a GEMM operand whose contraction axis is `axis`, with the format's
+    rounding and (NVFP4) scale rounding.
 
     **Returns:** `(values, scale)`: the operand is `values * scale`. `values` has `a`'s
     shape; it is bfloat16 for quantised formats (their values are exact there), `a` cast to the
@@ -146,7 +174,7 @@ def quantize_operand(
         if a.ndim != 2:
             raise ValueError(f"16x16 blocks need a 2-D operand (a weight), got shape {a.shape}.")
         xp = pad_to_blocks(a, fmt.block)
-        q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None)
+        q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None, fmt.scale_rounding)
         vals = from_blocks(q * sb[..., :, None, :, None], fmt.block)
         return vals[: a.shape[0], : a.shape[1]].astype(jnp.bfloat16), s_dec
     moved = jnp.moveaxis(a, axis, -1)
@@ -159,11 +187,11 @@ def quantize_operand(
         # Blocks down the columns (e.g. wgrad's token axis): no transpose needed.
         blk = (BLOCK, 1)
         xp = pad_to_blocks(a, blk)
-        q, sb, s_dec = quantize_blocks(xp, blk, fmt.rounding, key, None)
+        q, sb, s_dec = quantize_blocks(xp, blk, fmt.rounding, key, None, fmt.scale_rounding)
         vals = from_blocks(q * sb[..., :, None, :], blk)[..., : a.shape[-2], :]
         return vals.astype(jnp.bfloat16), s_dec
     xp = pad_to_blocks(moved, fmt.block)
-    q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None)
+    q, sb, s_dec = quantize_blocks(xp, fmt.block, fmt.rounding, key, None, fmt.scale_rounding)
     vals = from_blocks(q * sb[..., None], fmt.block)
     return jnp.moveaxis(vals[..., :n], -1, axis).astype(jnp.bfloat16), s_dec
 

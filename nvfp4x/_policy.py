@@ -27,7 +27,9 @@ class Recipe:
     [`nvfp4x.Recipe.replace`][].
 
     Raises `TypeError` if a format is not an [`nvfp4x.Format`][], and `ValueError` for
-    16x16 blocks on `input` or `grad`, or stochastic rounding of `weight` or `input`.
+    16x16 blocks on `input` or `grad`, stochastic rounding of `weight` or `input`, or
+    `scale_rounding="up"` on `weight` ([`nvfp4x.freeze`][] packs weights with the spec's
+    round-to-nearest scales, so a frozen model would not compute what was trained).
 
     ```python
     recipe = nvfp4x.Recipe(
@@ -65,6 +67,12 @@ class Recipe:
             raise ValueError("Stochastic rounding of weights is not supported; use 'nearest'.")
         if self.input is not None and self.input.rounding == "stochastic":
             raise ValueError("Stochastic rounding of activations is not supported; use 'nearest'.")
+        if self.weight is not None and self.weight.scale_rounding != "nearest":
+            raise ValueError(
+                f"`Recipe.weight` cannot use `scale_rounding={self.weight.scale_rounding!r}`: "
+                "`nvfp4x.freeze` packs weights with round-to-nearest block scales, so a frozen "
+                "model would differ from the trained one. Use it on `grad` (or `input`)."
+            )
 
     def replace(self, **changes: Any) -> "Recipe":
         """A copy with some fields changed (checked like a new recipe).
@@ -90,8 +98,8 @@ class Recipe:
         return f"{self.name}(w={f(self.weight)}, x={f(self.input)}, dy={f(self.grad)}{rht})"
 
 
-def _nvfp4(block=(1, BLOCK), rounding="nearest") -> Format:
-    return Format("nvfp4", block, rounding)
+def _nvfp4(block=(1, BLOCK), rounding="nearest", scale_rounding="nearest") -> Format:
+    return Format("nvfp4", block, rounding, scale_rounding)
 
 
 class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp4x.recipes.x()`
@@ -110,6 +118,7 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         rht: bool = True,
         stochastic_rounding: bool = True,
         weight_block: Sequence[int] = (BLOCK, BLOCK),
+        unbiased_sr: bool = False,
     ) -> Recipe:
         """NVIDIA's NVFP4 training recipe (spec §5): W in 16x16 blocks, x and dy in 1x16
         blocks along each GEMM's contraction axis, dy stochastically rounded, and the
@@ -120,17 +129,28 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         - `rht`: Hadamard transform of the wgrad operands.
         - `stochastic_rounding`: round `dy` stochastically (else to nearest).
         - `weight_block`: `(16, 16)` (default) or `(1, 16)`.
+        - `unbiased_sr`: round `dy`'s E4M3 block scales up (`scale_rounding="up"` on the
+          grad format, in dgrad and wgrad), so that no element is clamped at 6 and the
+          stochastically rounded gradient is unbiased. The default (False) rounds them to
+          nearest, bit for bit as Blackwell does, which clamps the largest elements of
+          blocks whose scale rounded down and biases the gradient slightly towards zero
+          (the Training guide's "Unbiased stochastic rounding").
 
-        **Returns:** the [`nvfp4x.Recipe`][] named `"nvfp4_training"`.
+        **Returns:** the [`nvfp4x.Recipe`][] named `"nvfp4_training"` (with
+        `unbiased_sr=True` its `grad` format reads `nvfp4 1x16, SR, scale up`).
 
         ```python
         recipe = nvfp4x.recipes.nvfp4_training(stochastic_rounding=False)
+        unbiased = nvfp4x.recipes.nvfp4_training(unbiased_sr=True)
         ```
         """
         return Recipe(
             weight=_nvfp4(tuple(weight_block)),
             input=_nvfp4(),
-            grad=_nvfp4(rounding="stochastic" if stochastic_rounding else "nearest"),
+            grad=_nvfp4(
+                rounding="stochastic" if stochastic_rounding else "nearest",
+                scale_rounding="up" if unbiased_sr else "nearest",
+            ),
             rht=rht,
             name="nvfp4_training",
         )

@@ -15,7 +15,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from . import _e2m1
-from ._constants import BLOCK, FLT_MAX, INV_E2M1_MAX, NVFP4_RANGE
+from ._constants import (
+    BLOCK,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    FLT_MAX,
+    INV_E2M1_MAX,
+    NVFP4_RANGE,
+)
 from ._e4m3 import round_e4m3
 from ._ieee import (
     INF_BITS,
@@ -24,6 +32,7 @@ from ._ieee import (
     from_bits,
     is_tiny_scale,
     is_zero,
+    ldexp_normal,
     mul_exact,
     mul_normal,
     reciprocal,
@@ -33,8 +42,12 @@ from ._ieee import (
 
 Block = tuple[int, int]
 Rounding = Literal["nearest", "stochastic"]
+ScaleRounding = Literal["nearest", "up"]
 BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, BLOCK))
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+#: How a block scale is rounded to E4M3: `"nearest"` is the spec's (Blackwell's) rule;
+#: `"up"` takes the smallest E4M3 scale with which no element of the block exceeds 6.
+SCALE_ROUNDINGS: tuple[str, ...] = ("nearest", "up")
 
 
 def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
@@ -96,7 +109,10 @@ def _one_over(s: Float[Array, ""]) -> Float[Array, ""]:
 
 
 def _block_scales(
-    bamax: Float[Array, "*g"], s_enc: Float[Array, ""], s_dec: Float[Array, ""]
+    bamax: Float[Array, "*g"],
+    s_enc: Float[Array, ""],
+    s_dec: Float[Array, ""],
+    scale_rounding: ScaleRounding = "nearest",
 ) -> tuple[Float[Array, "*g"], Float[Array, "*g"], Float[Array, "*g"]]:
     """`(scale_b, inv_b, inv_b * 2^-149)` from the block maxima (see `mul_normal` for
     the last: it lets a subnormal `x_i` be scaled exactly).
@@ -107,11 +123,14 @@ def _block_scales(
     `scale_b * s_dec` may be subnormal: it is rounded exactly, then inverted
     (`mul_exact`, `reciprocal_capped`); otherwise it is at least 2^-73 and plain float32
     is IEEE. (A `cond` again, which also keeps XLA from recomputing these per-block
-    steps for every element.)
+    steps for every element.) `scale_rounding="up"`: see `_block_scales_up`.
     """
-    return jax.lax.cond(
-        is_tiny_scale(s_dec), _block_scales_exact, _block_scales_plain, bamax, s_enc, s_dec
-    )
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(
+            f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
+        )
+    exact, plain = _BLOCK_SCALES[scale_rounding]
+    return jax.lax.cond(is_tiny_scale(s_dec), exact, plain, bamax, s_enc, s_dec)
 
 
 def _block_scale_values(bamax, s_enc):
@@ -119,16 +138,102 @@ def _block_scale_values(bamax, s_enc):
     return jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
 
 
+def _inverse_exact(scale_b, s_dec):
+    return reciprocal_capped(mul_exact(scale_b, s_dec))
+
+
+def _inverse_plain(scale_b, s_dec):
+    return jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
+
+
 def _block_scales_exact(bamax, s_enc, s_dec):
     scale_b = _block_scale_values(bamax, s_enc)
-    inv_b = reciprocal_capped(mul_exact(scale_b, s_dec))
+    inv_b = _inverse_exact(scale_b, s_dec)
     return scale_b, inv_b, scale_down_149(inv_b)
 
 
 def _block_scales_plain(bamax, s_enc, s_dec):
     scale_b = _block_scale_values(bamax, s_enc)
-    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
+    inv_b = _inverse_plain(scale_b, s_dec)
     return scale_b, inv_b, scale_down_149(inv_b)
+
+
+# `scale_rounding="up"`. These E4M3 steps live here rather than in `_e4m3` because only
+# this rule needs them; they take E4M3-range float32 values (`0 <= v <= 448`).
+
+#: The smallest positive E4M3 value (subnormal), 2^-9.
+_E4M3_MIN_SUBNORMAL = 2.0**-9
+#: `1 - 2^-20`: the spec's float32 scale `bamax * (S_enc * f32(1/6))` is within a few
+#: float32 ulps (2^-23) of the real `bamax / (6 s_dec)`; starting the search this far
+#: below it never skips the smallest E4M3 scale that fits (see `_block_scales_up`).
+_BELOW = 1.0 - 2.0**-20
+
+
+def _ceil_e4m3(v: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """The smallest E4M3 value `>= v`, for `0 <= v <= 448`: normal range by rounding the
+    float32 significand up to 3 bits on the bits, subnormal range (below 2^-6) to
+    multiples of 2^-9. (A subnormal float32 `v` gives 0 on a device that flushes it;
+    `_block_scales_up` asks for at least 2^-9 anyway.)"""
+    normal = from_bits((abs_bits(v) + 0xFFFFF) & ~0xFFFFF)
+    sub = jnp.ceil(v * 512.0) * (1.0 / 512.0)
+    return jnp.where(v < E4M3_MIN_NORMAL, sub, jnp.minimum(normal, E4M3_MAX))
+
+
+def _next_e4m3(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """The E4M3 value after `s` (an E4M3 value `>= 0`), saturating at 448."""
+    normal = jnp.minimum(from_bits(abs_bits(s) + (1 << 20)), E4M3_MAX)
+    return jnp.where(s < E4M3_MIN_NORMAL, s + _E4M3_MIN_SUBNORMAL, normal)
+
+
+def _block_scales_up(bamax, s_enc, s_dec, inverse):
+    """Block scales rounded up: the smallest E4M3 `scale_b <= 448` with which the
+    block's largest element scales to at most 6 (`mul_normal(bamax, inv_b) <= 6`, the
+    very product the element loops compute, and every other element's is at most that)
+    and whose `inv_b` is not capped at FLT_MAX, so that nothing saturates, the element
+    scaling is the inverse of the decoding, and stochastic rounding is unbiased. A zero
+    block keeps a zero scale.
+
+    Candidates: `lo`, the E4M3 ceiling of the spec's float32 scale lowered by 2^-20 (so
+    a float32 rounding error above an E4M3 value does not cost a whole E4M3 step), at
+    least 2^-9 (a block far below the tensor's amax is not flushed to zero, as the
+    nearest rule does) and at least `2^-128 * S_enc` (below it `1 / (scale_b * s_dec)`
+    exceeds FLT_MAX; above 2^-9 only for tensors with an amax below about 4e-33),
+    and the E4M3 value after it. Both real bounds are within a few float32 ulps (2^-21
+    where `s_dec` is subnormal) of their float32 estimates, so every scale below `lo`
+    fails, and the next value (at least 1/16 above `lo`) fits. 448 is the cap: the
+    block holding the tensor's amax has a real scale of 448 within float32 rounding, so
+    there `|x| * inv_b` may exceed 6 by a few ulps (and by more only when the given
+    `amax` is below the tensor's, or is infinite); it is then clamped, as with
+    `"nearest"`. A block holding NaN or inf gets a NaN scale, as with `"nearest"`.
+    """
+    t = jnp.minimum(mul_normal(bamax, s_enc * INV_E2M1_MAX), E4M3_MAX)
+    big = s_enc >= 2.0**100
+    least = jnp.where(big, ldexp_normal(jnp.where(big, s_enc, 1.0), -128), _E4M3_MIN_SUBNORMAL)
+    zero = is_zero(bamax)
+    lo = jnp.where(zero, 0.0, _ceil_e4m3(jnp.maximum(t, least) * _BELOW))
+    inv_lo = inverse(lo, s_dec)
+    fits = zero | ((mul_normal(bamax, inv_lo) <= E2M1_MAX) & (inv_lo < FLT_MAX))
+    hi = _next_e4m3(lo)
+    finite = jnp.isfinite(bamax)
+    scale_b = jnp.where(finite, jnp.where(fits, lo, hi), jnp.nan)
+    inv_b = jnp.where(finite, jnp.where(fits, inv_lo, inverse(hi, s_dec)), jnp.nan)
+    return scale_b, inv_b, scale_down_149(inv_b)
+
+
+def _block_scales_up_exact(bamax, s_enc, s_dec):
+    return _block_scales_up(bamax, s_enc, s_dec, _inverse_exact)
+
+
+def _block_scales_up_plain(bamax, s_enc, s_dec):
+    return _block_scales_up(bamax, s_enc, s_dec, _inverse_plain)
+
+
+# The `(exact, plain)` branches of `_block_scales` per scale rounding (module-level
+# functions: see `_second`).
+_BLOCK_SCALES = {
+    "nearest": (_block_scales_exact, _block_scales_plain),
+    "up": (_block_scales_up_exact, _block_scales_up_plain),
+}
 
 
 def pad_to_blocks(x: Array, block: Block) -> Array:
@@ -212,7 +317,12 @@ def _tensor_amax_first(x, m):
     return tensor_amax(x)
 
 
-def _prepare(xp: Float[Array, "..."], block: Block, amax: Float[Array, ""] | None):
+def _prepare(
+    xp: Float[Array, "..."],
+    block: Block,
+    amax: Float[Array, ""] | None,
+    scale_rounding: ScaleRounding = "nearest",
+):
     """Everything of §2 above the elements: `(xb, scale_b, inv_b, inv_sub, s_dec, tiny)`,
     `xb` the float32 `to_blocks` view, `inv_sub = inv_b * 2^-149` (for `mul_normal`),
     `tiny` whether `s_dec < 2^-64` (products with it may be subnormal)."""
@@ -223,21 +333,25 @@ def _prepare(xp: Float[Array, "..."], block: Block, amax: Float[Array, ""] | Non
     if amax is None:
         amax = _amax_given_blocks(xf, bamax)
     s_enc, s_dec = tensor_scales(amax)
-    scale_b, inv_b, inv_sub = _block_scales(bamax, s_enc, s_dec)
+    scale_b, inv_b, inv_sub = _block_scales(bamax, s_enc, s_dec, scale_rounding)
     return to_blocks(xf, block), scale_b, inv_b, inv_sub, s_dec, is_tiny_scale(s_dec)
 
 
 def scale_blocks(
-    xp: Float[Array, "..."], block: Block, amax: Float[Array, ""] | None
+    xp: Float[Array, "..."],
+    block: Block,
+    amax: Float[Array, ""] | None,
+    scale_rounding: ScaleRounding = "nearest",
 ) -> tuple[Float[Array, "..."], Float[Array, "..."], Float[Array, ""]]:
-    """The scale part of §2 on a padded array.
+    """The scale part of §2 on a padded array, the block scales rounded as
+    `scale_rounding` says (`"nearest"`: the spec's rule; `"up"`: see `_block_scales_up`).
 
     **Returns:** `(v, scale_b, s_dec)`: `v = x_i * inv_b` in the `to_blocks` view (ready
     for E2M1 rounding; a subnormal `x_i` is read exactly), the block scales (float32
     copies of E4M3 values; NaN for a block holding a non-finite value) and the float32
     tensor decode scale.
     """
-    xb, scale_b, inv_b, inv_sub, s_dec, _ = _prepare(xp, block, amax)
+    xb, scale_b, inv_b, inv_sub, s_dec, _ = _prepare(xp, block, amax, scale_rounding)
     return mul_normal(xb, _expand(inv_b, block), _expand(inv_sub, block)), scale_b, s_dec
 
 
@@ -257,14 +371,16 @@ def quantize_blocks(
     rounding: Rounding,
     key: jax.Array | None,
     amax: Float[Array, ""] | None,
+    scale_rounding: ScaleRounding = "nearest",
 ) -> tuple[Float[Array, "..."], Float[Array, "..."], Float[Array, ""]]:
-    """Quantise a padded float32 array.
+    """Quantise a padded float32 array, the block scales rounded as `scale_rounding`
+    says (see `scale_blocks`).
 
     **Returns:** `(q, scale_b, s_dec)`: `q` the E2M1 values (float32, on the grid, in the
     `to_blocks` view), `scale_b` the block scales (float32 copies of E4M3 values; NaN for
     a block holding a non-finite value), `s_dec` the float32 tensor decode scale.
     """
-    v, scale_b, s_dec = scale_blocks(xp, block, amax)
+    v, scale_b, s_dec = scale_blocks(xp, block, amax, scale_rounding)
     return _round(v, rounding, key), scale_b, s_dec
 
 
@@ -274,6 +390,7 @@ def fake_quantize_blocks(
     rounding: Rounding,
     key: jax.Array | None,
     amax: Float[Array, ""] | None,
+    scale_rounding: ScaleRounding = "nearest",
 ) -> Float[Array, "..."]:
     """Quantise and dequantise a padded float32 array in one per-element loop: the
     values `(e2m1_value * block_scale) * s_dec` of `quantize_blocks(...)`, in float32,
@@ -286,7 +403,7 @@ def fake_quantize_blocks(
     decodes to 0 in a zero-scale block). The `cond` runs one loop, and is a `select`
     of both under `vmap`.
     """
-    xb, scale_b, inv_b, inv_sub, s_dec, tiny = _prepare(xp, block, amax)
+    xb, scale_b, inv_b, inv_sub, s_dec, tiny = _prepare(xp, block, amax, scale_rounding)
     exact, plain = _fake_quantize_loops(block, rounding)
     return jax.lax.cond(tiny, exact, plain, xb, scale_b, inv_b, inv_sub, s_dec, key)
 
