@@ -37,10 +37,11 @@ def operand_stats(
         # That magnitude is the block's largest |deq| whenever any element hit it.
         blk = fmt.block
         moved = a if blk == (16, 16) else jnp.moveaxis(a, axis, -1)
-        _, sb, s_dec = quantize_blocks(pad_to_blocks(moved, blk), blk, "nearest", None, None)
+        padded = pad_to_blocks(moved, blk)
+        _, sb, s_dec = quantize_blocks(padded, blk, "nearest", None, None, fmt.scale_rounding)
         top = E2M1_MAX * sb * s_dec
         top = top[..., None] if blk[0] == 1 else top[..., :, None, :, None]
-        magnitude = to_blocks(pad_to_blocks(jnp.abs(moved), blk), blk)
+        magnitude = to_blocks(jnp.abs(padded), blk)
         sat = jnp.sum(magnitude > top) / a.size
     else:
         sat = jnp.float32(0.0)

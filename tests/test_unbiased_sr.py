@@ -570,3 +570,24 @@ def measure_bias(size: int = 256, keys: int = 4000) -> dict[str, dict[str, float
 if __name__ == "__main__":
     for name, row in measure_bias().items():
         print(name, {k: round(float(v), 4) for k, v in row.items()})
+
+
+def test_telemetry_saturation_follows_scale_rounding():
+    """Telemetry's `saturated_frac` counts the elements clamped at 6 x block scale: some
+    with the spec's nearest block scales, none with scales rounded up."""
+    from nvfp4x._probe import STATS, operand_stats
+
+    x = jax.random.normal(jax.random.key(3), (64, 128), jnp.float32)
+    col = STATS.index("saturated_frac")
+    near = operand_stats(x, Format("nvfp4", rounding="stochastic"), -1, jax.random.key(0))
+    up = operand_stats(
+        x, Format("nvfp4", rounding="stochastic", scale_rounding="up"), -1, jax.random.key(0)
+    )
+    # reference: |x| > 6 x (its block's scale as the format rounds it) x s_dec
+    for fmt_stats, rounding in ((near, "nearest"), (up, "up")):
+        _, sb, s_dec = scale_blocks(x, (1, 16), None, rounding)
+        top = 6.0 * np.asarray(sb * s_dec).reshape(64, 8, 1)
+        clamped = np.abs(np.asarray(x).reshape(64, 8, 16)) > top
+        assert float(fmt_stats[col]) == pytest.approx(clamped.mean(), abs=1e-7)
+    assert float(near[col]) > 0.005
+    assert float(up[col]) == 0.0
