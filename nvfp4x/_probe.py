@@ -14,7 +14,15 @@ from jaxtyping import Array, Float
 from ._format._constants import E2M1_MAX
 from ._format._nvfp4 import pad_to_blocks, quantize_blocks, to_blocks
 from ._formats import Format, quantize_operand
-from ._gemm import _grad_key, _mix_weight, _needs_key, compiled, qdot, wgrad_operands
+from ._gemm import (
+    _combine_seeds,
+    _grad_key,
+    _mix_weight,
+    _needs_key,
+    compiled,
+    qdot,
+    wgrad_operands,
+)
 from ._policy import Recipe
 
 OPERANDS = ("fprop_x", "weight", "dgrad_dy", "wgrad_x", "wgrad_dy")
@@ -66,13 +74,21 @@ def layer_stats(dy: Array, x: Array, w: Array, seed: Array, *, recipe: Recipe) -
 
 
 def _fold_or_stack(prim, args, dims, params, n_act: int):
-    """Batching shared by both probe primitives: the first `n_act` operands are
-    activation-like (a vmapped axis folds into their token axes), the rest weight-like
-    (a vmapped axis makes independent problems)."""
+    """Batching shared by both probe primitives, as the GEMM primitives batch (see
+    `nvfp4x._gemm._batch_rule`): the first `n_act` operands are activation-like (a
+    vmapped axis folds into their token axes), the seed (the operand after the weight) is
+    combined into one seed as the GEMM combines it, the rest are weight-like (a vmapped
+    axis makes independent problems)."""
     nbatch = params["nbatch"]
-    act, rest = args[:n_act], args[n_act:]
-    dact, drest = dims[:n_act], dims[n_act:]
-    if all(d is None for d in drest):
+    args, dims = list(args), list(dims)
+    seed_at = n_act + 1
+    act, dact = args[:n_act], dims[:n_act]
+    if all(d is None for i, d in enumerate(dims[n_act:], n_act) if i != seed_at):
+        if dims[seed_at] is not None:
+            args[seed_at] = _combine_seeds(args[seed_at], dims[seed_at])
+        rest = args[n_act:]
+        if all(d is None for d in dact):
+            return prim.bind(*act, *rest, **params), None
         # every activation operand folds at the same place (they share token axes)
         size = next(a.shape[d] for a, d in zip(act, dact, strict=True) if d is not None)
         act = [

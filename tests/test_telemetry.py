@@ -101,6 +101,37 @@ def test_statistics_come_out_of_a_jitted_step_and_follow_vmap():
         np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+def test_statistics_under_vmap_with_keys_are_whole_call_statistics():
+    """`jax.vmap` over examples *and* their stochastic-rounding keys: the GEMM folds the
+    batch into one problem with one combined seed, and so must the probe (it once
+    stacked per-example problems and summed them: an amax of 147.9 for a true 3.83)."""
+    layer = eqx.nn.Linear(40, 24, key=jax.random.key(0))
+    qt = nvfp4x.telemetry.enable(nvfp4x.quantize(layer, nvfp4x.recipes.nvfp4_training()))
+    x = _x()
+    keys = jax.random.split(jax.random.key(7), x.shape[0])
+
+    def loss(m, x, keys):
+        y = jax.vmap(lambda xi, k: m(xi, key=k))(x, keys)
+        return jnp.mean(y**2), y
+
+    (_, y), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(qt, x, keys)
+    table = nvfp4x.telemetry.collect(grads)[""]
+    dy = 2.0 * np.asarray(y, np.float64) / y.size
+    np.testing.assert_allclose(float(table["fprop_x"]["amax"]), np.abs(np.asarray(x)).max(), rtol=0)
+    np.testing.assert_allclose(
+        float(table["weight"]["amax"]), np.abs(np.asarray(qt.weight)).max(), rtol=0
+    )
+    np.testing.assert_allclose(float(table["dgrad_dy"]["amax"]), np.abs(dy).max(), rtol=1e-6)
+    for op in OPERANDS:
+        assert 0 <= float(table[op]["zero_frac"]) <= 1
+        assert 0 <= float(table[op]["saturated_frac"]) <= 1
+    # the same statistics as the unkeyed call for the operands that are not SR-rounded
+    plain = nvfp4x.telemetry.collect(_value_and_grad(qt, x)[1])[""]
+    for op in ("fprop_x", "weight", "wgrad_x"):
+        for st in STATS:
+            np.testing.assert_allclose(table[op][st], plain[op][st], rtol=1e-6, err_msg=op + st)
+
+
 def test_saturation_is_counted():
     # Row 0 sets amax = 6 (S_enc = 448). Every other row's block amax b gives
     # b * 448 / 6 = 6.2, whose E4M3 scale rounds down to 6: all its elements land at
