@@ -19,6 +19,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from ._array import NVFP4Array, to_nvfp4
 from ._axes import explicit_axes_as_auto
+from ._format._nvfp4 import tensor_amax
 from ._formats import quantize_operand, scaled_dot
 from ._gemm import _vmapped, fprop
 from ._linear import QuantizedLinear, apply_linear, product_seen_by_interpreter
@@ -32,7 +33,7 @@ from ._qweight import (
     gemm_out_dtype,
     weight_gemm,
 )
-from ._sites import layers as site_layers, path_str
+from ._sites import layers as site_layers, path_str, qweights
 
 PackedWeight = NVFP4Array | MXFP8Array | FP8Array | Array
 
@@ -235,9 +236,13 @@ batching.primitive_batchers[frozen_p] = _frozen_batch
 ad.primitive_jvps[frozen_p] = _frozen_jvp
 
 
-def pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
-    """The weight in its GEMM format, per stacked slice (each slice its own tensor scale)."""
-    return _pack_weight(w, recipe)
+def pack_weight(w: Array, recipe: Recipe, amax: Array | None = None) -> PackedWeight:
+    """The weight in its GEMM format, per stacked slice (each slice its own tensor scale).
+    `amax` (NVFP4 only; shape: the stack's leading axes) replaces each slice's own amax:
+    a tensor scale shared by a group of layers."""
+    if amax is None:
+        return _pack_weight(w, recipe)
+    return _pack_weight_amax(w, recipe, amax)
 
 
 # Jitted: eager `freeze` is one compiled packing per weight shape and recipe.
@@ -255,6 +260,41 @@ def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
     else:
         return quantize_operand(w, fmt, axis=-1)[0]
     return _vmapped(fn, w.ndim - 2)(w)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_weight_amax(w: Array, recipe: Recipe, amax: Array) -> NVFP4Array:
+    fn = lambda wi, ai: to_nvfp4(wi, block=recipe.weight.block, amax=ai)
+    return _vmapped(fn, w.ndim - 2)(w, amax)
+
+
+@jax.jit
+def _weight_amax(w: Array) -> Array:
+    """`max|w|` per stacked slice (the amax `to_nvfp4` takes for each slice)."""
+    return _vmapped(tensor_amax, w.ndim - 2)(w)
+
+
+def _group_amaxes(model: Any) -> dict[str, Array]:
+    """The shared amax of every tensor scale group (the policy's `tensor_scale_groups`):
+    the largest amax of its NVFP4 weights, per stacked slice. Weights of other formats
+    have no tensor scale to share and take no part."""
+    members: dict[str, list[QWeight]] = {}
+    for _, w in qweights(model):
+        fmt = w.recipe.weight
+        if w.scale_group is not None and fmt is not None and fmt.name == "nvfp4":
+            members.setdefault(w.scale_group, []).append(w)
+    amaxes = {}
+    for key, ws in members.items():
+        stacks = {tuple(w.array.shape[:-2]) for w in ws}
+        if len(stacks) > 1:
+            listed = ", ".join(f"`{w.path}` {tuple(w.array.shape)}" for w in ws)
+            raise ValueError(
+                f"nvfp4x.freeze: the tensor scale group {key!r} holds weights stacked "
+                f"differently ({listed}); one scale per slice needs the same stack. Change "
+                "the policy's `tensor_scale_groups`."
+            )
+        amaxes[key] = functools.reduce(jnp.maximum, [_weight_amax(w.array) for w in ws])
+    return amaxes
 
 
 def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout, nb: int) -> Array:
@@ -319,8 +359,12 @@ def freeze(model: Any) -> Any:
     in its stored layout. A weight that a wrapper transforms before its GEMM
     (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`) is decoded, transformed and quantised
     again at use: it runs, close to the unfrozen numbers but not bit-equal. Stacked
-    layers get one tensor scale per slice. Serialise with [`nvfp4x.save`][].
-    Eager calls are jitted (one compiled packing per weight shape and recipe).
+    layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the
+    policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
+    the group's largest amax: the layer that holds it freezes as without the group, the
+    others to a coarser grid than their training forward used (not bit-equal to it).
+    Serialise with [`nvfp4x.save`][]. Eager calls are jitted (one compiled packing per
+    weight shape and recipe).
 
     **Arguments:**
 
@@ -333,11 +377,16 @@ def freeze(model: Any) -> Any:
     ```
     """
 
+    amaxes = _group_amaxes(model)
+
+    def packed(w: QWeight) -> PackedWeight:
+        return pack_weight(w.array, w.recipe, amaxes.get(w.scale_group))
+
     def one(leaf):
         if isinstance(leaf, QuantizedLinear):
             w = leaf.weight
             return FrozenLinear(
-                weight=FrozenWeight(pack_weight(w.array, w.recipe), w.recipe, w.path, w.fast),
+                weight=FrozenWeight(packed(w), w.recipe, w.path, w.fast),
                 bias=leaf.bias,
                 in_features=leaf.in_features,
                 out_features=leaf.out_features,
@@ -346,9 +395,7 @@ def freeze(model: Any) -> Any:
                 fast=w.fast,
             )
         if isinstance(leaf, QWeight):
-            return FrozenWeight(
-                pack_weight(leaf.array, leaf.recipe), leaf.recipe, leaf.path, leaf.fast
-            )
+            return FrozenWeight(packed(leaf), leaf.recipe, leaf.path, leaf.fast)
         return leaf
 
     is_leaf = lambda x: isinstance(x, QuantizedLinear | QWeight)

@@ -74,7 +74,13 @@ class QuantizedLinear(eqx.nn.Linear):
 
     @classmethod
     def from_linear(
-        cls, linear: eqx.nn.Linear, recipe: Recipe, *, fast: bool = True, path: str = ""
+        cls,
+        linear: eqx.nn.Linear,
+        recipe: Recipe,
+        *,
+        fast: bool = True,
+        path: str = "",
+        scale_group: str | None = None,
     ) -> "QuantizedLinear":
         """Wrap an `eqx.nn.Linear` (its arrays are shared, not copied).
 
@@ -85,13 +91,15 @@ class QuantizedLinear(eqx.nn.Linear):
         - `fast`: run the GEMMs on the device's fast operand dtype (bfloat16 where it is
           native) rather than the float32 reference.
         - `path`: the layer's path in its model, shown by reports.
+        - `scale_group`: the tensor scale group of its weight (see
+          [`nvfp4x.Policy`][]'s `tensor_scale_groups`), or None.
 
         **Returns:** a `QuantizedLinear` with `linear`'s weight, bias and features.
         """
         if not isinstance(recipe, Recipe):
             raise TypeError(f"`recipe` must be an `nvfp4x.Recipe`, got {type(recipe).__name__}.")
         return cls(
-            weight=QWeight(linear.weight, recipe, path, fast),
+            weight=QWeight(linear.weight, recipe, path, fast, scale_group=scale_group),
             bias=linear.bias,
             in_features=linear.in_features,
             out_features=linear.out_features,

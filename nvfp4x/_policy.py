@@ -292,13 +292,23 @@ class Policy:
       (`eqx.nn.Conv1d/2d/3d`, `ConvTranspose*`, by their paths), which then run as their
       GEMM in the rule's recipe. The NVFP4 recipe covers linear layers; by default
       convolutions stay as they are.
+    - `tensor_scale_groups`: regexes on layer paths. Quantised layers whose paths match
+      the same pattern (`re.fullmatch`, first matching pattern) and agree on its first
+      capture group (the whole pattern, if it has none) form a group whose NVFP4 weights
+      [`nvfp4x.freeze`][] packs with one shared tensor scale, computed from the largest
+      amax in the group (per slice of stacked layers). Serving stacks fuse such layers
+      (q/k/v, gate/up) into one GEMM with one tensor scale; see the docs page "Deploying
+      NVFP4 models". Freeze-only: training GEMMs keep each weight's own tensor scale, so
+      a grouped layer's frozen weight can differ from what its training forward
+      quantised (the layer with the group's largest amax is unchanged). With `strict`, a
+      pattern that matches no quantised layer is an error.
 
     ```python
     policy = nvfp4x.Policy([
         (r".*lm_head", None),
         (r"blocks\\[(10|11)\\]\\..*", nvfp4x.recipes.bf16()),
         (r".*", nvfp4x.recipes.nvfp4_training()),
-    ])
+    ], tensor_scale_groups=[r"(.*)\\.attn\\.w[qkv]", r"(.*)\\.mlp\\.w_(gate|up)"])
     ```
     """
 
@@ -308,6 +318,7 @@ class Policy:
         *,
         strict: bool = True,
         convolutions: bool = False,
+        tensor_scale_groups: Sequence[str] = (),
     ):
         compiled = []
         for i, rule in enumerate(rules):
@@ -324,6 +335,20 @@ class Policy:
         self.rules = tuple(compiled)
         self.strict = strict
         self.convolutions = convolutions
+        if isinstance(tensor_scale_groups, str):
+            raise TypeError(
+                "`tensor_scale_groups` must be a sequence of regexes, got the string "
+                f"`{tensor_scale_groups!r}`; wrap it in a list."
+            )
+        groups = []
+        for i, pattern in enumerate(tensor_scale_groups):
+            try:
+                groups.append(re.compile(pattern))
+            except (re.error, TypeError) as e:
+                raise ValueError(
+                    f"`tensor_scale_groups[{i}]`: regex `{pattern!r}` does not compile: {e}."
+                ) from e
+        self.tensor_scale_groups = tuple(groups)
 
     def lookup(self, path: str) -> tuple[int | None, Recipe | None]:
         """The first rule that matches `path` (with `re.fullmatch`).
@@ -340,9 +365,27 @@ class Policy:
                 return i, recipe
         return None, None
 
+    def scale_group(self, path: str) -> tuple[int | None, str | None]:
+        """The tensor scale group of the layer at `path` (see `tensor_scale_groups`).
+
+        **Arguments:**
+
+        - `path`: a layer path such as `blocks[3].attn.wq`.
+
+        **Returns:** `(index of the first matching pattern, group key)`, the key being
+        `"<index>:<first capture group>"` (e.g. `"0:blocks[3]"`), or `(None, None)` when
+        no pattern matches.
+        """
+        for i, regex in enumerate(self.tensor_scale_groups):
+            m = regex.fullmatch(path)
+            if m:
+                return i, f"{i}:{m.group(1) if regex.groups else ''}"
+        return None, None
+
     def __repr__(self) -> str:
         rules = ", ".join(f"({r.pattern!r}, {rec})" for r, rec in self.rules)
-        return f"Policy([{rules}])"
+        groups = [r.pattern for r in self.tensor_scale_groups]
+        return f"Policy([{rules}]" + (f", tensor_scale_groups={groups})" if groups else ")")
 
 
 PolicyLike = Policy | Recipe | str | Callable[[str, Any], RecipeLike]

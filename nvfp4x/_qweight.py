@@ -118,7 +118,9 @@ class QWeight(WeightValue):
     stack shape: where false, the GEMMs run unquantised in float32; e.g. a scanned stack
     whose first and last slices stay high-precision), `recipe` and `path` (static: the
     policy's recipe, and the path the policy matched, used by reports), `fast` (static:
-    run GEMMs on the device's fast exact operand dtype).
+    run GEMMs on the device's fast exact operand dtype), `scale_group` (static: the
+    tensor scale group the policy's `tensor_scale_groups` put the weight in, or None;
+    [`nvfp4x.freeze`][] gives a group's NVFP4 weights one tensor scale).
     """
 
     array: Array
@@ -127,6 +129,7 @@ class QWeight(WeightValue):
     fast: bool = eqx.field(static=True, default=True)
     probe: Array | None = None
     enabled: Array | None = None
+    scale_group: str | None = eqx.field(static=True, default=None)
 
     def aval(self):
         return jax.core.ShapedArray(self.array.shape, self.array.dtype)

@@ -77,8 +77,17 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
             "`nvfp4x.dequantize(model)` instead; the master weights are kept exactly."
         )
     matched: set[int] = set()
+    grouped: set[int] = set()  # tensor_scale_groups patterns that matched a quantised layer
     found = 0
     tied: dict[int, tuple[str, Recipe]] = {}  # id(SharedNode) -> (path, recipe)
+
+    def group(path: str) -> str | None:
+        if rules is None:
+            return None
+        index, key = rules.scale_group(path)
+        if index is not None:
+            grouped.add(index)
+        return key
 
     def choose(path: str, layer: Any) -> Recipe | None:
         nonlocal found
@@ -102,8 +111,10 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                 tied[id(node.weight)] = (p, recipe)
                 return node
             if type(node) is eqx.nn.Linear:
-                return QuantizedLinear.from_linear(node, recipe, fast=fast, path=p)
-            weight = QWeight(node.weight, recipe, p, fast)
+                return QuantizedLinear.from_linear(
+                    node, recipe, fast=fast, path=p, scale_group=group(p)
+                )
+            weight = QWeight(node.weight, recipe, p, fast, scale_group=group(p))
             return _interpreted(eqx.tree_at(lambda m: m.weight, node, weight))
         if is_conv(node) and rules is not None and rules.convolutions:
             p = path_str(path)
@@ -143,7 +154,7 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                     "the shared tree). Tie the weight directly (`get=lambda t: t.embed.weight`)"
                     " or leave the layer out of the policy."
                 )
-            weight = QWeight(source, recipe, p, fast)
+            weight = QWeight(source, recipe, p, fast, scale_group=group(p))
             inner = eqx.tree_at(lambda t, k=spots[0]: _at(t, k), inner, weight)
         return eqx.tree_at(lambda s: s.pytree, shared, inner)
 
@@ -164,6 +175,14 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                 "matches was taken by an earlier rule). Paths look like "
                 "`blocks[3].mlp.layers[0]`; see `nvfp4x.summary(model)`. Pass "
                 "`Policy(..., strict=False)` to allow unused rules."
+            )
+        idle = [i for i in range(len(rules.tensor_scale_groups)) if i not in grouped]
+        if idle:
+            names = ", ".join(f"`{rules.tensor_scale_groups[i].pattern}`" for i in idle)
+            raise ValueError(
+                f"nvfp4x.quantize: `tensor_scale_groups` pattern(s) {names} matched no "
+                "quantised layer. Paths look like `blocks[3].attn.wq`; see "
+                "`nvfp4x.summary(model)`. Pass `Policy(..., strict=False)` to allow it."
             )
     return out
 

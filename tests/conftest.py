@@ -12,7 +12,23 @@ import jax
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+import atexit  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# A compilation cache for the example and benchmark scripts the tests run: private to
+# this test run (created here by the only process, or by the xdist controller, and found
+# by xdist workers in NVFP4X_TEST_JAX_CACHE), empty at its start, deleted at its end.
+# `benchmarks/convergence.py --smoke` trains the very models `examples/train_lm.py
+# --smoke` compiles, and loads them from it. (Only subprocesses use it: jax writes cache
+# entries non-atomically, and there a half-written entry read by another script is only
+# a warning and a recompilation.)
+RUN_CACHE = os.environ.get("NVFP4X_TEST_JAX_CACHE")
+if not RUN_CACHE:
+    RUN_CACHE = tempfile.mkdtemp(prefix="nvfp4x-test-jax-cache-")
+    os.environ["NVFP4X_TEST_JAX_CACHE"] = RUN_CACHE
+    atexit.register(shutil.rmtree, RUN_CACHE, ignore_errors=True)
 
 # The multi-device tests need 8 host devices, fixed when JAX starts: `test_sharding.py`
 # runs them in their own process with NVFP4X_MULTIDEVICE=1.
@@ -28,3 +44,22 @@ def _release_compiled_programs():
     the whole run (a late XLA:CPU compile segfaulted once in a full run)."""
     yield
     jax.clear_caches()
+
+
+def pytest_collection_modifyitems(items):
+    """`tests/test_sharding.py` first: its one test runs the multi-device suite in a
+    subprocess for minutes. Under xdist (`--dist loadfile --no-loadscope-reorder` in
+    pyproject.toml) one worker starts it at once while the other runs the other files,
+    instead of running it alone at the end."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_sharding.py::"))
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """The environment for running an example or benchmark script: this process's, plus
+    the run's compilation cache shared by those scripts (see `RUN_CACHE`)."""
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": os.path.join(RUN_CACHE, "subprocesses"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }

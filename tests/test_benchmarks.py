@@ -52,7 +52,7 @@ def test_steps_to_reach():
 
 
 @pytest.mark.slow
-def test_convergence_smoke(tmp_path):
+def test_convergence_smoke(tmp_path, subprocess_env):
     out = tmp_path / "conv"
     cmd = [
         sys.executable,
@@ -64,7 +64,7 @@ def test_convergence_smoke(tmp_path):
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert {p.name for p in out.iterdir()} == {"losses.csv", "results.md", "convergence.png"}
     header = (out / "losses.csv").read_text().splitlines()[0]

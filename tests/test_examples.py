@@ -1,7 +1,8 @@
 """Every example runs end to end in `--smoke` mode.
 
 Each `examples/*.py` runs in its own process (the environment is inherited, so e.g. an
-`XLA_FLAGS` set by an example is not disturbed by this test process), imported through
+`XLA_FLAGS` set by an example is not disturbed by this test process; the scripts share
+the run's compilation cache, see `subprocess_env` in conftest.py), imported through
 jaxtyping's import hook with beartype, so that the annotated functions of both the
 example and `nvfp4x` are checked at runtime, as the rest of the suite checks `nvfp4x`.
 Examples are found by glob: a new example is covered as soon as it exists, and must
@@ -63,13 +64,20 @@ def test_train_lm_imports_without_side_effects(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_smoke(path, tmp_path):
+def test_example_smoke(path, tmp_path, subprocess_env):
     args = ["--smoke"]
     if "--out" in path.read_text():
         args += ["--out", str(tmp_path / "out")]
     cmd = [sys.executable, "-c", RUNNER, str(EXAMPLES_DIR), path.stem, *args]
     try:
-        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = subprocess.run(
+            cmd,
+            cwd=tmp_path,
+            env=subprocess_env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"`{path.name} --smoke` took more than {TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
     assert proc.returncode == 0, (

@@ -18,7 +18,17 @@ def test_multidevice_suite():
     env["NVFP4X_MULTIDEVICE"] = "1"
     here = pathlib.Path(__file__).parent
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "multidevice")],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            str(here / "multidevice"),
+        ],
         cwd=here.parent,
         env=env,
         capture_output=True,
