@@ -4,6 +4,11 @@ import importlib.metadata
 
 from . import _telemetry as telemetry  # noqa: F401 - the `nvfp4x.telemetry` namespace
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
+from ._checkpoint import (
+    TrainingCheckpointer as TrainingCheckpointer,
+    load as load,
+    save as save,
+)
 from ._coverage import (
     CoverageReport as CoverageReport,
     CoverageRow as CoverageRow,
@@ -15,8 +20,6 @@ from ._frozen import (
     FrozenLinear as FrozenLinear,
     FrozenWeight as FrozenWeight,
     freeze as freeze,
-    load as load,
-    save as save,
 )
 from ._gemm import qdot as qdot
 from ._linear import QuantizedLinear as QuantizedLinear

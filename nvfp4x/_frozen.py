@@ -1,16 +1,13 @@
 """Inference form: `freeze` packs each quantised weight (NVFP4: 4.5 bits per parameter)
-and drops the master copy; `save` / `load` checkpoints that refuse a mismatched file."""
+and drops the master copy. (Checkpoints of frozen models: `_checkpoint.py`.)"""
 
 import dataclasses
 import functools
-import io
-import json
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import quax
 from jax import lax
 from jax.extend.core import Primitive
@@ -33,7 +30,7 @@ from ._qweight import (
     gemm_out_dtype,
     weight_gemm,
 )
-from ._sites import layers as site_layers, path_str, qweights
+from ._sites import qweights
 
 PackedWeight = NVFP4Array | MXFP8Array | FP8Array | Array
 
@@ -400,109 +397,3 @@ def freeze(model: Any) -> Any:
 
     is_leaf = lambda x: isinstance(x, QuantizedLinear | QWeight)
     return jax.tree_util.tree_map(one, model, is_leaf=is_leaf)
-
-
-# --- checkpoints ---
-
-FORMAT_VERSION = 1
-_MAGIC = b"NVFP4X-CHECKPOINT\n"
-
-
-def _describe(model: Any) -> dict:
-    layers = {}
-    for path, leaf in site_layers(model):
-        recipe = getattr(leaf, "recipe", None)
-        layers[path] = [type(leaf).__name__, str(recipe)]
-    arrays = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
-        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            arrays.append([path_str(path), list(leaf.shape), str(np.dtype(leaf.dtype))])
-    return {"format_version": FORMAT_VERSION, "layers": layers, "arrays": arrays}
-
-
-def save(path: str, model: Any) -> None:
-    """Write `model` (frozen or not) to `path`: a header naming the format version, every
-    layer's recipe and every array's shape and dtype, then the leaves
-    (`eqx.tree_serialise_leaves`).
-
-    **Arguments:**
-
-    - `path`: the file to write (overwritten if it exists).
-    - `model`: any PyTree of arrays and Equinox modules, typically
-      `nvfp4x.freeze(qmodel)`.
-
-    **Returns:** nothing. Read the file back with [`nvfp4x.load`][].
-
-    ```python
-    qmodel = nvfp4x.quantize(eqx.nn.Linear(32, 16, key=jax.random.key(0)), "nvfp4_inference")
-    nvfp4x.save("model.nvfp4x", nvfp4x.freeze(qmodel))
-    ```
-    """
-    header = json.dumps(_describe(model)).encode()
-    with open(path, "wb") as f:
-        f.write(_MAGIC)
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        eqx.tree_serialise_leaves(f, model)
-
-
-def load(path: str, like: Any) -> Any:
-    """Read a checkpoint written by [`nvfp4x.save`][] into the structure of `like` (a model
-    built the same way, e.g. `nvfp4x.freeze(nvfp4x.quantize(skeleton, policy))`, or its
-    `eqx.filter_eval_shape`). Raises `ValueError` if the file is truncated, from another
-    format version, or holds different layers, recipes, shapes or dtypes.
-
-    **Arguments:**
-
-    - `path`: a file written by [`nvfp4x.save`][].
-    - `like`: a model of the same structure, layer types, recipes, shapes and dtypes;
-      its array values are not used.
-
-    **Returns:** `like` with the arrays read from the file.
-
-    ```python
-    def build():
-        linear = eqx.nn.Linear(32, 16, key=jax.random.key(1))
-        return nvfp4x.freeze(nvfp4x.quantize(linear, "nvfp4_inference"))
-
-    frozen = nvfp4x.load("model.nvfp4x", eqx.filter_eval_shape(build))
-    ```
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 8:
-        raise ValueError(f"`{path}` is not an nvfp4x checkpoint (written by `nvfp4x.save`).")
-    n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 8], "little")
-    start = len(_MAGIC) + 8
-    try:
-        header = json.loads(data[start : start + n])
-    except ValueError as e:
-        raise ValueError(f"`{path}`: the checkpoint header is truncated or corrupt.") from e
-    if header.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"`{path}` has checkpoint format version {header.get('format_version')}; this "
-            f"nvfp4x reads version {FORMAT_VERSION}."
-        )
-    expected = json.loads(json.dumps(_describe(like)))
-    for part, what in (("layers", "layer recipes"), ("arrays", "array shapes/dtypes")):
-        if header[part] != expected[part]:
-            diff = _first_difference(header[part], expected[part])
-            raise ValueError(
-                f"`{path}` does not match `like`: different {what} ({diff}). Build `like` "
-                "with the same model, policy and freeze state that wrote the checkpoint."
-            )
-    try:
-        return eqx.tree_deserialise_leaves(io.BytesIO(data[start + n :]), like)
-    except Exception as e:  # eqx/numpy raise several types for a cut-off stream
-        raise ValueError(f"`{path}` is truncated or corrupt: {e}") from e
-
-
-def _first_difference(got, want) -> str:
-    if isinstance(got, dict):
-        for k in sorted(set(got) | set(want)):
-            if got.get(k) != want.get(k):
-                return f"`{k}`: file {got.get(k)}, like {want.get(k)}"
-    for a, b in zip(got, want, strict=False):
-        if a != b:
-            return f"file {a}, like {b}"
-    return f"file has {len(got)} entries, like has {len(want)}"

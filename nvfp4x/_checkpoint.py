@@ -1,0 +1,709 @@
+"""Checkpoints that lose nothing.
+
+- `atomic_write`: every file nvfp4x writes goes to a temporary file in its directory,
+  flushed and fsynced, then renamed over the target: a save that dies half-way leaves
+  the previous file as it was.
+- `save` / `load`: a model in one file (a header, then `eqx.tree_serialise_leaves`),
+  refused when it was corrupted (a sha256 of the payload in the header), truncated, or
+  written from another model.
+- `TrainingCheckpointer`: a training run's whole state with Orbax, sharded arrays saved
+  and restored sharded, every leaf verified on restore by a checksum that does not
+  depend on how the array is sharded.
+"""
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from ._sites import layers as site_layers, path_str
+
+# --- atomic files ---
+
+# `os.umask` cannot be read without setting it (and setting it is not thread-safe), so it
+# is read once, at import; a new file gets the mode `open` would have given it.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Write the file at `path` all at once or not at all.
+
+    Yields a binary file opened on a temporary file in `path`'s directory. When the
+    `with` block ends, that file is flushed and fsynced, then renamed over `path`
+    (`os.replace`, atomic on POSIX and Windows) and the directory is fsynced where the
+    OS allows, so a reader sees either the old file or the complete new one, also after
+    a crash or a kill. If the block raises, the temporary file is removed and `path` is
+    left as it was. The new file keeps the permissions of the file it replaces (a new
+    one gets those of `open`).
+
+    **Arguments:**
+
+    - `path`: the file to write; its directory must exist.
+
+    **Returns:** a context manager yielding the open binary file.
+
+    ```python
+    with atomic_write("model.safetensors") as f:
+        f.write(data)
+    ```
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_UMASK
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename in `directory` durable (POSIX; Windows cannot open a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- one-file model checkpoints ---
+
+FORMAT_VERSION = 2
+_MAGIC = b"NVFP4X-CHECKPOINT\n"
+
+
+def _layer_recipes(model: Any) -> dict[str, list[str]]:
+    """`{path: [layer class, recipe]}` of every linear-like layer of `model`."""
+    return {
+        path: [type(leaf).__name__, str(getattr(leaf, "recipe", None))]
+        for path, leaf in site_layers(model)
+    }
+
+
+def _describe(model: Any) -> dict:
+    layers = _layer_recipes(model)
+    arrays = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
+            arrays.append([path_str(path), list(leaf.shape), str(np.dtype(leaf.dtype))])
+    return {"format_version": FORMAT_VERSION, "layers": layers, "arrays": arrays}
+
+
+def save(path: str | os.PathLike, model: Any) -> None:
+    """Write `model` (frozen or not) to `path`: a header naming the format version, every
+    layer's recipe, every array's shape and dtype and a sha256 of the payload, then the
+    leaves (`eqx.tree_serialise_leaves`).
+
+    The file is written to a temporary file and renamed into place: a save that is
+    interrupted (an exception, a kill, a full disk) leaves the previous file at `path`
+    as it was.
+
+    **Arguments:**
+
+    - `path`: the file to write (replaced if it exists).
+    - `model`: any PyTree of arrays and Equinox modules, typically
+      `nvfp4x.freeze(qmodel)`.
+
+    **Returns:** nothing. Read the file back with [`nvfp4x.load`][].
+
+    ```python
+    qmodel = nvfp4x.quantize(eqx.nn.Linear(32, 16, key=jax.random.key(0)), "nvfp4_inference")
+    nvfp4x.save("model.nvfp4x", nvfp4x.freeze(qmodel))
+    ```
+    """
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, model)
+    payload = buffer.getvalue()
+    header = _describe(model)
+    header["payload_bytes"] = len(payload)
+    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    raw = json.dumps(header).encode()
+    with atomic_write(path) as f:
+        f.write(_MAGIC)
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.write(payload)
+
+
+def load(path: str | os.PathLike, like: Any) -> Any:
+    """Read a checkpoint written by [`nvfp4x.save`][] into the structure of `like` (a model
+    built the same way, e.g. `nvfp4x.freeze(nvfp4x.quantize(skeleton, policy))`, or its
+    `eqx.filter_eval_shape`).
+
+    Before anything is deserialised the payload's sha256 is checked against the one in
+    the header: a corrupted file raises `ValueError` naming it. Also raises `ValueError`
+    if the file is truncated, from an unknown format version, or holds different layers,
+    recipes, shapes or dtypes. Files of format version 1 (nvfp4x 0.1, no checksum) load
+    with a `UserWarning`: save them again to add one.
+
+    **Arguments:**
+
+    - `path`: a file written by [`nvfp4x.save`][].
+    - `like`: a model of the same structure, layer types, recipes, shapes and dtypes;
+      its array values are not used.
+
+    **Returns:** `like` with the arrays read from the file.
+
+    ```python
+    def build():
+        linear = eqx.nn.Linear(32, 16, key=jax.random.key(1))
+        return nvfp4x.freeze(nvfp4x.quantize(linear, "nvfp4_inference"))
+
+    frozen = nvfp4x.load("model.nvfp4x", eqx.filter_eval_shape(build))
+    ```
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 8:
+        raise ValueError(f"`{path}` is not an nvfp4x checkpoint (written by `nvfp4x.save`).")
+    n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 8], "little")
+    start = len(_MAGIC) + 8
+    try:
+        header = json.loads(data[start : start + n])
+    except ValueError as e:
+        raise ValueError(f"`{path}`: the checkpoint header is truncated or corrupt.") from e
+    if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
+        raise ValueError(f"`{path}`: the checkpoint header is corrupt.")
+    version = header.get("format_version")
+    if version not in (1, FORMAT_VERSION):
+        raise ValueError(
+            f"`{path}` has checkpoint format version {version}; this nvfp4x reads versions "
+            f"1 to {FORMAT_VERSION}."
+        )
+    payload = data[start + n :]
+    if version == 1:
+        warnings.warn(
+            f"`{path}` is an nvfp4x checkpoint of format version 1, which carries no "
+            "checksum: a corrupted payload cannot be detected. Save it again with "
+            "`nvfp4x.save` to add one.",
+            UserWarning,
+            stacklevel=2,
+        )
+    else:
+        _verify_payload(path, header, payload)
+    expected = json.loads(json.dumps(_describe(like)))
+    for part, what in (("layers", "layer recipes"), ("arrays", "array shapes/dtypes")):
+        if header.get(part) != expected[part]:
+            diff = _first_difference(header.get(part) or [], expected[part])
+            raise ValueError(
+                f"`{path}` does not match `like`: different {what} ({diff}). Build `like` "
+                "with the same model, policy and freeze state that wrote the checkpoint."
+            )
+    try:
+        return eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
+    except Exception as e:  # eqx/numpy raise several types for a cut-off stream
+        raise ValueError(f"`{path}` is truncated or corrupt: {e}") from e
+
+
+def _verify_payload(path: str, header: dict, payload: bytes) -> None:
+    size, digest = header.get("payload_bytes"), header.get("payload_sha256")
+    if not isinstance(size, int) or not isinstance(digest, str):
+        raise ValueError(f"`{path}`: the checkpoint header is corrupt (no payload checksum).")
+    if len(payload) != size:
+        what = "truncated" if len(payload) < size else "corrupted (trailing bytes)"
+        raise ValueError(
+            f"`{path}` is {what}: its payload has {len(payload):,} bytes, the header "
+            f"records {size:,}."
+        )
+    found = hashlib.sha256(payload).hexdigest()
+    if found != digest:
+        raise ValueError(
+            f"`{path}` is corrupted: the sha256 of its payload is {found}, the header "
+            f"records {digest}. Restore the file from a good copy."
+        )
+
+
+def _first_difference(got, want) -> str:
+    if isinstance(got, dict) and isinstance(want, dict):
+        for k in sorted(set(got) | set(want)):
+            if got.get(k) != want.get(k):
+                return f"`{k}`: file {got.get(k)}, like {want.get(k)}"
+    for a, b in zip(got, want, strict=False):
+        if a != b:
+            return f"file {a}, like {b}"
+    return f"file has {len(got)} entries, like has {len(want)}"
+
+
+# --- the sharding-invariant checksum of an array ---
+#
+# Two 32-bit lanes, each a sum mod 2^32 over the array's words (its bit pattern as
+# unsigned integers, 64-bit dtypes as two words) of a bijective mix of the word with its
+# flat index. A sum does not depend on the order in which it is taken, so the checksum
+# of a sharded array is one jitted reduction (partial sums on every device, then an
+# all-reduce) with no gather, and equal for any sharding and any number of processes.
+# Changing any one word changes both lanes.
+
+_WORD = {4: ml_dtypes.uint4, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint32}
+if hasattr(ml_dtypes, "uint2"):
+    _WORD[2] = ml_dtypes.uint2
+
+
+def _bits(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return 8
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            return int(info(dtype).bits)
+        except (TypeError, ValueError):
+            continue
+    return 8 * dtype.itemsize
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser (a bijection), on uint32 numpy or jax arrays."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _mix(words, index):
+    a = _fmix32(words ^ (index * np.uint32(0x9E3779B9)))
+    b = _fmix32((words * np.uint32(0x27D4EB2F)) ^ _fmix32(index ^ np.uint32(0x165667B1)))
+    return a, b
+
+
+def _jax_words(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    return lax.bitcast_convert_type(x, _WORD[_bits(x.dtype)]).astype(jnp.uint32)
+
+
+def _checksums(leaves: list[jax.Array]) -> jax.Array:
+    rows = []
+    for x in leaves:
+        words = _jax_words(x)
+        index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+        for axis in reversed(range(words.ndim)):
+            iota = lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+            index = index + iota * np.uint32(stride % 2**32)
+            stride *= words.shape[axis]
+        a, b = _mix(words, index)
+        rows.append(jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)]))
+    return jnp.stack(rows)
+
+
+_checksums_jit = jax.jit(_checksums)
+
+
+def _numpy_checksum(x: np.ndarray) -> str:
+    x = np.ascontiguousarray(x)
+    if np.iscomplexobj(x):
+        x = np.stack([x.real, x.imag], axis=-1)
+    bits = _bits(x.dtype)
+    if bits == 64 or bits == 32:
+        words = x.view(np.uint32).reshape(-1)
+    elif bits == 16:
+        words = x.view(np.uint16).reshape(-1).astype(np.uint32)
+    else:  # a byte per element; 4- and 2-bit dtypes in its low bits
+        words = (x.view(np.uint8).reshape(-1) & np.uint8(2**bits - 1)).astype(np.uint32)
+    index = np.arange(words.size, dtype=np.uint64).astype(np.uint32)
+    a, b = _mix(words, index)
+    return _hex(int(np.sum(a, dtype=np.uint32)), int(np.sum(b, dtype=np.uint32)))
+
+
+def _hex(a: int, b: int) -> str:
+    return f"{a:08x}{b:08x}"
+
+
+def checksums(leaves: list) -> list[str]:
+    """The checksum of every array of `leaves` (jax or numpy), as 16 hex digits; jax
+    arrays are reduced where they live, one jitted call per set of devices."""
+    out: list[str | None] = [None] * len(leaves)
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+        else:
+            out[i] = _numpy_checksum(np.asarray(x))
+    for indices in groups.values():
+        sums = _checksums_jit([leaves[i] for i in indices])
+        if not sums.is_fully_addressable:  # replicated over all processes: read a copy
+            sums = sums.addressable_data(0)
+        for i, (a, b) in zip(indices, np.asarray(sums).tolist(), strict=True):
+            out[i] = _hex(a, b)
+    return out
+
+
+# --- training state with Orbax ---
+
+_STATE_FORMAT = "nvfp4x-training-state"
+_STATE_VERSION = 1
+# Python numbers in a state: saved as 0-d numpy arrays of these dtypes, restored as Python.
+_PYTHON_SCALARS = {
+    "bool": (bool, np.bool_),
+    "int": (int, np.int64),
+    "float": (float, np.float64),
+    "complex": (complex, np.complex128),
+}
+
+
+def _orbax():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise ImportError(
+            "`nvfp4x.TrainingCheckpointer` saves with Orbax, which is not installed: "
+            '`pip install orbax-checkpoint` (or `pip install "nvfp4x[checkpoint]"`).'
+        ) from e
+    return ocp
+
+
+def _is_key(leaf: Any) -> bool:
+    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One saved leaf of a state: where it is, what kind of thing it is and what the
+    checkpoint stores for it (key arrays as their `key_data`, Python numbers as 0-d
+    numpy arrays)."""
+
+    path: str
+    kind: str  # "array", "key" or one of _PYTHON_SCALARS
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _leaf(path: str, leaf: Any) -> _Leaf | None:
+    """What the checkpoint holds for `leaf`, or `None` for a leaf that is not saved
+    (functions, strings: they come from `like` on restore)."""
+    if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic):
+        if isinstance(leaf, np.ndarray | np.generic) and (
+            leaf.dtype.kind in "OUS" or leaf.dtype.fields is not None
+        ):
+            raise TypeError(
+                f"The state's leaf `{path}` is a numpy array of dtype {leaf.dtype}; only "
+                "numeric arrays can be checkpointed. Keep it out of the state."
+            )
+        kind = "key" if _is_key(leaf) else "array"
+        return _Leaf(path, kind, tuple(leaf.shape), str(leaf.dtype))
+    for kind, (cls, _) in _PYTHON_SCALARS.items():
+        if type(leaf) is cls:
+            return _Leaf(path, kind, (), kind)
+    return None
+
+
+def _leaves(state: Any) -> tuple[list, list[_Leaf | None], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [leaf for _, leaf in flat]
+    return leaves, [_leaf(path_str(p), leaf) for p, leaf in flat], treedef
+
+
+def _stored(leaf: Any, spec: _Leaf) -> Any:
+    if spec.kind == "key":
+        return jax.random.key_data(leaf)
+    if spec.kind in _PYTHON_SCALARS:
+        return np.asarray(leaf, dtype=_PYTHON_SCALARS[spec.kind][1])
+    if isinstance(leaf, np.generic):
+        return np.asarray(leaf)
+    return leaf
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _key_data_target(like: Any) -> jax.ShapeDtypeStruct:
+    """Where a key array's `key_data` is restored for `like` (a key array, or a
+    `ShapeDtypeStruct` of one): the key's sharding, trailing key words unsharded."""
+    if isinstance(like, jax.Array):
+        data = jax.random.key_data(like)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+    abstract = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(like.shape, like.dtype))
+    sharding = like.sharding
+    if sharding is None:
+        sharding = _default_sharding()
+    elif isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (abstract.ndim - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        sharding = jax.jit(jax.random.key_data).lower(like).compile().output_shardings
+    return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+
+
+def _target(like: Any, spec: _Leaf) -> Any:
+    """What Orbax restores the leaf into: a sharded `ShapeDtypeStruct` for a jax leaf, a
+    numpy array for a numpy leaf or a Python number."""
+    if spec.kind == "key":
+        return _key_data_target(like)
+    if spec.kind in _PYTHON_SCALARS:
+        return np.zeros((), _PYTHON_SCALARS[spec.kind][1])
+    if isinstance(like, np.ndarray | np.generic):
+        return np.zeros(like.shape, like.dtype)
+    sharding = getattr(like, "sharding", None) or _default_sharding()
+    return jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding)
+
+
+def _key_impl(like: Any):
+    if isinstance(like, jax.Array):
+        return jax.random.key_impl(like)
+    return like.dtype._impl  # a ShapeDtypeStruct's key dtype names its implementation
+
+
+def _rebuilt(like: Any, spec: _Leaf, value: Any) -> Any:
+    if spec.kind == "key":
+        return jax.random.wrap_key_data(value, impl=_key_impl(like))
+    if spec.kind in _PYTHON_SCALARS:
+        return _PYTHON_SCALARS[spec.kind][0](value[()])
+    if isinstance(like, np.generic):
+        return np.asarray(value)[()]
+    return value
+
+
+class TrainingCheckpointer:
+    """Checkpoints of a training run's state with Orbax: save every few steps, and after
+    a crash or a kill resume from the last one to the same bits as a run never stopped.
+
+    `state` is any PyTree: a quantised model (its master weights; recipes and other
+    static fields come from `like` on restore), the optimiser state, the step, the data
+    position, PRNG keys (typed `jax.random.key` arrays included), NumPy arrays and Python
+    numbers. Other leaves (functions, strings) are not saved and come from `like`.
+
+    - **Sharded.** Each process writes the shards it holds (Orbax); restore places every
+      array with `like`'s sharding, which may differ from the one saved.
+    - **Atomic.** A step is written to a temporary folder and renamed when complete
+      (Orbax); a save cut short is never listed by `latest_step` nor restored, and its
+      leftovers are removed when the next `TrainingCheckpointer` opens the folder.
+    - **Verified.** Each step records every leaf's path, shape, dtype and a checksum of
+      its bits, computed where the array lives (a jitted reduction, no gather, equal
+      for any sharding). `restore` checks them all and raises `ValueError` naming the
+      folder, the step and the leaf: a corrupted checkpoint is never returned.
+
+    Saves are asynchronous by default: `save` returns once the arrays are copied off
+    the devices, and the files are written in the background (call
+    `wait_until_finished`, or use the checkpointer as a context manager, before the
+    process exits).
+
+    **Arguments:**
+
+    - `directory`: the folder holding one subfolder per saved step (created if needed).
+    - `max_to_keep`: keep only the last this many steps (default: all).
+    - `async_save`: write in the background (default) or before `save` returns.
+
+    ```python
+    with nvfp4x.TrainingCheckpointer("ckpt", max_to_keep=3) as ckpt:
+        state = {"model": qmodel, "opt_state": opt_state, "step": 0, "key": key}
+        if ckpt.latest_step() is not None:
+            state = ckpt.restore(state)   # like: the freshly built state
+        while state["step"] < steps:
+            state = train_step(state)
+            if state["step"] % 100 == 0:
+                ckpt.save(state["step"], state)
+    ```
+
+    Needs `orbax-checkpoint` (`pip install "nvfp4x[checkpoint]"`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        async_save: bool = True,
+    ):
+        ocp = _orbax()
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"`max_to_keep` must be at least 1 or None, got {max_to_keep}.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def __repr__(self) -> str:
+        return f"TrainingCheckpointer({self.directory!r})"
+
+    def __enter__(self) -> "TrainingCheckpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def all_steps(self) -> list[int]:
+        """**Returns:** the steps with a complete checkpoint, in increasing order."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """**Returns:** the last step with a complete checkpoint, or `None` if there is
+        none (a step still being written, or cut short by a crash, does not count)."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any) -> None:
+        """Checkpoint `state` as step `step`.
+
+        **Arguments:**
+
+        - `step`: the step number, larger than every step already saved in the folder.
+        - `state`: the PyTree to save (see the class).
+
+        **Returns:** nothing; with `async_save`, the files are complete after
+        `wait_until_finished`.
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise TypeError(f"`step` must be a non-negative int, got {step!r}.")
+        step = int(step)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(
+                f"`{self.directory}` already has a checkpoint of step {latest} >= {step}: "
+                "steps must increase. Restore the latest step and continue from it, or "
+                "checkpoint into another directory."
+            )
+        leaves, specs, _ = _leaves(state)
+        saved = [(leaf, spec) for leaf, spec in zip(leaves, specs, strict=True) if spec]
+        values = [_stored(leaf, spec) for leaf, spec in saved]
+        metadata = {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "step": step,
+            "layers": _layer_recipes(state),
+            "leaves": [
+                {**dataclasses.asdict(spec), "checksum": checksum}
+                for (_, spec), checksum in zip(saved, checksums(values), strict=True)
+            ],
+        }
+        args = {"nvfp4x": self._ocp.args.JsonSave(metadata)}
+        if values:
+            args["state"] = self._ocp.args.StandardSave(values)
+        if not self._manager.save(step, args=self._ocp.args.Composite(**args)):
+            raise ValueError(f"Orbax declined to save step {step} in `{self.directory}`.")
+
+    def restore(self, like: Any, step: int | None = None) -> Any:
+        """Read a checkpoint into the structure of `like`, verifying every leaf.
+
+        **Arguments:**
+
+        - `like`: a state of the same structure: the freshly built state, or its
+          `eqx.filter_eval_shape` (then arrays whose `ShapeDtypeStruct` has no sharding
+          go to the first local device). Arrays are restored with `like`'s shardings;
+          static fields and leaves that are not saved are taken from `like`.
+        - `step`: the step to read (default: the latest).
+
+        **Returns:** `like` with every saved leaf read from the checkpoint (key arrays
+        as key arrays, Python numbers as Python numbers).
+
+        **Raises:** `FileNotFoundError` if there is no such checkpoint; `ValueError` if
+        the checkpoint does not match `like` (structure, shapes, dtypes, recipes) or a
+        leaf's checksum differs (a corrupted checkpoint).
+        """
+        self._manager.wait_until_finished()
+        where = f"`{self.directory}`"
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"{where} holds no complete checkpoint.")
+        elif step not in self.all_steps():
+            raise FileNotFoundError(
+                f"{where} has no checkpoint of step {step}; it has steps {self.all_steps()}."
+            )
+        where = f"{where} step {step}"
+        ocp = self._ocp
+        restore = lambda **items: self._manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            metadata = restore(nvfp4x=ocp.args.JsonRestore()).nvfp4x
+        except (FileNotFoundError, KeyError) as e:
+            raise ValueError(f"{where} was not written by `nvfp4x.TrainingCheckpointer`.") from e
+        if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
+            raise ValueError(f"{where} was not written by `nvfp4x.TrainingCheckpointer`.")
+        if metadata.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"{where} has training-state format version {metadata.get('version')}; this "
+                f"nvfp4x reads version {_STATE_VERSION}."
+            )
+        leaves, specs, treedef = _leaves(like)
+        saved = [(i, spec) for i, spec in enumerate(specs) if spec]
+        _check_matches(where, metadata, [spec for _, spec in saved], like)
+        targets = [_target(leaves[i], spec) for i, spec in saved]
+        values = restore(state=ocp.args.StandardRestore(targets)).state if targets else []
+        found = checksums(values)
+        for (_, spec), record, got in zip(saved, metadata["leaves"], found, strict=True):
+            if got != record["checksum"]:
+                raise ValueError(
+                    f"{where} is corrupted: the leaf `{spec.path}` read back has checksum "
+                    f"{got}, the checkpoint recorded {record['checksum']}. Restore an "
+                    "earlier step, or the files from a good copy."
+                )
+        out = list(leaves)
+        for (i, spec), value in zip(saved, values, strict=True):
+            out[i] = _rebuilt(leaves[i], spec, value)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def wait_until_finished(self) -> None:
+        """Block until every save started so far is written and renamed into place."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release Orbax's resources."""
+        self._manager.close()
+
+
+def _check_matches(where: str, metadata: dict, specs: list[_Leaf], like: Any) -> None:
+    records = metadata.get("leaves", [])
+    fix = "Build `like` the same way as the state that was saved (model, policy, optimiser)."
+    for record, spec in zip(records, specs, strict=False):
+        saved = _Leaf(record["path"], record["kind"], tuple(record["shape"]), record["dtype"])
+        if saved.path != spec.path:
+            raise ValueError(
+                f"{where} does not match `like`: the checkpoint has the leaf `{saved.path}` "
+                f"where `like` has `{spec.path}`. {fix}"
+            )
+        if saved != spec:
+            raise ValueError(
+                f"{where} does not match `like` at the leaf `{spec.path}`: saved "
+                f"{saved.kind} {saved.dtype}{list(saved.shape)}, `like` has {spec.kind} "
+                f"{spec.dtype}{list(spec.shape)}. {fix}"
+            )
+    if len(records) != len(specs):
+        raise ValueError(
+            f"{where} does not match `like`: the checkpoint has {len(records)} leaves, "
+            f"`like` has {len(specs)}. {fix}"
+        )
+    layers = _layer_recipes(like)
+    saved_layers = metadata.get("layers", {})
+    if saved_layers != json.loads(json.dumps(layers)):
+        diff = _first_difference(saved_layers, layers)
+        raise ValueError(
+            f"{where} does not match `like`: different layer recipes ({diff}). To resume "
+            "under another policy, restore into the saved one and `nvfp4x.requantize`."
+        )

@@ -1,0 +1,553 @@
+"""Checkpoints that lose nothing.
+
+`nvfp4x.save` / `nvfp4x.load`: a save that fails or is killed half-way leaves the
+previous file intact; a flipped byte anywhere is refused, naming the file; files of
+format version 1 (no checksum) still load, with a warning.
+
+`nvfp4x.TrainingCheckpointer`: the whole training state (quantised model, Adam state,
+step, data position, PRNG keys, Python numbers, packed float8/uint8 leaves) round-trips
+bit for bit; a corrupted leaf is refused, naming it; a step cut short is never listed;
+a training run killed with SIGKILL and resumed ends with the same bits as one never
+stopped. (Sharded state: `tests/multidevice/test_checkpoint_sharded.py`.)
+"""
+
+import errno
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import resumable_training
+
+import nvfp4x
+from nvfp4x import _checkpoint
+
+HERE = pathlib.Path(__file__).parent
+TIMEOUT = 240  # seconds, for any subprocess
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers.
+# ---------------------------------------------------------------------------------------
+
+
+def leaves_bits(tree: Any) -> list:
+    """Every leaf as `(type name, dtype, shape, bytes)` for arrays (key arrays by their
+    key data) and as itself otherwise: equal lists mean equal bits."""
+    out = []
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(leaf))
+            out.append(("key", str(leaf.dtype), data.shape, data.tobytes()))
+        elif isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            a = np.asarray(leaf)
+            out.append((type(leaf).__module__.split(".")[0], str(a.dtype), a.shape, a.tobytes()))
+        else:
+            out.append(leaf)
+    return out
+
+
+def assert_same_bits(got: Any, want: Any, what: str) -> None:
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)]
+    for path, a, b in zip(paths, leaves_bits(got), leaves_bits(want), strict=True):
+        assert a == b, f"{what}: leaf {path} differs"
+
+
+def build_frozen(seed: int) -> Any:
+    mlp = eqx.nn.MLP(32, 16, 48, 1, key=jax.random.key(seed))
+    return nvfp4x.freeze(nvfp4x.quantize(mlp, nvfp4x.recipes.nvfp4_inference()))
+
+
+@pytest.fixture(scope="module")
+def frozen_pair() -> tuple[Any, Any]:
+    """Two frozen NVFP4 models of one structure, different weights."""
+    return build_frozen(0), build_frozen(1)
+
+
+def saved_file(tmp_path: pathlib.Path, model: Any) -> tuple[pathlib.Path, bytes]:
+    path = tmp_path / "model.nvfp4x"
+    nvfp4x.save(path, model)
+    return path, path.read_bytes()
+
+
+def header_of(data: bytes) -> tuple[dict, int]:
+    """The JSON header of an `nvfp4x.save` file and where its payload starts."""
+    magic = data.index(b"\n") + 1
+    end = magic + 8 + int.from_bytes(data[magic : magic + 8], "little")
+    return json.loads(data[magic + 8 : end]), end
+
+
+# ---------------------------------------------------------------------------------------
+# nvfp4x.save / nvfp4x.load.
+# ---------------------------------------------------------------------------------------
+
+
+class FailingFile:
+    """A binary file whose writes fail with ENOSPC once `limit` bytes are written."""
+
+    def __init__(self, f, limit: int):
+        self._f, self._left = f, limit
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self._left:
+            self._f.write(data[: self._left])
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        self._left -= len(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+
+def inject(monkeypatch, where: str, size: int) -> None:
+    """Make the next `nvfp4x.save` of a `size`-byte file fail at `where`."""
+    if where == "serialiser":
+        real = eqx.tree_serialise_leaves
+
+        def half_then_fail(f, tree):
+            real(f, tree)
+            f.truncate(f.tell() // 2)
+            raise RuntimeError("serialiser died (injected)")
+
+        monkeypatch.setattr(eqx, "tree_serialise_leaves", half_then_fail)
+    elif where == "write":
+        real_fdopen = os.fdopen
+        failing = lambda *a, **k: FailingFile(real_fdopen(*a, **k), size // 2)
+        monkeypatch.setattr(os, "fdopen", failing)
+    elif where == "fsync":
+
+        def fail(fd):
+            raise OSError(errno.EIO, "I/O error (injected)")
+
+        monkeypatch.setattr(os, "fsync", fail)
+    elif where == "rename":
+
+        def fail(src, dst):
+            raise OSError(errno.EXDEV, "rename failed (injected)")
+
+        monkeypatch.setattr(os, "replace", fail)
+
+
+@pytest.mark.parametrize("where", ["serialiser", "write", "fsync", "rename"])
+def test_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(
+    tmp_path, monkeypatch, frozen_pair, where
+):
+    old, new = frozen_pair
+    path, data = saved_file(tmp_path, old)
+    inject(monkeypatch, where, len(data))
+    with pytest.raises((OSError, RuntimeError), match="injected"):
+        nvfp4x.save(path, new)
+    monkeypatch.undo()
+    assert path.read_bytes() == data, f"{where}: the previous checkpoint was changed"
+    assert sorted(os.listdir(tmp_path)) == ["model.nvfp4x"], f"{where}: left {os.listdir(tmp_path)}"
+    assert_same_bits(nvfp4x.load(path, new), old, f"{where}: the previous checkpoint")
+
+
+def test_atomic_write_keeps_the_replaced_files_permissions(tmp_path):
+    path = tmp_path / "file.bin"
+    with _checkpoint.atomic_write(path) as f:
+        f.write(b"one")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_checkpoint._UMASK
+    path.chmod(0o640)
+    with _checkpoint.atomic_write(path) as f:
+        f.write(b"two")
+    assert path.read_bytes() == b"two"
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+SAVER = """
+import sys
+import jax.numpy as jnp
+import nvfp4x
+assert not any(m.startswith("orbax") for m in sys.modules), "import nvfp4x imported orbax"
+i = 0
+while True:  # a 16 MiB checkpoint, over and over, each with its own values
+    nvfp4x.save(sys.argv[1], {"i": jnp.int32(i), "w": jnp.full((4, 1 << 20), i, jnp.float32)})
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_save_killed_mid_write_leaves_a_complete_checkpoint(tmp_path):
+    """A process saving a 16 MiB checkpoint in a loop is killed with SIGKILL at a random
+    moment: the file at the path is one complete save (all its values from one `i`).
+    (This also checks that `import nvfp4x` does not import Orbax.)"""
+    path = tmp_path / "model.nvfp4x"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    delay = random.uniform(0.0, 0.3)
+    try:
+        timer = threading.Timer(TIMEOUT, proc.kill)
+        timer.start()
+        first = proc.stdout.readline()  # the first save is complete
+        timer.cancel()
+        assert first.strip() == "0", f"the saver failed before its first save: {first!r}"
+        time.sleep(delay)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.communicate(timeout=TIMEOUT)[0]
+    saves = 1 + len(rest.split())
+    like = {
+        "i": jax.ShapeDtypeStruct((), jnp.int32),
+        "w": jax.ShapeDtypeStruct((4, 1 << 20), jnp.float32),
+    }
+    loaded = nvfp4x.load(path, like)
+    i = int(loaded["i"])
+    assert i >= 0 and np.all(np.asarray(loaded["w"]) == i), f"killed after {delay:.2f} s"
+    assert i >= saves - 1, (i, saves)
+    # At most the killed write's temporary file is left next to it.
+    others = [p for p in os.listdir(tmp_path) if p != "model.nvfp4x"]
+    assert len(others) <= 1 and all(re.fullmatch(r"\.model\.nvfp4x\..*\.tmp", p) for p in others)
+
+
+def test_flipped_byte_anywhere_is_refused_naming_the_file(tmp_path, frozen_pair):
+    old, new = frozen_pair
+    path, data = saved_file(tmp_path, old)
+    header, start = header_of(data)
+    assert header["format_version"] == 2 and len(header["payload_sha256"]) == 64
+    rng = np.random.default_rng(0)
+    in_payload = {start, len(data) - 1, *rng.integers(start, len(data), 40).tolist()}
+    in_header = {0, start - 1, *rng.integers(0, start, 40).tolist()}
+    name = re.escape(str(path))
+    for i in sorted(in_payload | in_header):
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :])
+        match = rf"`{name}` is corrupted: the sha256" if i >= start else rf"`{name}`"
+        with pytest.raises(ValueError, match=match):
+            nvfp4x.load(path, new)
+
+
+@pytest.mark.parametrize("cut", ["at-payload", "mid-payload", "last-byte"])
+def test_truncated_file_is_refused_naming_the_file(tmp_path, frozen_pair, cut):
+    old, new = frozen_pair
+    path, data = saved_file(tmp_path, old)
+    _, start = header_of(data)
+    at = {"at-payload": start, "mid-payload": (start + len(data)) // 2, "last-byte": len(data) - 1}
+    path.write_bytes(data[: at[cut]])
+    with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is truncated"):
+        nvfp4x.load(path, new)
+
+
+def test_version_1_file_loads_with_a_warning(tmp_path, frozen_pair):
+    """A file as nvfp4x 0.1 wrote it (header: format version 1, layers, arrays; no
+    checksum) loads to the same bits, warning that it cannot be verified."""
+    old, new = frozen_pair
+    path, data = saved_file(tmp_path, old)
+    header, start = header_of(data)
+    v1 = {"format_version": 1, "layers": header["layers"], "arrays": header["arrays"]}
+    raw = json.dumps(v1).encode()
+    magic = data.index(b"\n") + 1
+    path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[start:])
+    with pytest.warns(UserWarning, match=r"version 1, which carries no checksum.*Save it again"):
+        loaded = nvfp4x.load(path, eqx.filter_eval_shape(build_frozen, 3))
+    assert_same_bits(loaded, old, "version-1 file")
+    nvfp4x.save(path, loaded)  # saving it again gives a version-2 file
+    assert header_of(path.read_bytes())[0]["format_version"] == 2
+
+
+# ---------------------------------------------------------------------------------------
+# nvfp4x.TrainingCheckpointer.
+# ---------------------------------------------------------------------------------------
+
+
+def training_state(seed: int) -> dict:
+    """A quantised model, Adam's state after one update, a frozen model's packed leaves
+    (uint8 codes and block scales), float8 and bfloat16 arrays, keys of two
+    implementations and a legacy uint32 key, numpy arrays, Python numbers."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    mlp = eqx.nn.MLP(32, 16, 48, 1, key=k[0])
+    model = nvfp4x.quantize(mlp, nvfp4x.recipes.nvfp4_training())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    optimizer = optax.adam(1e-3)
+    with jax.numpy_dtype_promotion("standard"):
+        opt_state = optimizer.init(params)
+        _, opt_state = optimizer.update(params, opt_state, params)
+    return {
+        "model": model,
+        "opt_state": opt_state,
+        "frozen": build_frozen(seed),
+        "step": 5 + seed,
+        "position": 1234 + seed,
+        "lr": 0.25 + seed,
+        "done": bool(seed),
+        "key": k[1],
+        "keys": jax.random.split(jax.random.key(seed, impl="rbg"), 3),
+        "legacy_key": jax.random.PRNGKey(seed),
+        "history": np.arange(6, dtype=np.float32) + seed,
+        "np_bf16": (np.arange(4, dtype=np.float32) + seed).astype(jnp.bfloat16),
+        "bf16": jnp.arange(5, dtype=jnp.bfloat16) + seed,
+        "e4m3": (jnp.arange(-8.0, 8.0) / 4 + seed).astype(jnp.float8_e4m3fn),
+        "counter": np.int64(2**40 + seed),
+    }
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory) -> tuple[dict, dict, pathlib.Path]:
+    """`(state, other, folder)`: two training states of one structure, and a folder
+    holding `state` saved as step 5 (to be read only, or copied)."""
+    state = training_state(0)
+    folder = tmp_path_factory.mktemp("saved") / "ckpt"
+    with nvfp4x.TrainingCheckpointer(folder, async_save=False) as ckpt:
+        ckpt.save(5, state)
+    return state, training_state(1), folder
+
+
+@pytest.mark.parametrize("like_kind", ["concrete", "eval_shape"])
+def test_training_state_round_trip_is_bit_exact(states, like_kind):
+    state, other, folder = states
+    with nvfp4x.TrainingCheckpointer(folder) as ckpt:
+        assert ckpt.all_steps() == [5] and ckpt.latest_step() == 5
+        if like_kind == "concrete":
+            like = other
+        else:  # numpy leaves would become float32/int32 structs: keep them concrete
+            numpy = {k: other[k] for k in ("history", "np_bf16", "counter")}
+            like = {**eqx.filter_eval_shape(training_state, 1), **numpy}
+        restored = ckpt.restore(like)
+    assert_same_bits(restored, state, f"restored into a {like_kind} like")
+    assert restored["model"].layers[0].weight.recipe == state["model"].layers[0].weight.recipe
+    for name in ("step", "position", "lr", "done"):
+        assert type(restored[name]) is type(state[name]), name
+
+
+def test_checksum_is_the_same_for_numpy_and_jax_and_sees_every_word(tmp_path):
+    """The checksum of an array is a function of its bits: the same on the numpy and the
+    jax path, for every dtype the state may hold; changing any one element changes both
+    of its 32-bit lanes."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((5, 7)).astype(np.float32)
+    dtypes = [
+        np.float32,
+        np.float16,
+        jnp.bfloat16,
+        jnp.float8_e4m3fn,
+        jnp.float8_e5m2,
+        np.uint8,
+        np.int8,
+        np.int32,
+        np.uint32,
+        np.bool_,
+        np.complex64,
+    ]
+    arrays = []
+    for dtype in dtypes:
+        a = (base > 0) if dtype == np.bool_ else (base * 20).astype(dtype)
+        arrays.append(np.asarray(a, dtype))
+    sums = _checkpoint.checksums([jnp.asarray(a) for a in arrays])
+    assert sums == _checkpoint.checksums(arrays)
+    for dtype, a, s in zip(dtypes, arrays, sums, strict=True):
+        flat = a.reshape(-1)
+        changed = []
+        for i in range(flat.size):  # one element changed at a time
+            b = flat.copy()
+            b.view(np.uint8)[i * b.itemsize] ^= 1
+            changed.append(b.reshape(a.shape))
+        for t in _checkpoint.checksums(changed):
+            assert t[:8] != s[:8] and t[8:] != s[8:], np.dtype(dtype).name
+
+
+def flip_leaf(ckpt, leaf_index: int) -> None:
+    """Make the checkpointer's Orbax manager return the `leaf_index`-th saved value with
+    one bit changed, as a corrupted file that decoded without error would."""
+    real = ckpt._manager.restore
+
+    def restore(step, args):
+        out = real(step, args=args)
+        if "state" in out:
+            values = out.state
+            v = np.array(values[leaf_index])
+            v.reshape(-1).view(np.uint8)[-1] ^= 1
+            if isinstance(values[leaf_index], jax.Array):
+                v = jax.device_put(v, values[leaf_index].sharding)
+            values[leaf_index] = v
+        return out
+
+    ckpt._manager.restore = restore
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        "[model].layers[0].weight.array",
+        "[frozen].layers[0].weight.packed.scale_bits",  # packed E4M3 block scales, uint8
+        "[e4m3]",  # a float8_e4m3fn array
+        "[key]",
+        "[position]",
+    ],
+)
+def test_corrupted_leaf_is_refused_naming_the_checkpoint_and_leaf(states, leaf):
+    state, _, folder = states
+    with nvfp4x.TrainingCheckpointer(folder) as ckpt:
+        paths = [r["path"] for r in _manifest(ckpt, 5)["leaves"]]
+        assert leaf in paths, paths
+        flip_leaf(ckpt, paths.index(leaf))
+        where = re.escape(f"`{ckpt.directory}` step 5 is corrupted: the leaf `{leaf}`")
+        with pytest.raises(ValueError, match=where):
+            ckpt.restore(state)
+
+
+def _manifest(ckpt, step: int) -> dict:
+    return json.loads(
+        (pathlib.Path(ckpt.directory) / str(step) / "nvfp4x" / "metadata").read_text()
+    )
+
+
+def test_flipped_bytes_in_the_array_files_never_restore_a_wrong_state(tmp_path, states):
+    """Bytes flipped on disk in the largest array file (Orbax's OCDBT data file): each
+    restore either raises (Orbax's reader or nvfp4x's checksum) or returns the saved
+    state exactly."""
+    state, other, folder = states
+    shutil.copytree(folder, tmp_path / "ckpt")
+    step = tmp_path / "ckpt" / "5"
+    files = [p for p in step.rglob("*") if p.is_file() and "state" in p.parts]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    data = biggest.read_bytes()
+    rng = np.random.default_rng(0)
+    outcomes = []
+    for i in sorted({0, len(data) // 2, len(data) - 1, *rng.integers(0, len(data), 5).tolist()}):
+        copy = tmp_path / f"flip{i}"
+        shutil.copytree(tmp_path / "ckpt", copy)
+        target = copy / biggest.relative_to(tmp_path / "ckpt")
+        target.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :])
+        with nvfp4x.TrainingCheckpointer(copy) as ckpt:
+            try:
+                restored = ckpt.restore(other)
+            except Exception as e:  # any refusal will do; a wrong state will not
+                ours = isinstance(e, ValueError) and "is corrupted: the leaf" in str(e)
+                outcomes.append("checksum" if ours else type(e).__name__)
+                continue
+        assert_same_bits(restored, state, f"byte {i} of {biggest.name} flipped")
+        outcomes.append("intact")
+    # Orbax stores these arrays uncompressed and unchecked: most flips decode without
+    # error, and only the checksum stands between them and a silently wrong state.
+    assert "checksum" in outcomes, outcomes
+
+
+def test_a_step_cut_short_is_never_listed_nor_restored(tmp_path, states):
+    """A save that died before Orbax renamed its folder into place (simulated: a complete
+    copy of a step under Orbax's temporary name) is not a step: not listed, not restored,
+    and its folder is removed before the next save (which may be of the same step)."""
+    state, other, folder = states
+    root = tmp_path / "ckpt"
+    shutil.copytree(folder, root)
+    unfinished = root / "8.orbax-checkpoint-tmp"
+    shutil.copytree(root / "5", unfinished)
+    with nvfp4x.TrainingCheckpointer(root, async_save=False) as ckpt:
+        assert ckpt.all_steps() == [5] and ckpt.latest_step() == 5
+        assert_same_bits(ckpt.restore(other), state, "the last complete step")
+        ckpt.save(8, other)  # the resumed run saves that step again
+        assert not unfinished.exists()
+        assert ckpt.all_steps() == [5, 8]
+        assert_same_bits(ckpt.restore(state), other, "the step saved again")
+
+
+def test_mismatched_or_missing_checkpoints_are_refused(tmp_path, states):
+    state, _, _ = states
+    with nvfp4x.TrainingCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+            ckpt.restore(state)
+        ckpt.save(5, state)
+        with pytest.raises(ValueError, match=r"already has a checkpoint of step 5 >= 5"):
+            ckpt.save(5, state)
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 3; it has steps \[5\]"):
+            ckpt.restore(state, step=3)
+        wider = {**state, "history": np.zeros(7, np.float32)}
+        with pytest.raises(
+            ValueError, match=r"at the leaf `\[history\]`: saved array float32\[6\]"
+        ):
+            ckpt.restore(wider)
+        extra = {**state, "zz_extra": jnp.zeros(3)}
+        with pytest.raises(ValueError, match=r"has \d+ leaves, `like` has \d+"):
+            ckpt.restore(extra)
+        bf16 = nvfp4x.quantize(
+            eqx.nn.MLP(32, 16, 48, 1, key=jax.random.key(0)), nvfp4x.recipes.bf16()
+        )
+        with pytest.raises(ValueError, match=r"different layer recipes.*requantize"):
+            ckpt.restore({**state, "model": bf16})
+        with pytest.raises(TypeError, match="`step` must be a non-negative int"):
+            ckpt.save(-1, state)
+
+
+def test_without_orbax_the_error_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "orbax", None)
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+    with pytest.raises(ImportError, match="pip install orbax-checkpoint"):
+        nvfp4x.TrainingCheckpointer(tmp_path)
+
+
+def test_training_run_killed_and_resumed_ends_with_the_same_bits(tmp_path):
+    """`tests/resumable_training.py` (NVFP4 training recipe with stochastic rounding,
+    Adam, data position and PRNG key in the state, a checkpoint every 4 of 30 steps) is
+    killed with SIGKILL at a random moment after its first checkpoint, then started
+    again: it resumes from its last complete checkpoint, and its final losses, weights,
+    optimiser state, key and data position equal those of a run never stopped, bit for
+    bit. (The run never stopped is this process's; the two script runs share a
+    compilation cache.)"""
+    folder = tmp_path / "run"
+    script = [sys.executable, str(HERE / "resumable_training.py"), str(folder)]
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    victim = subprocess.Popen(
+        [*script, "--sleep", "0.05"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    delay = random.uniform(0.0, 0.8)
+    box = {}
+
+    def kill_after_first_checkpoint():
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and victim.poll() is None:
+            if folder.is_dir() and any(p.isdigit() for p in os.listdir(folder)):
+                time.sleep(delay)
+                break
+            time.sleep(0.01)
+        steps = os.listdir(folder) if folder.is_dir() else []
+        box["steps_before_kill"] = sorted(int(p) for p in steps if p.isdigit())
+        victim.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_first_checkpoint)
+    killer.start()
+    try:  # meanwhile, the run never stopped
+        state = resumable_training.initial_state()
+        while state["step"] < resumable_training.STEPS:
+            state = resumable_training.step(state)
+    finally:
+        killer.join()
+        output = victim.communicate(timeout=TIMEOUT)[0].decode()
+    assert victim.returncode == -signal.SIGKILL, output[-3000:]
+    assert "finished" not in output
+    assert box["steps_before_kill"], output[-3000:]
+
+    resumed = subprocess.run(script, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    found = re.search(r"resumed from step (\d+)", resumed.stdout)
+    assert found, resumed.stdout[-3000:]
+    start = int(found.group(1))  # a checkpoint may have completed after the listing
+    assert box["steps_before_kill"][-1] <= start < resumable_training.STEPS, (delay, box, start)
+    with nvfp4x.TrainingCheckpointer(folder) as ckpt:
+        assert ckpt.latest_step() == resumable_training.STEPS
+        final = ckpt.restore(resumable_training.initial_state())
+    assert np.all(np.isfinite(final["losses"]))
+    assert_same_bits(final, state, f"killed {delay:.2f} s after the first checkpoint")
