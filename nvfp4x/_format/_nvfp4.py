@@ -328,10 +328,13 @@ def _prepare(
     `tiny` whether `s_dec < 2^-64` (products with it may be subnormal)."""
     # The barrier keeps XLA from constant-folding the block reduction when `xp` is a
     # compile-time constant (a closed-over weight): its evaluator takes seconds on it.
-    xf = jax.lax.optimization_barrier(xp.astype(jnp.float32))
+    # It holds the input as given: the float32 cast after it fuses into each reader, so
+    # a bfloat16 input is never copied to a float32 array in memory.
+    xp = jax.lax.optimization_barrier(xp)
+    xf = xp.astype(jnp.float32)
     bamax = block_absmax(xf, block)
     if amax is None:
-        amax = _amax_given_blocks(xf, bamax)
+        amax = _amax_given_blocks(xp, bamax)
     s_enc, s_dec = tensor_scales(amax)
     scale_b, inv_b, inv_sub = _block_scales(bamax, s_enc, s_dec, scale_rounding)
     return to_blocks(xf, block), scale_b, inv_b, inv_sub, s_dec, is_tiny_scale(s_dec)
