@@ -22,6 +22,11 @@ from ._frozen import (
     freeze as freeze,
 )
 from ._gemm import qdot as qdot
+from ._hf import (
+    export_hf as export_hf,
+    hf_names as hf_names,
+    import_hf as import_hf,
+)
 from ._linear import QuantizedLinear as QuantizedLinear
 from ._packed import (
     FP8Array as FP8Array,

@@ -360,8 +360,9 @@ def freeze(model: Any) -> Any:
     policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
     the group's largest amax: the layer that holds it freezes as without the group, the
     others to a coarser grid than their training forward used (not bit-equal to it).
-    Serialise with [`nvfp4x.save`][]. Eager calls are jitted (one compiled packing per
-    weight shape and recipe).
+    Serialise with [`nvfp4x.save`][]; export for serving stacks with
+    [`nvfp4x.export_hf`][]. Eager calls are jitted (one compiled packing per weight shape
+    and recipe).
 
     **Arguments:**
 
