@@ -1,4 +1,4 @@
-"""Run every benchmark (format, training, inference, sensitivity, sharding); one table.
+"""Run every benchmark (format, training, inference, sensitivity, sharding, export); one table.
 
 ```
 python benchmarks/run_all.py [--quick] [--out benchmarks/results.md]
@@ -31,6 +31,7 @@ BENCHMARKS = (
     "bench_inference",
     "bench_sensitivity",
     "bench_sharding",
+    "bench_export",
 )
 QUICK_CANDIDATES = (["--quick"], ["--smoke"])
 

@@ -11,7 +11,16 @@ softmax and batched matmuls are not linear layers and stay unquantised.
 python examples/train_lm.py                    # default config: both runs, CPU-friendly
 python examples/train_lm.py --smoke            # a tiny config, seconds
 python examples/train_lm.py --data my.txt --steps 1000 --layers 8
+python examples/train_lm.py --export out/lm-nvfp4     # + a Hugging Face NVFP4 checkpoint
+python examples/train_lm.py --generate-from out/lm-nvfp4 --prompt "import os"
 ```
+
+With `--export DIR`, the NVFP4 model is frozen after training (q/k/v and gate/up sharing
+a tensor scale, as serving stacks fuse them) and written with `nvfp4x.export_hf` as a W4A4
+checkpoint in NVIDIA Model Optimizer's format (activation scales calibrated on two
+validation batches), with a `config.json` of the equivalent `LlamaForCausalLM`; it is then
+read back with `nvfp4x.import_hf` (checked bit for bit) and a few dozen bytes are
+generated from it greedily. `--smoke` does the same into `OUT/nvfp4_hf`.
 
 The corpus is, by default, the Python standard library's own source files (present on
 every machine, no download): the sorted file list, shuffled with a fixed seed, read
@@ -35,6 +44,8 @@ result = train_lm.train(nvfp4x.quantize(model, some_policy), cfg, data, label="m
 import argparse
 import csv
 import dataclasses
+import functools
+import json
 import math
 import os
 import sys
@@ -251,10 +262,23 @@ def bf16_tail(n_layers: int, fraction: float = 0.15) -> int:
     return min(max(1, round(fraction * n_layers)), n_layers - 1)
 
 
-def paper_policy(cfg: Config, *, training: nvfp4x.Recipe | None = None) -> nvfp4x.Policy:
+#: The layers a serving stack fuses into one GEMM with one tensor scale (q/k/v and
+#: gate/up of each block): `nvfp4x.freeze` gives them a shared tensor scale when the
+#: policy groups them, which `nvfp4x.export_hf` needs (see `paper_policy`).
+FUSED_SCALE_GROUPS = (r"(.*)\.attn\.w[qkv]", r"(.*)\.mlp\.w_(gate|up)")
+
+
+def paper_policy(
+    cfg: Config,
+    *,
+    training: nvfp4x.Recipe | None = None,
+    tensor_scale_groups: tuple[str, ...] = (),
+) -> nvfp4x.Policy:
     """The NVFP4 paper's precision policy for this model: LM head untouched, the last ~15%
     of blocks in bf16, every other linear layer under `training` (by default
-    `nvfp4x.recipes.nvfp4_training()`)."""
+    `nvfp4x.recipes.nvfp4_training()`). `tensor_scale_groups` (e.g.
+    `FUSED_SCALE_GROUPS`, for a model to export) is passed to `nvfp4x.Policy`: it changes
+    what `nvfp4x.freeze` packs, not training."""
     training = nvfp4x.recipes.nvfp4_training() if training is None else training
     tail = bf16_tail(cfg.n_layers)
     last = "|".join(str(i) for i in range(cfg.n_layers - tail, cfg.n_layers))
@@ -262,7 +286,7 @@ def paper_policy(cfg: Config, *, training: nvfp4x.Recipe | None = None) -> nvfp4
     if tail:
         rules.append((rf"blocks\[({last})\]\..*", nvfp4x.recipes.bf16()))
     rules.append((r".*", training))
-    return nvfp4x.Policy(rules)
+    return nvfp4x.Policy(rules, tensor_scale_groups=tensor_scale_groups)
 
 
 # --- data ---
@@ -508,6 +532,116 @@ def train(
     return TrainResult(label, model, losses, val, seconds, compile_seconds, rate, records)
 
 
+# --- deployment: a Hugging Face checkpoint that serving stacks read, and text from it ---
+
+
+def hf_config(cfg: Config) -> dict[str, Any]:
+    """This model as Hugging Face's `LlamaForCausalLM` configures it (`config.json`): the
+    same layers (pre-norm RMSNorm, rotate-half rotary embeddings with base 10000, SwiGLU,
+    no biases, untied LM head) over 256 byte tokens. Weights are float32 where they are
+    not NVFP4."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.d_model // cfg.n_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000.0,
+        "max_position_embeddings": cfg.seq,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(hf: dict[str, Any]) -> Config:
+    """The `Config` of a checkpoint's `config.json` written by `hf_config`."""
+    cfg = dataclasses.replace(
+        SMOKE,
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        seq=hf["max_position_embeddings"],
+        vocab=hf["vocab_size"],
+    )
+    if cfg.d_ff != hf["intermediate_size"]:
+        raise ValueError(
+            f"`intermediate_size={hf['intermediate_size']}` is not this example's SwiGLU size "
+            f"{cfg.d_ff} for `hidden_size={cfg.d_model}`: not a checkpoint of this model."
+        )
+    return cfg
+
+
+def calibrate_input_amax(
+    qmodel: Any, cfg: Config, data: Data, batches: int = 2
+) -> dict[str, float]:
+    """The activation amax of every layer whose recipe quantises its input to NVFP4, the
+    largest over `batches` validation batches (`nvfp4x.telemetry`'s `fprop_x` amax): a
+    W4A4 checkpoint's static `input_scale` (nvfp4x itself scales activations per call)."""
+    nvfp4_input = lambda path, w: w.recipe.input is not None and w.recipe.input.name == "nvfp4"
+    probed = nvfp4x.telemetry.enable(nvfp4x.telemetry.disable(qmodel), where=nvfp4_input)
+    grad = eqx.filter_jit(eqx.filter_grad(loss_fn))
+    starts = np.linspace(0, len(data.val) - cfg.seq - 1, batches * cfg.batch).astype(np.int64)
+    amax: dict[str, float] = {}
+    for i in range(batches):
+        x, y = windows(data.val, starts[i * cfg.batch : (i + 1) * cfg.batch], cfg.seq)
+        for path, ops in nvfp4x.telemetry.collect(grad(probed, x, y)).items():
+            amax[path] = max(amax.get(path, 0.0), float(ops["fprop_x"]["amax"]))
+    return amax
+
+
+def export(qmodel: Any, cfg: Config, data: Data, directory: str) -> Any:
+    """Freeze the trained NVFP4 model and write it to `directory` as a W4A4 NVFP4 Hugging
+    Face checkpoint (`nvfp4x.export_hf`, names as `LlamaForCausalLM`'s, a `config.json`
+    from `hf_config`, activation scales calibrated on validation batches). The model
+    must have been quantised with `tensor_scale_groups=FUSED_SCALE_GROUPS`.
+
+    **Returns:** the frozen model."""
+    amax = calibrate_input_amax(qmodel, cfg, data)
+    frozen = nvfp4x.freeze(nvfp4x.telemetry.disable(qmodel))
+    nvfp4x.export_hf(
+        frozen, directory, names=nvfp4x.hf_names.llama, input_amax=amax, hf_config=hf_config(cfg)
+    )
+    return frozen
+
+
+def load_export(directory: str) -> tuple[Any, Config]:
+    """Read a checkpoint written by `export` (`nvfp4x.import_hf`, bit for bit) into this
+    model, frozen; its configuration comes from the checkpoint's `config.json`."""
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = config_from_hf(json.load(f))
+    policy = paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS)
+    like = eqx.filter_eval_shape(
+        lambda: nvfp4x.freeze(nvfp4x.quantize(build_model(cfg, jax.random.key(0)), policy))
+    )
+    return nvfp4x.import_hf(directory, like, names=nvfp4x.hf_names.llama), cfg
+
+
+def generate(model: Any, cfg: Config, prompt: bytes, n: int) -> bytes:
+    """`n` bytes after `prompt`, greedily: each step reads the last `cfg.seq` bytes (the
+    context the model was trained on; a shorter prompt is left-padded with spaces) and
+    appends the most likely next byte. One compiled forward for every step."""
+    step = _next_byte(cfg.seq)
+    text = bytearray(b" " * max(0, cfg.seq - len(prompt)) + prompt)
+    for _ in range(n):
+        window = np.frombuffer(bytes(text[-cfg.seq :]), np.uint8).astype(np.int32)
+        text.append(int(step(model, window)))
+    return bytes(text[-n:]) if n else b""
+
+
+@functools.cache
+def _next_byte(seq: int):
+    del seq  # one compiled step per context length
+    return eqx.filter_jit(lambda model, window: jnp.argmax(model(window)[-1]))
+
+
 # --- outputs ---
 
 
@@ -628,6 +762,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="record per-layer NVFP4 operand statistics each step and plot them",
     )
+    p.add_argument(
+        "--export",
+        default=None,
+        metavar="DIR",
+        help="after training, write the NVFP4 model to DIR as a Hugging Face checkpoint "
+        "(NVIDIA Model Optimizer's format, served by vLLM), read it back and generate text "
+        "(--smoke: to OUT/nvfp4_hf)",
+    )
+    p.add_argument(
+        "--generate-from",
+        default=None,
+        metavar="DIR",
+        help="no training: read a checkpoint written by --export and generate text from it",
+    )
+    p.add_argument("--prompt", default="def main(argv):\n    ", help="prompt for generation")
+    p.add_argument("--generate", type=int, default=48, metavar="N", help="bytes to generate")
     return p.parse_args(argv)
 
 
@@ -651,8 +801,25 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return dataclasses.replace(base, **changes)
 
 
+def generate_from(directory: str, prompt: str, n: int) -> bytes:
+    """Read the checkpoint in `directory` and print `n` greedily generated bytes."""
+    model, cfg = load_export(directory)
+    text = generate(model, cfg, prompt.encode(), n)
+    print(f"{directory}: {cfg.n_layers} blocks, d_model={cfg.d_model}; greedy continuation:")
+    print(prompt + text.decode("utf-8", errors="replace"))
+    return text
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
+    if args.generate_from is not None:
+        generate_from(args.generate_from, args.prompt, args.generate)
+        return {}
+    export_dir = args.export
+    if export_dir is None and args.smoke:
+        export_dir = os.path.join(args.out, "nvfp4_hf")
+    if export_dir is not None and args.bf16_from is not None:
+        raise SystemExit("error: --export writes the NVFP4 model; --bf16-from ends in bf16")
     try:
         cfg = config_from_args(args)
         data = load_data(cfg, args.data)
@@ -667,7 +834,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"training: {cfg.steps} steps x {cfg.batch} x {cfg.seq} bytes, peak lr {cfg.lr}"
     )
 
-    policy = paper_policy(cfg)
+    groups = FUSED_SCALE_GROUPS if export_dir is not None else ()
+    policy = paper_policy(cfg, tensor_scale_groups=groups)
     qmodel = nvfp4x.quantize(model, policy)
     if args.telemetry:  # probes on the NVFP4 layers (not the bf16 tail)
         qmodel = nvfp4x.telemetry.enable(
@@ -714,6 +882,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"wrote {csv_path} and {png_path}")
     if args.telemetry:
         print("wrote {} and {}".format(*write_telemetry(args.out, quant.telemetry)))
+    if export_dir is not None:
+        frozen = export(quant.model, cfg, data, export_dir)
+        back, _ = load_export(export_dir)
+        same = all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(back), strict=True)
+        )
+        print(f"wrote {export_dir} (nvfp4x.export_hf); read back bit for bit: {same}")
+        if not same:
+            raise SystemExit("error: the exported checkpoint does not read back bit for bit")
+        generate_from(export_dir, args.prompt, args.generate)
     return {
         "baseline_train": baseline.final_train_loss,
         "baseline_val": baseline.val_loss,
