@@ -1,21 +1,13 @@
 """The NVFP4 format core (spec §1-4) against an independent NumPy reference.
 
-The reference below is written from `shared/spec/nvfp4.md` with NumPy float32 arithmetic
-and `ml_dtypes` casts only; it never calls into `nvfp4x`. Every comparison with it is bit
-for bit: packed codes (unpacked here), block scales (as E4M3 bit patterns), the tensor
-scale and the dequantised values, eagerly and under `jax.jit`.
-
-Documented choices of the library that the reference follows:
-- the tensor amax is `max(|x|)` ignoring NaN (CUDA's `fmaxf`) but counting infinities;
-- a block holding a NaN or ±inf gets a NaN block scale, so all its elements dequantise
-  to NaN (its codes are then irrelevant and are not compared);
-- blocked axes that are not multiples of 16 are zero-padded: the codes have the padded
-  shape with the last axis halved, the scales one entry per padded block.
+The reference (`tests/reference.py`) is written from `shared/spec/nvfp4.md` with NumPy
+float32 arithmetic and `ml_dtypes` casts only; it never calls into `nvfp4x`. Every
+comparison with it is bit for bit: packed codes (unpacked here), block scales (as E4M3
+bit patterns), the tensor scale and the dequantised values, eagerly and under `jax.jit`.
 """
 
 import math
 import re
-from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,19 +16,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from reference import (
+    E2M1,
+    E4M3,
+    F32,
+    GRID,
+    Ref,
+    assert_bits,
+    ref_neighbours,
+    ref_nvfp4,
+    unpack,
+)
 
 import nvfp4x
 
-# ---------------------------------------------------------------------------------------
-# The NumPy reference (spec §2), independent of nvfp4x.
-# ---------------------------------------------------------------------------------------
-
-F32 = np.float32
-FLT_MAX = np.finfo(np.float32).max
-E4M3 = ml_dtypes.float8_e4m3fn
-E2M1 = ml_dtypes.float4_e2m1fn
-#: Magnitudes of the E2M1 codes 0..7 (spec §1).
-GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], F32)
 #: Transformer Engine's RHT sign vector (spec §4).
 TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
 
@@ -44,133 +37,6 @@ LAYOUTS = {"1x16": (1, 16), "16x16": (16, 16)}
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 layouts = pytest.mark.parametrize("block", list(LAYOUTS.values()), ids=list(LAYOUTS))
 dtypes = pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-
-
-def _pad(x: np.ndarray, block) -> np.ndarray:
-    pads = [(0, 0)] * x.ndim
-    pads[-1] = (0, -x.shape[-1] % 16)
-    if block[0] == 16:
-        pads[-2] = (0, -x.shape[-2] % 16)
-    return np.pad(x, pads)
-
-
-def _to_blocks(xp: np.ndarray, block) -> np.ndarray:
-    if block[0] == 1:
-        return xp.reshape(*xp.shape[:-1], xp.shape[-1] // 16, 16)
-    *lead, r, c = xp.shape
-    return xp.reshape(*lead, r // 16, 16, c // 16, 16)
-
-
-def _per_element(s: np.ndarray, block) -> np.ndarray:
-    """A per-block array broadcast against the `_to_blocks` view."""
-    return s[..., None] if block[0] == 1 else s[..., :, None, :, None]
-
-
-def _logical(xb: np.ndarray, padded_shape, shape) -> np.ndarray:
-    """From the `_to_blocks` view back to the logical (unpadded) shape."""
-    xp = xb.reshape(padded_shape)
-    return xp[tuple(slice(0, n) for n in shape)]
-
-
-class Ref(NamedTuple):
-    codes: np.ndarray  # uint8 4-bit codes, padded shape (unpacked)
-    valid: np.ndarray  # bool, padded shape: the element's block is finite
-    scales: np.ndarray  # float8_e4m3fn block scales
-    tensor_scale: np.float32  # s_dec
-    deq: np.ndarray  # dequantised, logical shape, input dtype
-    v: np.ndarray  # float32 scaled values x * inv_b, padded shape
-    sbf: np.ndarray  # float32 block scale per element, padded shape
-
-
-def ref_nvfp4(x, block, amax=None) -> Ref:
-    """Spec §2 step by step in NumPy float32, rounding by ml_dtypes casts."""
-    x = np.asarray(x)
-    x32 = x.astype(F32)
-    xp = _pad(x32, block)
-    xb = _to_blocks(xp, block)
-    with np.errstate(all="ignore"):
-        if amax is None:
-            a = np.abs(xp)
-            amax = np.max(np.where(np.isnan(a), F32(0), a), initial=F32(0))
-        amax = F32(amax)
-        s_enc = np.minimum(F32(2688) / amax, FLT_MAX)
-        if amax == 0 or s_enc == 0:
-            s_enc = F32(1)
-        s_dec = F32(1) / s_enc
-        axes = (-1,) if block[0] == 1 else (-3, -1)
-        bamax = np.max(np.abs(xb), axis=axes)  # NaN propagates: the non-finite flag
-        finite = np.isfinite(bamax)
-        # Clamp to 448 before the cast: ml_dtypes maps anything above 464 to NaN.
-        sb = np.minimum(bamax * (s_enc * (F32(1) / F32(6))), F32(448))
-        sb = np.where(finite, sb, F32(np.nan)).astype(E4M3)
-        sbf = sb.astype(F32)
-        inv = np.minimum(F32(1) / (sbf * s_dec), FLT_MAX)
-        v = xb * _per_element(inv, block)
-        # Saturate at ±6 before the cast (E2M1 has no inf/NaN); NaN blocks get code 0.
-        vc = np.clip(np.where(np.isnan(v), F32(0), v), F32(-6), F32(6))
-        codes = vc.astype(E2M1).view(np.uint8)
-        values = codes.view(E2M1).astype(F32)
-        deq = (values * _per_element(sbf, block)) * s_dec
-    valid = np.broadcast_to(_per_element(finite, block), xb.shape)
-    sbf_e = np.broadcast_to(_per_element(sbf, block), xb.shape)
-    return Ref(
-        codes=codes.reshape(xp.shape),
-        valid=valid.reshape(xp.shape),
-        scales=sb,
-        tensor_scale=F32(s_dec),
-        deq=_logical(deq, xp.shape, x.shape).astype(x.dtype),
-        v=v.reshape(xp.shape),
-        sbf=sbf_e.reshape(xp.shape),
-    )
-
-
-def ref_neighbours(ref: Ref, shape, dtype):
-    """The two E2M1 grid values around each scaled value, as codes and dequantised.
-
-    Saturating values (|v| > 6) have both neighbours at ±6; exact grid values have
-    `lo == hi`. Returns `(lo_code, hi_code, lo_deq, hi_deq)`; codes in the padded shape,
-    dequantised values in the logical shape and `dtype`.
-    """
-    with np.errstate(all="ignore"):
-        a = np.minimum(np.abs(np.where(np.isnan(ref.v), F32(0), ref.v)), F32(6))
-        hi_i = np.searchsorted(GRID, a, side="left")  # smallest grid value >= a
-        lo_i = np.searchsorted(GRID, a, side="right") - 1  # largest grid value <= a
-        sign = np.signbit(ref.v)
-        s_dec = ref.tensor_scale
-        out = []
-        for i in (lo_i, hi_i):
-            code = (i + 8 * sign).astype(np.uint8)
-            deq = (code.view(E2M1).astype(F32) * ref.sbf) * s_dec
-            out.append((code, deq[tuple(slice(0, n) for n in shape)].astype(dtype)))
-    (lo_code, lo_deq), (hi_code, hi_deq) = out
-    return lo_code, hi_code, lo_deq, hi_deq
-
-
-# ---------------------------------------------------------------------------------------
-# Helpers.
-# ---------------------------------------------------------------------------------------
-
-
-def unpack(packed) -> np.ndarray:
-    """Packed bytes -> 4-bit codes: element 2i is the low nibble (spec §1)."""
-    p = np.asarray(packed)
-    return np.stack([p & 0x0F, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-
-
-def assert_bits(got, want, what: str) -> None:
-    """Bitwise equality, with every NaN counting as equal to every NaN."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    nan_got = np.isnan(got.astype(F32))
-    nan_want = np.isnan(want.astype(F32))
-    np.testing.assert_array_equal(nan_got, nan_want, err_msg=f"{what}: NaN positions")
-    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
-    np.testing.assert_array_equal(
-        np.where(nan_want, 0, got.view(uint)),
-        np.where(nan_want, 0, want.view(uint)),
-        err_msg=f"{what}: bits",
-    )
 
 
 def check_against_ref(

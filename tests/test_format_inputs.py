@@ -10,8 +10,8 @@
   denormals-are-zero and flush-to-zero (checked below), so this is what catches any step
   of the library that does float arithmetic on a subnormal.
 
-The references here are written from `shared/spec/nvfp4.md` with NumPy float32 and
-`ml_dtypes` casts only; they never call into `nvfp4x`.
+The references (`tests/reference.py`) are written from `shared/spec/nvfp4.md` with NumPy
+float32 and `ml_dtypes` casts only; they never call into `nvfp4x`.
 """
 
 import functools
@@ -22,14 +22,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from reference import (
+    E2M1,
+    E4M3,
+    F32,
+    FLT_MAX,
+    assert_bits,
+    ref_fp8,
+    ref_mxfp8,
+    ref_nvfp4,
+    unpack,
+)
 
 import nvfp4x
 
-F32 = np.float32
-FLT_MAX = np.finfo(F32).max
-E4M3 = ml_dtypes.float8_e4m3fn
-E5M2 = ml_dtypes.float8_e5m2
-E2M1 = ml_dtypes.float4_e2m1fn
 LAYOUTS = {"1x16": (1, 16), "16x16": (16, 16)}
 #: The shape of (almost) every array below: one compile per function, layout and mode
 #: (eager calls compile each primitive once per shape); 20 and 40 exercise the padding.
@@ -50,119 +56,6 @@ def call(fn, mode, *args, **kwargs):
 @functools.cache
 def _jitted(fn, static: tuple[str, ...]):
     return jax.jit(fn, static_argnames=static)
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_bits(got, want, what: str) -> None:
-    """Bitwise equality (dtype and shape too), every NaN equal to every NaN."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    nan = np.isnan(want.astype(F32))
-    np.testing.assert_array_equal(np.isnan(got.astype(F32)), nan, err_msg=f"{what}: NaNs")
-    np.testing.assert_array_equal(
-        np.where(nan, 0, bits(got)), np.where(nan, 0, bits(want)), err_msg=f"{what}: bits"
-    )
-
-
-def unpack(packed) -> np.ndarray:
-    p = np.asarray(packed)
-    return np.stack([p & 0x0F, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-
-
-# ---------------------------------------------------------------------------------------
-# References (spec §2 and §6) in NumPy float32.
-# ---------------------------------------------------------------------------------------
-
-
-def ref_nvfp4(x: np.ndarray, block, amax=None) -> dict:
-    """Spec §2, line by line, in NumPy float32 (IEEE: subnormals kept)."""
-    x32 = np.asarray(x).astype(F32)
-    pads = [(0, 0)] * x32.ndim
-    pads[-1] = (0, -x32.shape[-1] % 16)
-    if block[0] == 16:
-        pads[-2] = (0, -x32.shape[-2] % 16)
-    xp = np.pad(x32, pads)
-    if block[0] == 1:
-        xb, axes = xp.reshape(*xp.shape[:-1], -1, 16), (-1,)
-        per = lambda s: s[..., None]  # noqa: E731
-    else:
-        *lead, r, c = xp.shape
-        xb, axes = xp.reshape(*lead, r // 16, 16, c // 16, 16), (-3, -1)
-        per = lambda s: s[..., :, None, :, None]  # noqa: E731
-    with np.errstate(all="ignore"):
-        if amax is None:
-            a = np.abs(xp)
-            amax = np.max(np.where(np.isnan(a), F32(0), a), initial=F32(0))
-        amax = F32(amax)
-        s_enc = np.minimum(F32(2688) / amax, FLT_MAX)
-        if amax == 0 or s_enc == 0:
-            s_enc = F32(1)
-        s_dec = F32(1) / s_enc
-        bamax = np.max(np.abs(xb), axis=axes)
-        sb = np.minimum(bamax * (s_enc * (F32(1) / F32(6))), F32(448))
-        sb = np.where(np.isfinite(bamax), sb, F32(np.nan)).astype(E4M3)
-        sbf = sb.astype(F32)
-        inv = np.minimum(F32(1) / (sbf * s_dec), FLT_MAX)
-        v = xb * per(inv)
-        v = np.clip(np.where(np.isnan(v), F32(0), v), F32(-6), F32(6))
-        codes = v.astype(E2M1).view(np.uint8)
-        deq = (codes.view(E2M1).astype(F32) * per(sbf)) * s_dec
-    deq = deq.reshape(xp.shape)[tuple(slice(0, n) for n in x32.shape)]
-    valid = np.broadcast_to(per(np.isfinite(bamax)), xb.shape).reshape(xp.shape)
-    return dict(
-        codes=codes.reshape(xp.shape),
-        valid=valid,
-        scales=sb,
-        tensor_scale=np.asarray(s_dec, F32),
-        deq=deq.astype(np.asarray(x).dtype),
-    )
-
-
-def ref_mxfp8(x: np.ndarray) -> dict:
-    """Spec §6 in NumPy: `scale = 2^ceil(log2(bamax / 448))`, with the library's
-    documented clamps (exponent in [-126, 120], 1 for a zero block) and saturation of
-    each element at the largest E4M3 value `v` with `v * scale <= FLT_MAX`."""
-    x32 = np.asarray(x).astype(F32)
-    xp = np.pad(x32, [(0, 0)] * (x32.ndim - 1) + [(0, -x32.shape[-1] % 32)])
-    xb = xp.reshape(*xp.shape[:-1], -1, 32)
-    with np.errstate(all="ignore"):
-        bamax = np.max(np.abs(xb), axis=-1)
-        mant, exp = np.frexp(bamax.astype(np.float64))  # exact; bamax = mant * 2^exp
-        e = exp - 9 + (mant > 0.875)  # 448 = 0.875 * 2^9
-        e = np.where(bamax == 0, 0, np.clip(e, -126, 127))
-        finite = np.isfinite(bamax)
-        e = np.where(finite, e, 0)
-        scale = np.where(finite, np.ldexp(F32(1), e).astype(F32), F32(np.nan))
-        grid = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
-        limit = np.array(
-            [grid[grid * 2.0**k <= FLT_MAX].max() for k in e.ravel()], np.float64
-        ).reshape(e.shape)
-        y = (xb.astype(np.float64) / np.ldexp(1.0, e)[..., None]).astype(F32)
-        y = np.clip(np.where(np.isnan(y), 0, y), -448, 448).astype(E4M3).astype(np.float64)
-        q = np.clip(y, -limit[..., None], limit[..., None]).astype(E4M3)
-        deq = (q.astype(F32) * scale[..., None]).reshape(xp.shape)[..., : x32.shape[-1]]
-    return dict(data=q.reshape(xp.shape), scales=scale, deq=deq)
-
-
-def ref_fp8(x: np.ndarray, kind: str) -> dict:
-    """§6 per-tensor FP8: `scale = amax * f32(1/max)` (the library's documented form of
-    `amax / max`), 1 for a zero or non-finite amax; non-finite elements give NaN."""
-    fp8, top = (E4M3, 448.0) if kind == "e4m3" else (E5M2, 57344.0)
-    x32 = np.asarray(x).astype(F32)
-    with np.errstate(all="ignore"):
-        a = np.abs(x32)
-        amax = np.max(np.where(np.isnan(a), F32(0), a), initial=F32(0))
-        scale = amax * F32(1.0 / top)
-        if scale == 0 or not np.isfinite(scale):
-            scale = F32(1)
-        y = np.clip(x32 / scale, F32(-top), F32(top))
-        q = np.where(np.isfinite(x32), y, F32(np.nan)).astype(fp8)
-        deq = q.astype(F32) * scale
-    return dict(data=q, scale=np.asarray(scale, F32), deq=deq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,9 +109,9 @@ def test_fp8_zero_dimensional(mode):
         for v in (F32(1.5), F32(-3.0e-3), F32(0.0)):
             f = call(nvfp4x.to_fp8, mode, jnp.asarray(v), kind=kind)
             ref = ref_fp8(v, kind)
-            assert_bits(f.data, ref["data"], f"{kind} {v} data")
-            assert_bits(f.scale, ref["scale"], f"{kind} {v} scale")
-            assert_bits(f.dequantize(), ref["deq"], f"{kind} {v} dequantize")
+            assert_bits(f.data, ref.data, f"{kind} {v} data")
+            assert_bits(f.scale, ref.scale, f"{kind} {v} scale")
+            assert_bits(f.dequantize(), ref.deq, f"{kind} {v} dequantize")
 
 
 BAD_BLOCKS = {
@@ -397,11 +290,11 @@ def test_mxfp8_near_float32_max(mode):
     assert np.isfinite(x).all()
     m = call(nvfp4x.to_mxfp8, mode, x)
     ref = ref_mxfp8(x)
-    assert_bits(m.data, ref["data"], "elements")
-    assert_bits(np.asarray(m.scales).astype(F32), ref["scales"], "scales")
+    assert_bits(m.data, ref.data, "elements")
+    assert_bits(np.asarray(m.scales).astype(F32), ref.scales, "scales")
     deq = np.asarray(m.dequantize())
     assert np.isfinite(deq).all(), deq[~np.isfinite(deq)]
-    assert_bits(deq, ref["deq"], "dequantize")
+    assert_bits(deq, ref.deq, "dequantize")
     assert np.abs(np.asarray(m.scales).astype(F32)).max() == 2.0**120
 
 
@@ -414,9 +307,9 @@ def test_mxfp8_matches_reference(mode):
     x = x.astype(F32)
     m = call(nvfp4x.to_mxfp8, mode, x)
     ref = ref_mxfp8(x)
-    assert_bits(m.data, ref["data"], "elements")
-    assert_bits(np.asarray(m.scales).astype(F32), ref["scales"], "scales")
-    assert_bits(m.dequantize(), ref["deq"], "dequantize")
+    assert_bits(m.data, ref.data, "elements")
+    assert_bits(np.asarray(m.scales).astype(F32), ref.scales, "scales")
+    assert_bits(m.dequantize(), ref.deq, "dequantize")
 
 
 @MODES
@@ -425,10 +318,10 @@ def test_fp8_near_float32_max(mode, kind):
     x = np.array([FLT_MAX, -FLT_MAX, F32(3.0e38), F32(1.0), F32(-1.0e30)], F32)
     f = call(nvfp4x.to_fp8, mode, x, kind=kind)
     ref = ref_fp8(x, kind)
-    assert_bits(f.data, ref["data"], "data")
-    assert_bits(f.scale, ref["scale"], "scale")
+    assert_bits(f.data, ref.data, "data")
+    assert_bits(f.scale, ref.scale, "scale")
     assert np.isfinite(np.asarray(f.dequantize())).all()
-    assert_bits(f.dequantize(), ref["deq"], "dequantize")
+    assert_bits(f.dequantize(), ref.deq, "dequantize")
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,12 +348,12 @@ def check_nvfp4(x: np.ndarray, block, mode: str, amax=None, what: str = "") -> N
         q, deq, fake = _nvfp4_jit(jnp.asarray(x), block, amax)
     codes = unpack(q.codes)
     np.testing.assert_array_equal(
-        np.where(ref["valid"], codes, 0), np.where(ref["valid"], ref["codes"], 0), what
+        np.where(ref.valid, codes, 0), np.where(ref.valid, ref.codes, 0), what
     )
-    assert_bits(q.scales, ref["scales"], f"{what}: block scales")
-    assert_bits(q.tensor_scale, ref["tensor_scale"], f"{what}: tensor scale")
-    assert_bits(deq, ref["deq"], f"{what}: dequantize")
-    assert_bits(fake, ref["deq"], f"{what}: fake_quantize")
+    assert_bits(q.scales, ref.scales, f"{what}: block scales")
+    assert_bits(q.tensor_scale, ref.tensor_scale, f"{what}: tensor scale")
+    assert_bits(deq, ref.deq, f"{what}: dequantize")
+    assert_bits(fake, ref.deq, f"{what}: fake_quantize")
 
 
 @functools.partial(jax.jit, static_argnames="block")
@@ -543,11 +436,11 @@ def test_tiny_under_vmap():
     q, deq, fake = batched(jnp.asarray(x))
     for i, k in enumerate(ks):
         ref = ref_nvfp4(x[i], (1, 16))
-        np.testing.assert_array_equal(unpack(q.codes[i]), ref["codes"], f"k={k}")
-        assert_bits(q.tensor_scale[i], ref["tensor_scale"], f"k={k} tensor scale")
-        assert_bits(deq[i], ref["deq"], f"k={k} vmapped dequantize")
-        assert_bits(fake[i], ref["deq"], f"k={k} vmapped fake_quantize")
-    assert_bits(q.dequantize(), np.stack([ref_nvfp4(s, (1, 16))["deq"] for s in x]), "batch")
+        np.testing.assert_array_equal(unpack(q.codes[i]), ref.codes, f"k={k}")
+        assert_bits(q.tensor_scale[i], ref.tensor_scale, f"k={k} tensor scale")
+        assert_bits(deq[i], ref.deq, f"k={k} vmapped dequantize")
+        assert_bits(fake[i], ref.deq, f"k={k} vmapped fake_quantize")
+    assert_bits(q.dequantize(), np.stack([ref_nvfp4(s, (1, 16)).deq for s in x]), "batch")
 
 
 def test_tiny_bfloat16():
