@@ -431,14 +431,15 @@ def frozen_codes(weights: list, mesh) -> tuple[dict, dict]:
 
 
 def save_checkpoint(path: str, params, opt_state) -> None:
-    """The sharded training state with Orbax, each process writing its own shards."""
+    """The sharded training state as step 0 of `nvfp4x.TrainingCheckpointer(path)`
+    (Orbax), each process writing its own shards."""
     import equinox as eqx
-    import orbax.checkpoint as ocp
+
+    import nvfp4x
 
     state = {"model": eqx.filter(params, eqx.is_array), "opt_state": opt_state}
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, state)
-        ckptr.wait_until_finished()
+    with nvfp4x.TrainingCheckpointer(path, async_save=False) as ckpt:
+        ckpt.save(0, state)
 
 
 def run_all(

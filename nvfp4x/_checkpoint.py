@@ -436,24 +436,43 @@ def _stored(leaf: Any, spec: _Leaf) -> Any:
     return leaf
 
 
-def _default_sharding() -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+def _placement(like: Any, spec: _Leaf) -> jax.sharding.Sharding:
+    """Where `like`'s leaf is restored: its sharding, on the first local device if it
+    has none, and on the mesh set by `jax.set_mesh` if its mesh is abstract (as
+    `eqx.filter_eval_shape` gives for arrays sharded over explicit mesh axes)."""
+    sharding = getattr(like, "sharding", None)
+    if sharding is None:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, jax.sharding.AbstractMesh
+    ):
+        mesh = jax.sharding.get_mesh()
+        shape = lambda m: tuple(zip(m.axis_names, m.axis_sizes, strict=True))
+        if mesh.empty or shape(mesh) != shape(sharding.mesh):
+            raise ValueError(
+                f"`like`'s leaf `{spec.path}` is sharded over an abstract mesh "
+                f"{dict(shape(sharding.mesh))}, and no mesh of that shape is set: restore "
+                "inside `with jax.set_mesh(mesh):`, or give `like` concrete shardings."
+            )
+        return jax.sharding.NamedSharding(mesh, sharding.spec)
+    return sharding
 
 
-def _key_data_target(like: Any) -> jax.ShapeDtypeStruct:
+def _key_data_target(like: Any, spec: _Leaf) -> jax.ShapeDtypeStruct:
     """Where a key array's `key_data` is restored for `like` (a key array, or a
     `ShapeDtypeStruct` of one): the key's sharding, trailing key words unsharded."""
     if isinstance(like, jax.Array):
         data = jax.random.key_data(like)
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
     abstract = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(like.shape, like.dtype))
-    sharding = like.sharding
-    if sharding is None:
-        sharding = _default_sharding()
-    elif isinstance(sharding, jax.sharding.NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (abstract.ndim - len(sharding.spec))
-        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    sharding = _placement(like, spec)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        words = (None,) * (abstract.ndim - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, *words)
+        )
     elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        like = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding)
         sharding = jax.jit(jax.random.key_data).lower(like).compile().output_shardings
     return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
 
@@ -462,13 +481,12 @@ def _target(like: Any, spec: _Leaf) -> Any:
     """What Orbax restores the leaf into: a sharded `ShapeDtypeStruct` for a jax leaf, a
     numpy array for a numpy leaf or a Python number."""
     if spec.kind == "key":
-        return _key_data_target(like)
+        return _key_data_target(like, spec)
     if spec.kind in _PYTHON_SCALARS:
         return np.zeros((), _PYTHON_SCALARS[spec.kind][1])
     if isinstance(like, np.ndarray | np.generic):
         return np.zeros(like.shape, like.dtype)
-    sharding = getattr(like, "sharding", None) or _default_sharding()
-    return jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=_placement(like, spec))
 
 
 def _key_impl(like: Any):

@@ -16,7 +16,6 @@ import threading
 import equinox as eqx
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
@@ -126,11 +125,12 @@ def test_freeze_across_processes_gives_one_device_codes(runs):
 
 
 def test_checkpoint_from_two_processes_restores_on_one(runs):
-    """The sharded training state, saved with Orbax by both processes (each writing its
-    own shards), restored on one process: on one device and sharded 8 ways."""
+    """The sharded training state, saved with `nvfp4x.TrainingCheckpointer` by both
+    processes (each writing its own shards; the checksums computed on the global arrays),
+    restored on one process, checksums verified: on one device and sharded 8 ways."""
     _, two, _, out = runs
     path = out / "checkpoint"
-    assert [p.name for p in sorted(path.glob("ocdbt.process_*"))] == [
+    assert [p.name for p in sorted((path / "0" / "state").glob("ocdbt.process_*"))] == [
         "ocdbt.process_0",
         "ocdbt.process_1",
     ]
@@ -147,9 +147,10 @@ def test_checkpoint_from_two_processes_restores_on_one(runs):
     eight_ways = target(
         lambda a: NamedSharding(mesh, P("x") if a.ndim >= 1 and a.shape[0] % 8 == 0 else P())
     )
-    with ocp.StandardCheckpointer() as ckptr:
+    with nvfp4x.TrainingCheckpointer(path) as ckpt:
+        assert ckpt.all_steps() == [0]
         for like in (target(lambda a: one_device), eight_ways):
-            restored = ckptr.restore(path, like)
+            restored = ckpt.restore(like)
             got_w = jax.tree.leaves(restored["model"])
             got_o = jax.tree.leaves(restored["opt_state"])
             for i, a in enumerate(got_w):
