@@ -11,6 +11,7 @@ softmax and batched matmuls are not linear layers and stay unquantised.
 python examples/train_lm.py                    # default config: both runs, CPU-friendly
 python examples/train_lm.py --smoke            # a tiny config, seconds
 python examples/train_lm.py --data my.txt --steps 1000 --layers 8
+python examples/train_lm.py --checkpoint-dir ckpt   # resumable: run it again after a crash
 python examples/train_lm.py --export out/lm-nvfp4     # + a Hugging Face NVFP4 checkpoint
 python examples/train_lm.py --generate-from out/lm-nvfp4 --prompt "import os"
 ```
@@ -21,6 +22,12 @@ checkpoint in NVIDIA Model Optimizer's format (activation scales calibrated on t
 validation batches), with a `config.json` of the equivalent `LlamaForCausalLM`; it is then
 read back with `nvfp4x.import_hf` (checked bit for bit) and a few dozen bytes are
 generated from it greedily. `--smoke` does the same into `OUT/nvfp4_hf`.
+
+With `--checkpoint-dir DIR`, both runs save their training state (model, optimiser
+state, losses so far; the step fixes the next batch) with `nvfp4x.TrainingCheckpointer`
+every `--checkpoint-every` steps. Started again with the same arguments after a crash or
+a kill, the script resumes each run from its last checkpoint and ends with the losses
+and weights of a run never stopped.
 
 The corpus is, by default, the Python standard library's own source files (present on
 every machine, no download): the sorted file list, shuffled with a fixed seed, read
@@ -478,6 +485,8 @@ def train(
     telemetry: bool = False,
     switch_at: int | None = None,
     switch_to: Any = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 50,
 ) -> TrainResult:
     """Train `model` (quantised or not) for `cfg.steps` AdamW steps on `data`.
 
@@ -494,6 +503,12 @@ def train(
       `nvfp4x.telemetry`); the model must hold probes (`nvfp4x.telemetry.enable`).
     - `switch_at`, `switch_to`: before step `switch_at`, switch the quantised model to the
       policy `switch_to` with `nvfp4x.requantize` (weights and optimiser state carry on).
+    - `checkpoint_dir`, `checkpoint_every`: save the model, optimiser state and losses to
+      `checkpoint_dir` with `nvfp4x.TrainingCheckpointer` every `checkpoint_every` steps
+      and after the last (the two latest are kept). If it holds a checkpoint already,
+      resume from the latest: the batches follow from the step, stochastic rounding from
+      the weights, so the run ends as if never stopped. (Telemetry covers the steps run
+      in this call.)
 
     **Returns:** a `TrainResult`.
     """
@@ -503,8 +518,26 @@ def train(
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     starts = batch_starts(cfg, len(data.train))
     losses = np.zeros(cfg.steps, np.float32)
+    first, ckpt = 0, None
+    if checkpoint_dir is not None:
+        ckpt = nvfp4x.TrainingCheckpointer(checkpoint_dir, max_to_keep=2)
+        first = ckpt.latest_step() or 0
+        if first:
+            if switch_at is not None and first > switch_at:  # saved after the switch
+                model, opt_state = nvfp4x.requantize(model, switch_to, state=opt_state)
+            like = {"model": model, "opt_state": opt_state, "losses": losses}
+            state = ckpt.restore(like)
+            model, opt_state, losses = state["model"], state["opt_state"], state["losses"]
+            print(f"{label}: resumed from step {first} ({checkpoint_dir})")
     tokens_per_step = cfg.batch * cfg.seq
-    bar = tqdm(range(cfg.steps), desc=f"{label:>8}", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        range(first, cfg.steps),
+        desc=f"{label:>8}",
+        initial=first,
+        total=cfg.steps,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     t0 = time.perf_counter()
     compile_seconds = 0.0
     records = [] if telemetry else None
@@ -518,14 +551,20 @@ def train(
         else:
             model, opt_state, loss = train_step(model, opt_state, optimizer, x, y)
         losses[step] = float(loss)
-        if step == 0:
+        if step == first:
             compile_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
         elapsed = time.perf_counter() - t0
-        rate = tokens_per_step * step / elapsed if step else 0.0
+        rate = tokens_per_step * (step - first) / elapsed if step > first else 0.0
         bar.set_postfix(loss=f"{losses[step]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+        done = step + 1
+        if ckpt is not None and (done % checkpoint_every == 0 or done == cfg.steps):
+            ckpt.save(done, {"model": model, "opt_state": opt_state, "losses": losses})
+    if ckpt is not None:
+        ckpt.close()  # the last save written
     seconds = time.perf_counter() - t0
-    rate = tokens_per_step * (cfg.steps - 1) / seconds if cfg.steps > 1 else 0.0
+    ran = cfg.steps - first
+    rate = tokens_per_step * (ran - 1) / seconds if ran > 1 else 0.0
     if not np.all(np.isfinite(losses)):
         print(f"warning: {label} loss is not finite at some step", file=sys.stderr)
     val = evaluate(model, cfg, data.val)
@@ -758,6 +797,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(the paper's precision schedule, e.g. 0.9; nvfp4x.requantize)",
     )
     p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="checkpoint both runs to DIR/float32 and DIR/nvfp4 (nvfp4x.TrainingCheckpointer, "
+        "needs orbax-checkpoint); run again with the same arguments, a killed run resumes "
+        "from its last checkpoints to the same losses",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=50, metavar="N", help="steps between checkpoints"
+    )
+    p.add_argument(
         "--telemetry",
         action="store_true",
         help="record per-layer NVFP4 operand statistics each step and plot them",
@@ -849,7 +899,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     print(f"GEMM FLOPs of one training step by format (nvfp4x.coverage): {shares}")
     progress = not args.no_progress
-    baseline = train(model, cfg, data, label="float32", progress=progress)
+    if args.checkpoint_every < 1:
+        raise SystemExit(f"error: --checkpoint-every must be >= 1, got {args.checkpoint_every}")
+
+    def checkpoints(run: str) -> dict[str, Any]:
+        if args.checkpoint_dir is None:
+            return {}
+        path = os.path.join(args.checkpoint_dir, run)
+        return {"checkpoint_dir": path, "checkpoint_every": args.checkpoint_every}
+
+    baseline = train(model, cfg, data, label="float32", progress=progress, **checkpoints("float32"))
     switch = {}
     if args.bf16_from is not None:
         if not 0 < args.bf16_from <= 1:
@@ -860,7 +919,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         }
         print(f"precision schedule: NVFP4 until step {switch['switch_at']}, then bf16")
     quant = train(
-        qmodel, cfg, data, label="nvfp4", progress=progress, telemetry=args.telemetry, **switch
+        qmodel,
+        cfg,
+        data,
+        label="nvfp4",
+        progress=progress,
+        telemetry=args.telemetry,
+        **switch,
+        **checkpoints("nvfp4"),
     )
 
     print("\n" + nvfp4x.summary(quant.model) + "\n")
