@@ -518,7 +518,8 @@ class TrainingCheckpointer:
       array with `like`'s sharding, which may differ from the one saved.
     - **Atomic.** A step is written to a temporary folder and renamed when complete
       (Orbax); a save cut short is never listed by `latest_step` nor restored, and its
-      leftovers are removed when the next `TrainingCheckpointer` opens the folder.
+      folder is removed (from when a `TrainingCheckpointer` opens the directory, at the
+      latest before its first save).
     - **Verified.** Each step records every leaf's path, shape, dtype and a checksum of
       its bits, computed where the array lives (a jitted reduction, no gather, equal
       for any sharding). `restore` checks them all and raises `ValueError` naming the
