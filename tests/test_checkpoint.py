@@ -511,7 +511,7 @@ def test_training_run_killed_and_resumed_ends_with_the_same_bits(tmp_path):
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
     victim = subprocess.Popen(
-        [*script, "--sleep", "0.05"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [*script, "--sleep", "0.1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     delay = random.uniform(0.0, 0.8)
     box = {}
