@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import normal
 from jax import lax
 
 import nvfp4x
@@ -26,7 +27,7 @@ def n_plain(fn, *args) -> int:
 
 
 def x_(seed=1, shape=(T, D)):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    return normal(seed, shape)
 
 
 class DirectReads(eqx.Module):

@@ -4,17 +4,11 @@ The benchmarks themselves are timed runs, not tests; `--smoke` of the convergenc
 runs here (slow) so that the script the docs' fidelity page relies on keeps working.
 """
 
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from helpers import ROOT, run_script
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import run_all  # noqa: E402
+from benchmarks import run_all
 
 
 def test_render_lists_every_benchmark_and_its_status():
@@ -54,18 +48,8 @@ def test_steps_to_reach():
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path, subprocess_env):
     out = tmp_path / "conv"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "convergence.py"),
-        "--smoke",
-        "--only",
-        "float32,nvfp4",
-        "--no-progress",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    args = [str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--only", "float32,nvfp4"]
+    run_script([*args, "--no-progress", "--out", str(out)], env=subprocess_env, timeout=600)
     assert {p.name for p in out.iterdir()} == {"losses.csv", "results.md", "convergence.png"}
     header = (out / "losses.csv").read_text().splitlines()[0]
     assert header == "step,float32,nvfp4"

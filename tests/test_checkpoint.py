@@ -32,6 +32,7 @@ import numpy as np
 import optax
 import pytest
 import resumable_training
+from helpers import assert_same_bits, run_script
 
 import nvfp4x
 from nvfp4x import _checkpoint
@@ -43,29 +44,6 @@ TIMEOUT = 240  # seconds, for any subprocess
 # ---------------------------------------------------------------------------------------
 # Helpers.
 # ---------------------------------------------------------------------------------------
-
-
-def leaves_bits(tree: Any) -> list:
-    """Every leaf as `(type name, dtype, shape, bytes)` for arrays (key arrays by their
-    key data) and as itself otherwise: equal lists mean equal bits."""
-    out = []
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            data = np.asarray(jax.random.key_data(leaf))
-            out.append(("key", str(leaf.dtype), data.shape, data.tobytes()))
-        elif isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            a = np.asarray(leaf)
-            out.append((type(leaf).__module__.split(".")[0], str(a.dtype), a.shape, a.tobytes()))
-        else:
-            out.append(leaf)
-    return out
-
-
-def assert_same_bits(got: Any, want: Any, what: str) -> None:
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)]
-    for path, a, b in zip(paths, leaves_bits(got), leaves_bits(want), strict=True):
-        assert a == b, f"{what}: leaf {path} differs"
 
 
 def build_frozen(seed: int) -> Any:
@@ -504,14 +482,17 @@ def test_training_run_killed_and_resumed_ends_with_the_same_bits(tmp_path):
     bit. (The run never stopped is this process's; the two script runs share a
     compilation cache.)"""
     folder = tmp_path / "run"
-    script = [sys.executable, str(HERE / "resumable_training.py"), str(folder)]
+    script = [str(HERE / "resumable_training.py"), str(folder)]
     env = {
         **os.environ,
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
     victim = subprocess.Popen(
-        [*script, "--sleep", "0.1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [sys.executable, *script, "--sleep", "0.1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     delay = random.uniform(0.0, 0.8)
     box = {}
@@ -540,8 +521,7 @@ def test_training_run_killed_and_resumed_ends_with_the_same_bits(tmp_path):
     assert "finished" not in output
     assert box["steps_before_kill"], output[-3000:]
 
-    resumed = subprocess.run(script, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = run_script(script, env=env, timeout=TIMEOUT)
     found = re.search(r"resumed from step (\d+)", resumed.stdout)
     assert found, resumed.stdout[-3000:]
     start = int(found.group(1))  # a checkpoint may have completed after the listing

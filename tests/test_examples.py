@@ -9,13 +9,10 @@ Examples are found by glob: a new example is covered as soon as it exists, and m
 accept `--smoke` (and `--out DIR` if it writes files).
 """
 
-import pathlib
-import subprocess
-import sys
-
 import pytest
+from helpers import ROOT, run_script
 
-EXAMPLES_DIR = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_DIR = ROOT / "examples"
 EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith("_"))
 TIMEOUT_S = 300
 
@@ -68,21 +65,13 @@ def test_example_smoke(path, tmp_path, subprocess_env):
     args = ["--smoke"]
     if "--out" in path.read_text():
         args += ["--out", str(tmp_path / "out")]
-    cmd = [sys.executable, "-c", RUNNER, str(EXAMPLES_DIR), path.stem, *args]
-    try:
-        proc = subprocess.run(
-            cmd,
-            cwd=tmp_path,
-            env=subprocess_env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"`{path.name} --smoke` took more than {TIMEOUT_S} s:\n{e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, (
-        f"`python examples/{path.name} {' '.join(args)}` exited with {proc.returncode}\n"
-        f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    what = f"python examples/{path.name} {' '.join(args)}"
+    proc = run_script(
+        ["-c", RUNNER, str(EXAMPLES_DIR), path.stem, *args],
+        what=what,
+        cwd=tmp_path,
+        env=subprocess_env,
+        timeout=TIMEOUT_S,
     )
     if path.stem == "train_lm":
         assert (tmp_path / "out" / "losses.csv").exists()

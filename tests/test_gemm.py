@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from helpers import RECIPES, assert_same, assert_trees_same, normal_np
 
 import nvfp4x
 
@@ -120,47 +121,20 @@ def assert_close(got, want, what: str, rtol: float = RTOL) -> None:
     assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
 
 
-def assert_same(a, b, what: str) -> None:
-    """Bit for bit (`==`, NaNs equal to NaNs), same dtype and shape."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    np.testing.assert_array_equal(a, b, err_msg=what)
-
-
-def assert_trees_same(a, b, what: str) -> None:
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb), what
-    for i, (u, v) in enumerate(zip(la, lb, strict=True)):
-        assert_same(u, v, f"{what} (leaf {i})")
-
-
 # ---------------------------------------------------------------------------------------
 # Helpers.
 # ---------------------------------------------------------------------------------------
 
-RECIPES = {
-    "nvfp4_training": nvfp4x.recipes.nvfp4_training,
-    "nvfp4_inference": nvfp4x.recipes.nvfp4_inference,
-    "nvfp4_weight_only": nvfp4x.recipes.nvfp4_weight_only,
-    "mxfp8": nvfp4x.recipes.mxfp8,
-    "fp8": nvfp4x.recipes.fp8,
-    "bf16": nvfp4x.recipes.bf16,
-    "float32": nvfp4x.recipes.float32,
-}
 PLAIN = nvfp4x.recipes.nvfp4_training(rht=False, stochastic_rounding=False)
 TRAIN = nvfp4x.recipes.nvfp4_training()
 # Token and feature sizes that are not multiples of 16.
 T, K, N = 37, 40, 24
 
 
-def normal(seed: int, shape, scale: float = 1.0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(F32)
-
-
 def make_layer(recipe, k=K, n=N, *, fast=True, use_bias=True, seed=0, dtype=jnp.float32):
     lin = eqx.nn.Linear(k, n, use_bias=use_bias, key=jax.random.key(seed), dtype=dtype)
     if use_bias:  # a bias that is not tiny, so that adding it in float32 is visible
-        lin = eqx.tree_at(lambda m: m.bias, lin, jnp.asarray(normal(seed + 1, (n,)), dtype))
+        lin = eqx.tree_at(lambda m: m.bias, lin, jnp.asarray(normal_np(seed + 1, (n,)), dtype))
     q = nvfp4x.quantize(lin, recipe, fast=fast)
     assert isinstance(q, nvfp4x.QuantizedLinear)
     return q
@@ -204,8 +178,8 @@ def test_gemms_match_reference(shape_id, mode, fast):
     """fprop, dgrad (dx), wgrad (dW) and the bias gradient through `QuantizedLinear`."""
     xshape = XSHAPES[shape_id]
     layer = make_layer(PLAIN, fast=fast)
-    x = jnp.asarray(normal(1, xshape))
-    g = jnp.asarray(normal(2, xshape[:-1] + (N,)))
+    x = jnp.asarray(normal_np(1, xshape))
+    g = jnp.asarray(normal_np(2, xshape[:-1] + (N,)))
     fwd = layer if mode == "eager" else functools.partial(jit_call, layer)
     grad = grad_layer_x if mode == "eager" else jit_grad_layer_x
     y = fwd(x)
@@ -223,7 +197,7 @@ def test_gemms_match_reference(shape_id, mode, fast):
 
 def test_qdot_matches_reference():
     """The bare `qdot` with no layer around it."""
-    x, w, g = normal(3, (T, K)), normal(4, (N, K)), normal(5, (T, N))
+    x, w, g = normal_np(3, (T, K)), normal_np(4, (N, K)), normal_np(5, (T, N))
 
     def f(x, w):
         return jnp.sum(nvfp4x.qdot(x, w, recipe=PLAIN) * jnp.asarray(g))
@@ -238,7 +212,7 @@ def test_qdot_matches_reference():
 
 def test_reference_detects_quantisation():
     """Sanity of the tolerance: the unquantised products are far outside it."""
-    x, w, g = normal(3, (T, K)), normal(4, (N, K)), normal(5, (T, N))
+    x, w, g = normal_np(3, (T, K)), normal_np(4, (N, K)), normal_np(5, (T, N))
     ry, rdx, rdw = ref_gemms(x, w, g)
     assert rel_err(x @ w.T, ry) > 100 * RTOL
     assert rel_err(g @ w, rdx) > 100 * RTOL
@@ -261,7 +235,7 @@ def test_1x16_weight_blocks_run_along_each_gemms_contraction(fast):
     recipe = nvfp4x.recipes.nvfp4_training(
         rht=False, stochastic_rounding=False, weight_block=(1, 16)
     )
-    x, w, g = (normal(s, sh) for s, sh in ((21, (T, K)), (22, (N, K)), (23, (T, N))))
+    x, w, g = (normal_np(s, sh) for s, sh in ((21, (T, K)), (22, (N, K)), (23, (T, N))))
 
     @jax.jit
     def run(x, w):
@@ -334,7 +308,7 @@ def test_fast_matches_reference_path(name, monkeypatch):
     the float32 reference."""
     monkeypatch.setenv("NVFP4X_GEMM_DTYPE", "bfloat16")
     recipe = RECIPES[name]()
-    x, w, g = (jnp.asarray(normal(s, sh)) for s, sh in ((8, (T, K)), (9, (N, K)), (10, (T, N))))
+    x, w, g = (jnp.asarray(normal_np(s, sh)) for s, sh in ((8, (T, K)), (9, (N, K)), (10, (T, N))))
 
     def run(fast):
         def f(x, w):
@@ -359,15 +333,15 @@ def test_fast_matches_reference_path(name, monkeypatch):
 
 def test_vmap_equals_batch_call():
     layer = make_layer(TRAIN)
-    xs = jnp.asarray(normal(11, (6, K)))
+    xs = jnp.asarray(normal_np(11, (6, K)))
     assert_same(jax.vmap(layer)(xs), layer(xs), "vmap over tokens")
-    xs3 = jnp.asarray(normal(12, (4, 5, K)))
+    xs3 = jnp.asarray(normal_np(12, (4, 5, K)))
     assert_same(jax.vmap(layer)(xs3), layer(xs3), "vmap over examples (seq, k)")
 
 
 def test_nested_vmap_equals_batch_call():
     layer = make_layer(TRAIN)
-    xs = jnp.asarray(normal(13, (3, 5, K)))
+    xs = jnp.asarray(normal_np(13, (3, 5, K)))
     assert_same(jax.vmap(jax.vmap(layer))(xs), layer(xs), "vmap(vmap(layer))")
     assert_same(
         jax.jit(jax.vmap(jax.vmap(layer)))(xs), jit_call(layer, xs), "jit(vmap(vmap(layer)))"
@@ -391,8 +365,8 @@ class TwoLayer(eqx.Module):
 @pytest.mark.parametrize("use_key", [False, True], ids=["no-key", "key"])
 def test_weight_gradient_of_vmapped_model_equals_batched(use_key):
     model = nvfp4x.quantize(TwoLayer(K, N, jax.random.key(1)), TRAIN)
-    xs = jnp.asarray(normal(14, (4, 9, K)))
-    g = jnp.asarray(normal(15, (4, 9, K)))
+    xs = jnp.asarray(normal_np(14, (4, 9, K)))
+    g = jnp.asarray(normal_np(15, (4, 9, K)))
     key = jax.random.key(7) if use_key else None
 
     def loss_vmap(m):
@@ -408,8 +382,8 @@ def test_weight_gradient_of_vmapped_model_equals_batched(use_key):
 
 def test_vmap_of_grad_gives_per_example_gradients():
     layer = make_layer(TRAIN)
-    xs = jnp.asarray(normal(16, (4, 7, K)))
-    gs = jnp.asarray(normal(17, (4, 7, N)))
+    xs = jnp.asarray(normal_np(16, (4, 7, K)))
+    gs = jnp.asarray(normal_np(17, (4, 7, N)))
     gl, gx = jax.jit(jax.vmap(grad_layer_x, in_axes=(None, 0, 0)))(layer, xs, gs)
     assert gl.weight.shape == (4, N, K)
     for i in range(4):
@@ -425,7 +399,7 @@ def test_vmap_of_grad_gives_per_example_gradients():
 def test_eager_equals_jit():
     # Without a bias the GEMMs give the same bits eagerly and under jit.
     layer = make_layer(TRAIN, use_bias=False)
-    x, g = jnp.asarray(normal(18, (T, K))), jnp.asarray(normal(19, (T, N)))
+    x, g = jnp.asarray(normal_np(18, (T, K))), jnp.asarray(normal_np(19, (T, N)))
     assert_same(layer(x), jit_call(layer, x), "fprop")
     assert_same(layer(x), eqx.filter_jit(layer)(x), "fprop (filter_jit)")
     assert_trees_same(grad_layer_x(layer, x, g), jit_grad_layer_x(layer, x, g), "grads")
@@ -435,7 +409,7 @@ def test_eager_and_jit_with_bias_differ_by_at_most_one_fused_rounding():
     # Under jit XLA fuses `acc * scale + bias` (an FMA on CPU): one rounding fewer than
     # the eager sequence, so outputs may differ by one float32 ulp, never more.
     layer = make_layer(TRAIN)
-    x = jnp.asarray(normal(18, (T, K)))
+    x = jnp.asarray(normal_np(18, (T, K)))
     eager, jitted = np.asarray(layer(x)), np.asarray(jit_call(layer, x))
     bias = np.asarray(layer.bias)
     # eager rounds the product and then the sum, the FMA only the sum: at most one ulp
@@ -452,7 +426,7 @@ def test_vmap_over_stacked_weights_is_independent_layers():
     )
     stack = nvfp4x.quantize(lins, TRAIN)
     assert stack.weight.shape == (3, N, K)
-    x = jnp.asarray(normal(20, (5, K)))
+    x = jnp.asarray(normal_np(20, (5, K)))
     ys = eqx.filter_vmap(lambda lay: lay(x))(stack)
     params, static = eqx.partition(stack, eqx.is_array)
     for i in range(3):
@@ -467,7 +441,7 @@ def test_vmap_over_stacked_weights_is_independent_layers():
 
 def test_sr_same_key_same_gradients_different_keys_differ():
     layer = make_layer(TRAIN)
-    x, g = jnp.asarray(normal(21, (T, K))), jnp.asarray(normal(22, (T, N)))
+    x, g = jnp.asarray(normal_np(21, (T, K))), jnp.asarray(normal_np(22, (T, N)))
     k1, k2 = jax.random.key(1), jax.random.key(2)
     a = jit_grad_layer_x(layer, x, g, k1)
     b = jit_grad_layer_x(layer, x, g, k1)
@@ -479,7 +453,7 @@ def test_sr_same_key_same_gradients_different_keys_differ():
 
 def test_sr_without_key_is_reproducible():
     layer = make_layer(TRAIN)
-    x, g = jnp.asarray(normal(23, (T, K))), jnp.asarray(normal(24, (T, N)))
+    x, g = jnp.asarray(normal_np(23, (T, K))), jnp.asarray(normal_np(24, (T, N)))
     assert_trees_same(grad_layer_x(layer, x, g), grad_layer_x(layer, x, g), "same dy, no key")
     assert_trees_same(
         jit_grad_layer_x(layer, x, g), jit_grad_layer_x(layer, x, g), "same dy, no key, jit"
@@ -491,7 +465,7 @@ def test_sr_training_loop_without_key_draws_fresh_rounding():
     from step to step. With the same `x` and `dy` every step, the round-to-nearest wgrad
     `Q(H dy)^T Q(H x)` does not depend on the weight at all, so any change between steps
     is fresh rounding."""
-    x, g = jnp.asarray(normal(25, (T, K))), jnp.asarray(normal(26, (T, N)))
+    x, g = jnp.asarray(normal_np(25, (T, K))), jnp.asarray(normal_np(26, (T, N)))
     opt = optax.sgd(1e-3)
 
     def run(recipe):
@@ -525,7 +499,7 @@ CHANGES = {"double": 2.0, "negate": -1.0}
 @pytest.mark.parametrize("which", ["dx", "dW"])
 def test_sr_thresholds_follow_weight_and_key_not_dy(change, which):
     c = CHANGES[change]
-    x, g = jnp.asarray(normal(27, (T, K))), jnp.asarray(normal(28, (T, N)))
+    x, g = jnp.asarray(normal_np(27, (T, K))), jnp.asarray(normal_np(28, (T, N)))
     layer = make_layer(TRAIN)
 
     def pick(grads):
@@ -550,7 +524,7 @@ def sr_problem():
     tt, nn = np.meshgrid(np.arange(t), np.arange(n), indexing="ij")
     u = np.where((tt - nn) % 16 == 0, 6.0 * rng.choice([-1.0, 1.0], (t, n)), u)
     g = (448 * u).astype(F32)
-    x = normal(30, (t, k))
+    x = normal_np(30, (t, k))
     return x, g
 
 
@@ -588,7 +562,7 @@ def test_sr_is_unbiased():
 
 def test_jit_and_filter_jit():
     model = nvfp4x.quantize(TwoLayer(K, N, jax.random.key(3)), TRAIN)
-    x = jnp.asarray(normal(31, (T, K)))
+    x = jnp.asarray(normal_np(31, (T, K)))
     y = eqx.filter_jit(model)(x)
     assert_same(y, jax.jit(lambda m, x: m(x))(model, x), "filter_jit vs jax.jit")
     assert_close(y, model(x), "jit vs eager")  # bit for bit: test_eager_equals_jit
@@ -596,7 +570,7 @@ def test_jit_and_filter_jit():
 
 def test_grad_and_filter_grad():
     layer = make_layer(TRAIN)
-    x, g = jnp.asarray(normal(32, (T, K))), jnp.asarray(normal(33, (T, N)))
+    x, g = jnp.asarray(normal_np(32, (T, K))), jnp.asarray(normal_np(33, (T, N)))
     gf = eqx.filter_jit(eqx.filter_grad(cot_loss))(layer, x, g)
     gj, _ = jit_grad_layer_x(layer, x, g)
     assert isinstance(gf, nvfp4x.QuantizedLinear) and gf.recipe == TRAIN
@@ -608,7 +582,7 @@ def test_grad_and_filter_grad():
 def test_vmap_composes():
     """`jax.vmap` of a whole quantised model (per-example calls) equals the batched call."""
     model = nvfp4x.quantize(TwoLayer(K, N, jax.random.key(5)), TRAIN)
-    xs = jnp.asarray(normal(34, (6, 3, K)))
+    xs = jnp.asarray(normal_np(34, (6, 3, K)))
     assert_same(jax.vmap(model)(xs), model(xs), "vmap(model)")
 
 
@@ -618,7 +592,7 @@ def test_scan_over_stacked_layers_matches_unrolled_loop():
     stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(d, d, key=k))(keys)
     qstack = nvfp4x.quantize(stack, TRAIN)
     assert isinstance(qstack, nvfp4x.QuantizedLinear) and qstack.weight.shape == (nlayers, d, d)
-    x, g = jnp.asarray(normal(35, (T, d))), jnp.asarray(normal(36, (T, d)))
+    x, g = jnp.asarray(normal_np(35, (T, d))), jnp.asarray(normal_np(36, (T, d)))
 
     def loss_scan(q):
         params, static = eqx.partition(q, eqx.is_array)
@@ -650,14 +624,14 @@ def test_scan_over_stacked_layers_matches_unrolled_loop():
 
 def test_checkpoint():
     layer = make_layer(TRAIN)
-    x, g = jnp.asarray(normal(37, (T, K))), jnp.asarray(normal(38, (T, N)))
+    x, g = jnp.asarray(normal_np(37, (T, K))), jnp.asarray(normal_np(38, (T, N)))
     got = jax.jit(jax.grad(jax.checkpoint(cot_loss), argnums=(0, 1)))(layer, x, g)
     assert_trees_same(got, jit_grad_layer_x(layer, x, g), "jax.checkpoint")
 
 
 def test_jvp_is_straight_through():
-    x, w = normal(39, (T, K)), normal(40, (N, K))
-    xt, wt = normal(41, (T, K)), normal(42, (N, K))
+    x, w = normal_np(39, (T, K)), normal_np(40, (N, K))
+    xt, wt = normal_np(41, (T, K)), normal_np(42, (N, K))
 
     def f(x, w):
         return nvfp4x.qdot(x, w, recipe=TRAIN)
@@ -672,7 +646,7 @@ def test_bfloat16_parameters_and_inputs():
     bf = jnp.bfloat16
     layer = make_layer(TRAIN, dtype=bf)
     assert layer.weight.dtype == bf
-    x, g = jnp.asarray(normal(43, (T, K)), bf), jnp.asarray(normal(44, (T, N)))
+    x, g = jnp.asarray(normal_np(43, (T, K)), bf), jnp.asarray(normal_np(44, (T, N)))
     y = layer(x)
     assert y.dtype == bf and y.shape == (T, N)
     gl, gx = grad_layer_x(layer, x, g)
@@ -690,8 +664,8 @@ def test_bfloat16_parameters_and_inputs():
 
 def test_optax_adam_steps_master_weights():
     model = make_layer(TRAIN)
-    x = jnp.asarray(normal(45, (64, K)))
-    target = jnp.asarray(normal(46, (64, K)) @ normal(47, (K, N)) / np.sqrt(K))
+    x = jnp.asarray(normal_np(45, (64, K)))
+    target = jnp.asarray(normal_np(46, (64, K)) @ normal_np(47, (K, N)) / np.sqrt(K))
     opt = optax.adam(1e-2)
     state = opt.init(eqx.filter(model, eqx.is_array))
 
@@ -727,7 +701,7 @@ NONFINITE_RECIPES = ["nvfp4_training", "nvfp4_inference", "mxfp8", "fp8", "bf16"
 @fasts
 def test_nan_in_x_gives_nan_rows(name, fast):
     layer = make_layer(RECIPES[name](), fast=fast)
-    x = normal(47, (T, K))
+    x = normal_np(47, (T, K))
     x[2, 5] = np.nan
     x[30, 39] = np.nan  # in the padded last block of k
     for y in (jit_call(layer, jnp.asarray(x)),):
@@ -740,7 +714,7 @@ def test_nan_in_x_gives_nan_rows(name, fast):
 @pytest.mark.parametrize("name", ["nvfp4_training", "nvfp4_inference"])
 def test_inf_in_x_is_never_finite_garbage(name):
     layer = make_layer(RECIPES[name]())
-    x = normal(48, (T, K))
+    x = normal_np(48, (T, K))
     x[4, 0] = np.inf
     y = np.asarray(layer(jnp.asarray(x)))
     assert np.all(np.isnan(y[4])), "an infinite input poisons its NVFP4 block: NaN row"
@@ -752,14 +726,14 @@ def test_nan_in_weight_gives_nan_columns_of_its_tile():
     w = np.asarray(layer.weight).copy()
     w[3, 7] = np.nan  # 16x16 tile (0, 0): output features 0..15
     layer = eqx.tree_at(lambda m: m.weight.array, layer, jnp.asarray(w))
-    y = np.asarray(layer(jnp.asarray(normal(49, (T, K)))))
+    y = np.asarray(layer(jnp.asarray(normal_np(49, (T, K)))))
     assert np.all(np.isnan(y[:, :16]))
     assert np.all(np.isfinite(y[:, 16:]))
 
 
 def test_nan_in_output_gradient():
     layer = make_layer(TRAIN)
-    x, g = normal(50, (T, K)), normal(51, (T, N))
+    x, g = normal_np(50, (T, K)), normal_np(51, (T, N))
     g[1, 3] = np.nan
     gl, dx = jit_grad_layer_x(layer, jnp.asarray(x), jnp.asarray(g))
     dx, dw = np.asarray(dx), np.asarray(gl.weight)

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from helpers import assert_same_bits
 
 import nvfp4x
 
@@ -60,14 +61,6 @@ def like_of(policy, make=build):
 def s_dec(amax: float) -> np.float32:
     """The spec's tensor decode scale `1 / f32(2688 / amax)` (not `f32(amax / 2688)`)."""
     return np.float32(1.0) / (np.float32(2688.0) / np.float32(amax))
-
-
-def assert_same_bits(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert (x.dtype, x.shape) == (y.dtype, y.shape)
-        assert x.tobytes() == y.tobytes()
 
 
 # --- an independent reader: numpy and the standard library only ---

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import RECIPES, assert_same, assert_same_bits, normal
 
 import nvfp4x
 
@@ -29,15 +30,6 @@ import nvfp4x
 # Helpers.
 # ---------------------------------------------------------------------------------------
 
-RECIPES = {
-    "nvfp4_inference": nvfp4x.recipes.nvfp4_inference,
-    "nvfp4_weight_only": nvfp4x.recipes.nvfp4_weight_only,
-    "nvfp4_training": nvfp4x.recipes.nvfp4_training,
-    "mxfp8": nvfp4x.recipes.mxfp8,
-    "fp8": nvfp4x.recipes.fp8,
-    "bf16": nvfp4x.recipes.bf16,
-    "float32": nvfp4x.recipes.float32,
-}
 NVFP4_RECIPES = ("nvfp4_inference", "nvfp4_weight_only", "nvfp4_training")
 E4M3 = ml_dtypes.float8_e4m3fn
 E8M0 = ml_dtypes.float8_e8m0fnu
@@ -45,36 +37,6 @@ T = 12  # tokens (not a multiple of 16)
 
 recipe_names = pytest.mark.parametrize("name", list(RECIPES))
 nvfp4_names = pytest.mark.parametrize("name", NVFP4_RECIPES)
-
-
-def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
-
-
-def assert_same(a, b, what: str) -> None:
-    """Bit for bit (`==`, NaNs equal to NaNs), same dtype and shape."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    np.testing.assert_array_equal(a, b, err_msg=what)
-
-
-def assert_leaves_bitwise(got: Any, want: Any, what: str) -> None:
-    """Same tree structure (static fields included) and every leaf the same bytes."""
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
-    for path, g, w in zip(
-        [p for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]],
-        jax.tree_util.tree_leaves(got),
-        jax.tree_util.tree_leaves(want),
-        strict=True,
-    ):
-        where = f"{what}: leaf {jax.tree_util.keystr(path)}"
-        if not eqx.is_array(w):  # e.g. an MLP's activation function
-            assert g is w, where
-            continue
-        assert isinstance(g, jax.Array), f"{where} is {type(g).__name__}, not a jax.Array"
-        g, w = np.asarray(g), np.asarray(w)
-        assert (g.dtype, g.shape) == (w.dtype, w.shape), (where, g.dtype, w.dtype, g.shape, w.shape)
-        assert g.tobytes() == w.tobytes(), f"{where}: different bytes"
 
 
 def layers_of(model: Any) -> list:
@@ -352,7 +314,7 @@ def test_eager_freeze_equals_jitted_freeze(name):
     under jit to save time) check: the same packed bits and the same static fields."""
     qmodel = quantized("odd-features", name, keep_last=True)
     eager = nvfp4x.freeze(qmodel)
-    assert_leaves_bitwise(eager, frozen_model("odd-features", name, keep_last=True), name)
+    assert_same_bits(eager, frozen_model("odd-features", name, keep_last=True), name)
 
 
 def test_freeze_leaves_unquantised_layers_alone():
@@ -361,9 +323,9 @@ def test_freeze_leaves_unquantised_layers_alone():
     frozen = freeze_jit(nvfp4x.quantize(master, policy))
     kinds = [type(v) for v in layers_of(frozen)]
     assert kinds == [nvfp4x.FrozenLinear, nvfp4x.FrozenLinear, eqx.nn.Linear]
-    assert_leaves_bitwise(layers_of(frozen)[2], layers_of(master)[2], "unquantised layer")
+    assert_same_bits(layers_of(frozen)[2], layers_of(master)[2], "unquantised layer")
     # Freezing twice changes nothing.
-    assert_leaves_bitwise(freeze_jit(frozen), frozen, "freeze(freeze(m))")
+    assert_same_bits(freeze_jit(frozen), frozen, "freeze(freeze(m))")
 
 
 # ---------------------------------------------------------------------------------------
@@ -452,7 +414,7 @@ def test_checkpoint_round_trip_is_bit_exact(name, like_kind, io_kind, tmp_path):
     write(path, frozen)
     like = frozen_like(name, like_kind)
     loaded = read(path, like)
-    assert_leaves_bitwise(loaded, frozen, f"{name}: {io_kind} round trip, like={like_kind}")
+    assert_same_bits(loaded, frozen, f"{name}: {io_kind} round trip, like={like_kind}")
     x = inputs("odd-features")
     for mode in ("vmap", "jit-vmap"):
         fn = MODES[mode]

@@ -2,16 +2,12 @@
 resumed from its checkpoint equals an uninterrupted one bit for bit, across a precision
 switch too. (The study itself is a benchmark, not a test.)"""
 
-import pathlib
-import sys
-
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import long_run  # noqa: E402
+from benchmarks import long_run
 
 CFG = long_run.SMOKE  # 12 steps; nvfp4_then_bf16 switches to bf16 at step 10
 

@@ -6,8 +6,8 @@ process with the rest of the suite.
 
 import os
 import pathlib
-import subprocess
-import sys
+
+from helpers import run_script
 
 
 def test_multidevice_suite():
@@ -17,23 +17,6 @@ def test_multidevice_suite():
     ).strip()
     env["NVFP4X_MULTIDEVICE"] = "1"
     here = pathlib.Path(__file__).parent
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "0",
-            str(here / "multidevice"),
-        ],
-        cwd=here.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(here / "multidevice")]
+    proc = run_script(args, cwd=here.parent, env=env, timeout=1500)
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import RECIPES, normal
 
 import nvfp4x
 
@@ -23,10 +24,6 @@ D = 24  # feature size, not a multiple of 16
 
 def keys(seed: int, n: int):
     return tuple(jax.random.split(jax.random.key(seed), n))
-
-
-def normal(seed: int, shape) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
 def is_linear(x) -> bool:
@@ -421,15 +418,7 @@ def test_model_without_linear_warns_and_is_unchanged():
 # Recipes.
 # ---------------------------------------------------------------------------------------
 
-RECIPE_NAMES = [
-    "nvfp4_training",
-    "nvfp4_inference",
-    "nvfp4_weight_only",
-    "mxfp8",
-    "fp8",
-    "bf16",
-    "float32",
-]
+RECIPE_NAMES = list(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES, ids=RECIPE_NAMES)

@@ -8,22 +8,17 @@ processes are killed if it fails.
 
 import importlib.util
 import json
-import pathlib
-import subprocess
-import sys
 import threading
 
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import ROOT, run_script
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import nvfp4x
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks import multihost as mh  # noqa: E402
+from benchmarks import multihost as mh
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -180,9 +175,8 @@ def test_sharded_training_example_on_two_processes_prints_the_one_process_curve(
     """`examples/sharded_training.py --processes 2` starts its two processes itself and
     prints the loss curve this process gets from the same script."""
     example = ROOT / "examples" / "sharded_training.py"
-    cmd = [sys.executable, str(example), "--smoke", "--processes", "2", "--timeout", "240"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = [str(example), "--smoke", "--processes", "2", "--timeout", "240"]
+    proc = run_script(args, timeout=TIMEOUT)
     assert "over 2 process(es)" in proc.stdout
     two = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
     spec = importlib.util.spec_from_file_location("_sharded_training", example)

@@ -4,9 +4,6 @@ Run in their own process by `tests/test_sharding.py`, which sets
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts.
 """
 
-import pathlib
-import sys
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,9 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import nvfp4x
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from benchmarks.bench_sharding import (  # noqa: E402  (the comparison the benchmark reports)
+from benchmarks.bench_sharding import (  # the comparison the benchmark reports
     CASES,
     LAYOUTS,
     D,
