@@ -17,8 +17,8 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 from ._array import NVFP4Array, to_nvfp4
 from ._axes import explicit_axes_as_auto
 from ._format._nvfp4 import tensor_amax
-from ._formats import quantize_operand, scaled_dot
-from ._gemm import _vmapped, fprop
+from ._formats import gemm_dtype, quantize_operand, scaled_dot
+from ._gemm import compiled, fprop, vmapped
 from ._linear import QuantizedLinear, apply_linear, product_seen_by_interpreter
 from ._packed import FP8Array, MXFP8Array, to_fp8, to_mxfp8
 from ._policy import Recipe
@@ -163,7 +163,8 @@ class FrozenLinear(eqx.Module):
 
 def _matmul(x: Array, *leaves: Array, wdef, recipe: Recipe, fast: bool) -> Array:
     """The GEMM of a `FrozenLinear`, on its packed weight's leaves."""
-    return frozen_p.bind(x, *leaves, wdef=wdef, recipe=recipe, fast=fast, nbatch=0)
+    dtype = gemm_dtype(fast)
+    return frozen_p.bind(x, *leaves, wdef=wdef, recipe=recipe, dtype=dtype, nbatch=0)
 
 
 def weight_operand(w: PackedWeight, recipe: Recipe):
@@ -172,7 +173,7 @@ def weight_operand(w: PackedWeight, recipe: Recipe):
     return quantize_operand(w, recipe.weight, axis=-1)
 
 
-def _frozen_fprop(x, *leaves, wdef, recipe, fast):
+def _frozen_fprop(x, *leaves, wdef, recipe, dtype):
     # Tie the packed weight to this layer's input, so that XLA cannot decode every layer's
     # weight up front: only one dequantised weight is alive at a time. (An optimisation
     # barrier does not survive XLA's CPU pipeline.) `clz(u32) >> 6` is always 0, but no
@@ -184,23 +185,22 @@ def _frozen_fprop(x, *leaves, wdef, recipe, fast):
     ]
     wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), recipe)
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
-    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), fast=fast)
+    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), dtype=dtype)
 
 
-def _frozen_impl(x, *leaves, wdef, recipe, fast, nbatch):
-    fn = functools.partial(_frozen_fprop, wdef=wdef, recipe=recipe, fast=fast)
-    return _vmapped(fn, nbatch)(x, *leaves)
+def _frozen_impl(x, *leaves, wdef, recipe, dtype, nbatch):
+    return compiled(_frozen_fprop, nbatch, wdef=wdef, recipe=recipe, dtype=dtype)(x, *leaves)
 
 
-def _frozen_abstract(x, *leaves, wdef, recipe, fast, nbatch):
+def _frozen_abstract(x, *leaves, wdef, recipe, dtype, nbatch):
     n = jax.tree_util.tree_unflatten(wdef, leaves).shape[-2]  # avals stand in for arrays
     return jax.core.ShapedArray(x.shape[:-1] + (n,), jnp.float32)
 
 
-def _frozen_batch(args, dims, *, wdef, recipe, fast, nbatch):
+def _frozen_batch(args, dims, *, wdef, recipe, dtype, nbatch):
     x, *leaves = args
     dx, *dl = dims
-    params = dict(wdef=wdef, recipe=recipe, fast=fast)
+    params = dict(wdef=wdef, recipe=recipe, dtype=dtype)
     if all(d is None for d in dl):
         x = jnp.moveaxis(x, dx, nbatch)
         return frozen_p.bind(x, *leaves, nbatch=nbatch, **params), nbatch
@@ -226,7 +226,7 @@ def _frozen_jvp(primals, tangents, **params):
 
 
 frozen_p = Primitive("nvfp4x_frozen_qdot")
-frozen_p.def_impl(jax.jit(_frozen_impl, static_argnames=("wdef", "recipe", "fast", "nbatch")))
+frozen_p.def_impl(_frozen_impl)
 frozen_p.def_abstract_eval(_frozen_abstract)
 mlir.register_lowering(frozen_p, mlir.lower_fun(_frozen_impl, multiple_results=False))
 batching.primitive_batchers[frozen_p] = _frozen_batch
@@ -256,19 +256,19 @@ def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
         fn = functools.partial(to_fp8, kind=fmt.name[4:])
     else:
         return quantize_operand(w, fmt, axis=-1)[0]
-    return _vmapped(fn, w.ndim - 2)(w)
+    return vmapped(fn, w.ndim - 2)(w)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _pack_weight_amax(w: Array, recipe: Recipe, amax: Array) -> NVFP4Array:
     fn = lambda wi, ai: to_nvfp4(wi, block=recipe.weight.block, amax=ai)
-    return _vmapped(fn, w.ndim - 2)(w, amax)
+    return vmapped(fn, w.ndim - 2)(w, amax)
 
 
 @jax.jit
 def _weight_amax(w: Array) -> Array:
     """`max|w|` per stacked slice (the amax `to_nvfp4` takes for each slice)."""
-    return _vmapped(tensor_amax, w.ndim - 2)(w)
+    return vmapped(tensor_amax, w.ndim - 2)(w)
 
 
 def _group_amaxes(model: Any) -> dict[str, Array]:
@@ -302,7 +302,7 @@ def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout, nb: int) -> Array:
 
     def relaid(x, *leaves):
         wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), w.recipe)
-        fn = functools.partial(fprop, recipe=w.recipe, fast=w.fast)
+        fn = functools.partial(fprop, recipe=w.recipe, dtype=gemm_dtype(w.fast))
         for _ in range(nb):
             fn = jax.vmap(fn, in_axes=(0, 0, None))
         # exact values, rearranged exactly

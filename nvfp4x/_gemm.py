@@ -48,7 +48,7 @@ from jaxtyping import Array, ArrayLike, Float, UInt32
 
 from ._format._constants import BLOCK
 from ._format._hadamard import rht
-from ._formats import batched_gemms, fast_gemm_dtype, quantize_operand, scaled_dot
+from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._policy import Recipe
 
 
@@ -86,53 +86,50 @@ def shares_weight(recipe: Recipe) -> bool:
     return fmt is None or fmt.block in (None, (BLOCK, BLOCK))
 
 
-def quantize_weight(w: Array, recipe: Recipe, axis: int, fast: bool) -> tuple[Array, Array]:
-    """The weight operand of fprop (`axis=-1`, blocks along k) or dgrad (`axis=0`, along
-    n) as `(values, scale)`, the values already in the GEMM's operand dtype (so that both
-    GEMMs consume one array: under FSDP, one all-gather), the scale 1 for formats without
-    a tensor scale (an exact multiplication) so that every primitive operand is an array."""
-    return _quantize_weight(w, recipe, axis, fast_gemm_dtype() if fast else None)
-
-
 # Jitted: called eagerly, it is one dispatch, as the primitives' own computations are.
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize_weight(w: Array, recipe: Recipe, axis: int, gemm_dtype) -> tuple[Array, Array]:
+@functools.partial(jax.jit, static_argnames=("recipe", "axis", "dtype"))
+def quantize_weight(w: Array, *, recipe: Recipe, axis: int, dtype) -> tuple[Array, Array]:
+    """The weight operand of fprop (`axis=-1`, blocks along k) or dgrad (`axis=0`, along
+    n) as `(values, scale)`, the values already in the GEMM's operand dtype `dtype` (so
+    that both GEMMs consume one array: under FSDP, one all-gather), the scale 1 for
+    formats without a tensor scale (an exact multiplication) so that every primitive
+    operand is an array."""
     wv, ws = quantize_operand(w, recipe.weight, axis=axis)
-    if gemm_dtype is not None and wv.dtype == jnp.bfloat16:
-        wv = wv.astype(gemm_dtype)
+    if dtype is not None and wv.dtype == jnp.bfloat16:
+        wv = wv.astype(dtype)
     return wv, jnp.float32(1.0) if ws is None else ws
 
 
 def fprop(
-    x: Array, wv: Array, ws: Float[ArrayLike, ""], *, recipe: Recipe, fast: bool
+    x: Array, wv: Array, ws: Float[ArrayLike, ""], *, recipe: Recipe, dtype
 ) -> Float[Array, "..."]:
     """fprop: `Q(x) @ Q(W).T`, x quantised along k; `(wv, ws)` the quantised weight."""
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
-    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), fast=fast)
+    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), dtype=dtype)
 
 
 def tangent_x(
-    xt: Array, wv: Array, ws: Float[ArrayLike, ""], seed: Array, *, recipe: Recipe, fast: bool
+    xt: Array, wv: Array, ws: Float[ArrayLike, ""], seed: Array, *, recipe: Recipe, dtype
 ) -> Array:
     """Forward-mode tangent along x: `x' @ Q(W).T` (straight-through), with `(wv, ws)`
     the weight quantised for dgrad."""
-    return scaled_dot(xt, None, wv, ws, ((xt.ndim - 1,), (1,)), fast=fast)
+    return scaled_dot(xt, None, wv, ws, ((xt.ndim - 1,), (1,)), dtype=dtype)
 
 
-def tangent_w(x: Array, wt: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Array:
+def tangent_w(x: Array, wt: Array, seed: Array, *, recipe: Recipe, dtype) -> Array:
     """Forward-mode tangent along W: `Q(x) @ W'.T` (straight-through)."""
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
-    return scaled_dot(xv, xs, wt, None, ((x.ndim - 1,), (1,)), fast=fast)
+    return scaled_dot(xv, xs, wt, None, ((x.ndim - 1,), (1,)), dtype=dtype)
 
 
 def dgrad(
-    dy: Array, wv: Array, ws: Float[ArrayLike, ""], seed: Array, *, recipe: Recipe, fast: bool
+    dy: Array, wv: Array, ws: Float[ArrayLike, ""], seed: Array, *, recipe: Recipe, dtype
 ) -> Float[Array, "..."]:
     """dgrad: `Q(dy) @ Q(W)`, dy quantised along n (stochastically if the recipe says);
     `(wv, ws)` the weight quantised along n (`quantize_weight(w, recipe, axis=0)`)."""
     key = _grad_key(seed, 1) if _needs_key(recipe) else None
     gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
-    return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), fast=fast)
+    return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), dtype=dtype)
 
 
 def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
@@ -145,46 +142,36 @@ def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
     return g, a
 
 
-def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, fast: bool) -> Float[Array, "n k"]:
+def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, dtype) -> Float[Array, "n k"]:
     """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
     g, a = wgrad_operands(dy, x, recipe)
     key = _grad_key(seed, 2) if _needs_key(recipe) else None
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)
-    return scaled_dot(gv, gs, xv, xs, ((0,), (0,)), fast=fast)
+    return scaled_dot(gv, gs, xv, xs, ((0,), (0,)), dtype=dtype)
 
 
-def _vmapped(fn, nbatch: int):
-    """`fn` vmapped over `nbatch` leading axes. Its GEMMs then have batch dimensions,
-    which XLA:CPU runs on bfloat16 operands only in some layouts (elsewhere: "Unsupported
-    element type for DotThunk: BF16 x BF16 = F32"), so they take float32 operands there
-    (exact for quantised values)."""
-    if nbatch == 0:
-        return fn
-    inner = fn
+def vmapped(fn, nbatch: int):
+    """`fn` vmapped over `nbatch` leading axes of every argument."""
     for _ in range(nbatch):
-        inner = jax.vmap(inner)
-
-    @functools.wraps(fn)
-    def batched(*args):
-        with batched_gemms():
-            return inner(*args)
-
-    return batched
+        fn = jax.vmap(fn)
+    return fn
 
 
 def compiled(fn, nbatch: int, **static):
     """`fn` with `static` bound, vmapped over `nbatch` leading axes, jitted: a transpose
     rule runs it once per call, so an eager `jax.grad` is one dispatch per GEMM rather
-    than one per operation (under an outer `jit` it is inlined). Cached per GEMM operand
-    dtype too, which `fn` reads when traced."""
-    return _compiled(fn, nbatch, fast_gemm_dtype(), tuple(sorted(static.items())))
+    than one per operation (under an outer `jit` it is inlined). A GEMM operand `dtype`
+    among `static` is the one for problems with batch dimensions when `nbatch > 0`
+    (`batched_gemm_dtype`)."""
+    if nbatch and static.get("dtype") is not None:
+        static["dtype"] = batched_gemm_dtype(static["dtype"])
+    return _compiled(fn, nbatch, tuple(sorted(static.items())))
 
 
 @functools.cache
-def _compiled(fn, nbatch: int, gemm_dtype, static: tuple):
-    del gemm_dtype  # a cache key only
-    return jax.jit(_vmapped(functools.partial(fn, **dict(static)), nbatch))
+def _compiled(fn, nbatch: int, static: tuple):
+    return jax.jit(vmapped(functools.partial(fn, **dict(static)), nbatch))
 
 
 # --- primitives ---
@@ -197,8 +184,8 @@ def _compiled(fn, nbatch: int, gemm_dtype, static: tuple):
 # both GEMMs, as the unquantised program gathers its weight once.
 
 
-def _abstract(a, *rest, recipe, fast, nbatch, name):
-    del recipe, fast, name
+def _abstract(a, *rest, recipe, dtype, nbatch, name):
+    del recipe, dtype, name
     w = rest[0]
     return jax.core.ShapedArray(a.shape[:-1] + (w.shape[-2],), jnp.float32)
 
@@ -245,13 +232,14 @@ def _batch_rule(prim, args, dims, **params):
 
 def _make_primitive(name: str, fn, abstract=_abstract, batch=_batch_rule) -> Primitive:
     """A GEMM primitive running `fn` (one problem) vmapped over `nbatch` leading axes.
-    Its parameters: `recipe`, `fast`, `nbatch` and `name` (the layer's path, for
-    reports such as `nvfp4x.coverage`; not part of the computation)."""
+    Its parameters: `recipe`, `dtype` (the GEMM operand dtype, `gemm_dtype`), `nbatch`
+    and `name` (the layer's path, for reports such as `nvfp4x.coverage`; not part of the
+    computation)."""
     prim = Primitive(name)
 
-    def impl(*args, recipe, fast, nbatch, name):
+    def impl(*args, recipe, dtype, nbatch, name):
         del name
-        return compiled(fn, nbatch, recipe=recipe, fast=fast)(*args)
+        return compiled(fn, nbatch, recipe=recipe, dtype=dtype)(*args)
 
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract)
@@ -260,9 +248,9 @@ def _make_primitive(name: str, fn, abstract=_abstract, batch=_batch_rule) -> Pri
     return prim
 
 
-def _fprop_operands(x, w, wv, ws, seed, *, recipe, fast):
+def _fprop_operands(x, w, wv, ws, seed, *, recipe, dtype):
     del w, seed  # the master weight and seed matter to the derivatives only
-    return fprop(x, wv, ws, recipe=recipe, fast=fast)
+    return fprop(x, wv, ws, recipe=recipe, dtype=dtype)
 
 
 def _dgrad_abstract(ct, wv, ws, seed, **_):
@@ -289,15 +277,15 @@ wgrad_p = _make_primitive("nvfp4x_wgrad", wgrad, _wgrad_abstract, _stack_rule)
 def _qdot_jvp(primals, tangents, **params):
     x, w, wv, ws, seed = primals
     tx, tw = tangents[:2]
-    recipe, fast, nbatch = params["recipe"], params["fast"], params["nbatch"]
+    recipe, dtype, nbatch = params["recipe"], params["dtype"], params["nbatch"]
     y = qdot_p.bind(x, w, wv, ws, seed, **params)
     if _needs_key(recipe):
         seed = _mix_weight(seed, w)
     parts = []
     if type(tx) is not ad.Zero:
         if not shares_weight(recipe):
-            quant = functools.partial(quantize_weight, recipe=recipe, axis=0, fast=fast)
-            wv, ws = _vmapped(quant, nbatch)(w)
+            quant = functools.partial(quantize_weight, recipe=recipe, axis=0, dtype=dtype)
+            wv, ws = vmapped(quant, nbatch)(w)
         parts.append(tx_p.bind(tx, wv, ws, seed, **params))
     if type(tw) is not ad.Zero:
         parts.append(tw_p.bind(x, tw, seed, **params))
@@ -382,5 +370,6 @@ def qdot(
     """
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
-    wv, ws = quantize_weight(lax.stop_gradient(w), recipe, axis=-1, fast=fast)
-    return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, fast=fast, nbatch=0, name=name)
+    dtype = gemm_dtype(fast)
+    wv, ws = quantize_weight(lax.stop_gradient(w), recipe=recipe, axis=-1, dtype=dtype)
+    return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, dtype=dtype, nbatch=0, name=name)
