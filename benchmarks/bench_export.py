@@ -29,7 +29,6 @@ Run: `python benchmarks/bench_export.py [--d-model 1024] [--layers 8] [--repeats
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -52,17 +51,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 QUICK_ARGV = ["--quick"]
 
 
-def _load_train_lm():
-    if "train_lm" in sys.modules:
-        return sys.modules["train_lm"]
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _load_train_lm()
+sys.path.insert(0, str(ROOT / "examples"))  # the main example's package, examples/nvfp4_lm
+import nvfp4_lm as lm  # noqa: E402
 
 
 def policy(groups: tuple[str, ...]) -> nvfp4x.Policy:

@@ -12,6 +12,8 @@ validation windows, vmapped sweep only), and which policy `suggest_policy` propo
 """
 
 import argparse
+import pathlib
+import sys
 import time
 
 import jax
@@ -19,10 +21,9 @@ import numpy as np
 
 import nvfp4x
 
-try:  # the train_lm example, as the convergence study loads it
-    from benchmarks.convergence import lm
-except ImportError:  # run as a script from benchmarks/
-    from convergence import lm
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))  # the main example's package, examples/nvfp4_lm
+import nvfp4_lm as lm  # noqa: E402
 
 QUICK_ARGV = ["--layers", "1", "--d", "64", "--seq", "32", "--batch", "4"]
 

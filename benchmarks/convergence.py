@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import importlib.util
 import pathlib
 import sys
 import time
@@ -32,15 +31,9 @@ import nvfp4x
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _load_train_lm():
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / "examples"))  # the main example's package, examples/nvfp4_lm
+import nvfp4_lm as lm  # noqa: E402
 
-
-lm = _load_train_lm()
 R = nvfp4x.recipes
 
 

@@ -36,7 +36,6 @@ import argparse
 import csv
 import dataclasses
 import functools
-import importlib.util
 import os
 import pathlib
 import sys
@@ -55,17 +54,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 R = nvfp4x.recipes
 
 
-def _load_train_lm():
-    if "train_lm" in sys.modules:
-        return sys.modules["train_lm"]
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _load_train_lm()
+sys.path.insert(0, str(ROOT / "examples"))  # the main example's package, examples/nvfp4_lm
+import nvfp4_lm as lm  # noqa: E402
 
 #: The study's model: 3 blocks, d_model 96, 64-byte contexts, 16 per step.
 STUDY = lm.Config(

@@ -17,14 +17,16 @@ EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith(
 TIMEOUT_S = 300
 
 # Runs `examples/NAME.py` as `__main__` through the import system, so the jaxtyping hook
-# instruments it (runpy.run_path would compile it directly, unchecked).
+# instruments it and the packages in `examples/` (`nvfp4_lm`, the main example's code)
+# (runpy.run_path would compile it directly, unchecked).
 RUNNER = """
-import runpy, sys
+import pathlib, runpy, sys
 from jaxtyping import install_import_hook
 examples, name, *argv = sys.argv[1:]
+packages = [p.name for p in pathlib.Path(examples).iterdir() if (p / "__init__.py").exists()]
 sys.path.insert(0, examples)
 sys.argv = [name + ".py", *argv]
-with install_import_hook(["nvfp4x", name], "beartype.beartype"):
+with install_import_hook(["nvfp4x", name, *packages], "beartype.beartype"):
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 """
 
@@ -34,23 +36,27 @@ def test_examples_found():
     assert {"train_lm", "quickstart", "custom_policy"} <= names, names
 
 
-def test_train_lm_imports_without_side_effects(capsys):
-    """`benchmarks/convergence.py` imports the main example: importing it must not train,
-    print or write anything, and its policy's rules must all match its model's paths."""
-    import importlib.util
+def test_train_lm_imports_without_side_effects(capsys, monkeypatch):
+    """The benchmarks and tests import the main example's package, `examples/nvfp4_lm`,
+    and `examples/train_lm.py` only runs its command line: importing either (afresh
+    here) must not train, print or write anything, and the policy's rules must all match
+    the model's paths."""
+    import importlib
+    import sys
 
     import jax
 
     import nvfp4x
 
-    spec = importlib.util.spec_from_file_location("_train_lm", EXAMPLES_DIR / "train_lm.py")
-    train_lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_lm)
+    for name in [m for m in sys.modules if m.split(".")[0] in ("nvfp4_lm", "train_lm")]:
+        monkeypatch.delitem(sys.modules, name)  # put back after the test
+    lm = importlib.import_module("nvfp4_lm")
+    importlib.import_module("train_lm")
     assert capsys.readouterr().out == ""
 
-    cfg = train_lm.SMOKE
-    model = train_lm.build_model(cfg, jax.random.key(0))
-    qmodel = nvfp4x.quantize(model, train_lm.paper_policy(cfg))  # strict: every rule used
+    cfg = lm.SMOKE
+    model = lm.build_model(cfg, jax.random.key(0))
+    qmodel = nvfp4x.quantize(model, lm.paper_policy(cfg))  # strict: every rule used
     last = cfg.n_layers - 1
     assert isinstance(qmodel.blocks[0].mlp.w_gate, nvfp4x.QuantizedLinear)
     assert qmodel.blocks[0].mlp.w_gate.recipe == nvfp4x.recipes.nvfp4_training()
@@ -80,29 +86,26 @@ def test_example_smoke(path, tmp_path, subprocess_env):
 
 
 def test_train_lm_resumes_from_its_last_checkpoint(tmp_path, capsys):
-    """`train_lm.train` with a checkpoint folder (what `--checkpoint-dir` passes): a run
+    """`nvfp4_lm.train` with a checkpoint folder (what `--checkpoint-dir` passes): a run
     whose last checkpoint is step 4 of 6 (the later one deleted, as a kill leaves it)
     resumes there and ends with the losses and weights of the run never stopped, bit
     for bit. (A tiny float32 model: the resume logic; killed NVFP4 runs are
     `tests/test_checkpoint.py`'s.)"""
     import dataclasses
-    import importlib.util
     import shutil
 
     import jax
     import numpy as np
+    import nvfp4_lm as lm
 
-    spec = importlib.util.spec_from_file_location("_train_lm", EXAMPLES_DIR / "train_lm.py")
-    train_lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_lm)
     cfg = dataclasses.replace(
-        train_lm.SMOKE, d_model=32, n_layers=1, n_heads=1, seq=16, batch=2, steps=6, warmup=1
+        lm.SMOKE, d_model=32, n_layers=1, n_heads=1, seq=16, batch=2, steps=6, warmup=1
     )
     cfg = dataclasses.replace(cfg, data_bytes=20_000, eval_seqs=2)
-    data = train_lm.load_data(cfg)
-    model = train_lm.build_model(cfg, jax.random.key(0))
+    data = lm.load_data(cfg)
+    model = lm.build_model(cfg, jax.random.key(0))
     folder = tmp_path / "ckpt"
-    run = lambda: train_lm.train(
+    run = lambda: lm.train(
         model, cfg, data, progress=False, checkpoint_dir=str(folder), checkpoint_every=2
     )
     with jax.numpy_dtype_promotion("standard"):  # as the script runs (optax's Adam needs it)

@@ -1,13 +1,13 @@
 """Hugging Face (Model Optimizer "unified") checkpoints: `nvfp4x.export_hf` / `import_hf`.
 
-The model is `examples/train_lm.py`'s Llama-style transformer (its smoke size), named as
-Hugging Face's Llama by `nvfp4x.hf_names.llama`. Round trips compare every leaf's bits;
-an independent decoder (numpy and the standard library only: the safetensors header
-parsed by hand, E2M1 from a literal table, E4M3 decoded by hand) checks the file against
-the frozen weights' own decoding, bit for bit.
+The model is the main example's Llama-style transformer (`examples/nvfp4_lm`, the code of
+`examples/train_lm.py`; its smoke size), named as Hugging Face's Llama by
+`nvfp4x.hf_names.llama`. Round trips compare every leaf's bits; an independent decoder
+(numpy and the standard library only: the safetensors header parsed by hand, E2M1 from a
+literal table, E4M3 decoded by hand) checks the file against the frozen weights' own
+decoding, bit for bit.
 """
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -18,16 +18,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import nvfp4_lm as lm
 import pytest
 import safetensors.numpy
 from helpers import assert_same_bits
 
 import nvfp4x
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("_train_lm_hf", ROOT / "examples" / "train_lm.py")
-lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lm)
 
 CFG = lm.SMOKE  # d_model 64, 2 blocks, 2 heads, SwiGLU 192
 NAMES = nvfp4x.hf_names.llama

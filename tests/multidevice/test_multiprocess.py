@@ -6,7 +6,6 @@ same things on one process; every launch has a free port and a timeout, and its
 processes are killed if it fails.
 """
 
-import importlib.util
 import json
 import threading
 
@@ -179,10 +178,9 @@ def test_sharded_training_example_on_two_processes_prints_the_one_process_curve(
     proc = run_script(args, timeout=TIMEOUT)
     assert "over 2 process(es)" in proc.stdout
     two = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
-    spec = importlib.util.spec_from_file_location("_sharded_training", example)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    import sharded_training  # (examples/ is on sys.path: pyproject.toml)
+
     with jax.numpy_dtype_promotion("standard"):  # as the script runs (optax's Adam needs it)
-        one = module.main(["--smoke"])
+        one = sharded_training.main(["--smoke"])
     assert len(two) == len(one) == 3
     np.testing.assert_allclose(two, one, rtol=1e-6)

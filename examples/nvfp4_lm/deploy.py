@@ -1,0 +1,126 @@
+"""Deployment: a Hugging Face checkpoint that serving stacks read, and text from it."""
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nvfp4x
+
+from .config import SMOKE, Config
+from .data import Data, windows
+from .model import FUSED_SCALE_GROUPS, build_model, paper_policy
+from .training import loss_fn
+
+
+def hf_config(cfg: Config) -> dict[str, Any]:
+    """This model as Hugging Face's `LlamaForCausalLM` configures it (`config.json`): the
+    same layers (pre-norm RMSNorm, rotate-half rotary embeddings with base 10000, SwiGLU,
+    no biases, untied LM head) over 256 byte tokens. Weights are float32 where they are
+    not NVFP4."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.d_model // cfg.n_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000.0,
+        "max_position_embeddings": cfg.seq,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(hf: dict[str, Any]) -> Config:
+    """The `Config` of a checkpoint's `config.json` written by `hf_config`."""
+    cfg = dataclasses.replace(
+        SMOKE,
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        seq=hf["max_position_embeddings"],
+        vocab=hf["vocab_size"],
+    )
+    if cfg.d_ff != hf["intermediate_size"]:
+        raise ValueError(
+            f"`intermediate_size={hf['intermediate_size']}` is not this example's SwiGLU size "
+            f"{cfg.d_ff} for `hidden_size={cfg.d_model}`: not a checkpoint of this model."
+        )
+    return cfg
+
+
+def calibrate_input_amax(
+    qmodel: Any, cfg: Config, data: Data, batches: int = 2
+) -> dict[str, float]:
+    """The activation amax of every layer whose recipe quantises its input to NVFP4, the
+    largest over `batches` validation batches (`nvfp4x.telemetry`'s `fprop_x` amax): a
+    W4A4 checkpoint's static `input_scale` (nvfp4x itself scales activations per call)."""
+    nvfp4_input = lambda path, w: w.recipe.input is not None and w.recipe.input.name == "nvfp4"
+    probed = nvfp4x.telemetry.enable(nvfp4x.telemetry.disable(qmodel), where=nvfp4_input)
+    grad = eqx.filter_jit(eqx.filter_grad(loss_fn))
+    starts = np.linspace(0, len(data.val) - cfg.seq - 1, batches * cfg.batch).astype(np.int64)
+    amax: dict[str, float] = {}
+    for i in range(batches):
+        x, y = windows(data.val, starts[i * cfg.batch : (i + 1) * cfg.batch], cfg.seq)
+        for path, ops in nvfp4x.telemetry.collect(grad(probed, x, y)).items():
+            amax[path] = max(amax.get(path, 0.0), float(ops["fprop_x"]["amax"]))
+    return amax
+
+
+def export(qmodel: Any, cfg: Config, data: Data, directory: str) -> Any:
+    """Freeze the trained NVFP4 model and write it to `directory` as a W4A4 NVFP4 Hugging
+    Face checkpoint (`nvfp4x.export_hf`, names as `LlamaForCausalLM`'s, a `config.json`
+    from `hf_config`, activation scales calibrated on validation batches). The model
+    must have been quantised with `tensor_scale_groups=FUSED_SCALE_GROUPS`.
+
+    **Returns:** the frozen model."""
+    amax = calibrate_input_amax(qmodel, cfg, data)
+    frozen = nvfp4x.freeze(nvfp4x.telemetry.disable(qmodel))
+    nvfp4x.export_hf(
+        frozen, directory, names=nvfp4x.hf_names.llama, input_amax=amax, hf_config=hf_config(cfg)
+    )
+    return frozen
+
+
+def load_export(directory: str) -> tuple[Any, Config]:
+    """Read a checkpoint written by `export` (`nvfp4x.import_hf`, bit for bit) into this
+    model, frozen; its configuration comes from the checkpoint's `config.json`."""
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = config_from_hf(json.load(f))
+    policy = paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS)
+    like = eqx.filter_eval_shape(
+        lambda: nvfp4x.freeze(nvfp4x.quantize(build_model(cfg, jax.random.key(0)), policy))
+    )
+    return nvfp4x.import_hf(directory, like, names=nvfp4x.hf_names.llama), cfg
+
+
+def generate(model: Any, cfg: Config, prompt: bytes, n: int) -> bytes:
+    """`n` bytes after `prompt`, greedily: each step reads the last `cfg.seq` bytes (the
+    context the model was trained on; a shorter prompt is left-padded with spaces) and
+    appends the most likely next byte. One compiled forward for every step."""
+    step = _next_byte(cfg.seq)
+    text = bytearray(b" " * max(0, cfg.seq - len(prompt)) + prompt)
+    for _ in range(n):
+        window = np.frombuffer(bytes(text[-cfg.seq :]), np.uint8).astype(np.int32)
+        text.append(int(step(model, window)))
+    return bytes(text[-n:]) if n else b""
+
+
+@functools.cache
+def _next_byte(seq: int):
+    del seq  # one compiled step per context length
+    return eqx.filter_jit(lambda model, window: jnp.argmax(model(window)[-1]))
