@@ -17,6 +17,7 @@ import numpy as np
 
 from ._format._constants import BLOCK
 from ._format._nvfp4 import BLOCKS, ROUNDINGS
+from ._prims import is_traced
 
 _ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (
     "(16x16 tiles over the last two axes)"
@@ -134,7 +135,7 @@ def check_amax(amax: Any) -> jax.Array | None:
             f"`amax` must be a scalar, got shape {tuple(np.shape(amax))}; pass the amax of "
             "the whole tensor, e.g. `jnp.max(jnp.abs(x))`."
         )
-    if not isinstance(amax, jax.core.Tracer):
+    if not is_traced(amax):
         value = np.asarray(amax, np.float32).reshape(())
         if value < 0:
             raise ValueError(

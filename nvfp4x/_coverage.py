@@ -13,6 +13,7 @@ from jax import lax
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
+from ._prims import Literal, jaxprs_in_params
 from ._qweight import LAYOUT, QWeight, record_unquantised
 from ._sites import path_str
 
@@ -180,7 +181,7 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
 
 
 def _origin(origin: dict, var) -> str | None:
-    return None if isinstance(var, jax.extend.core.Literal) else origin.get(var)
+    return None if isinstance(var, Literal) else origin.get(var)
 
 
 def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected: set):
@@ -204,7 +205,7 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
             origin[eqn.outvars[0]] = origin[eqn.invars[0]]
             continue
         times = eqn.params.get("length", 1) if prim is lax.scan_p else 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             inner = dict(_map_inputs(eqn, sub, origin))
             _walk(sub, inner, repeats * times, rows, flagged, selected)
 

@@ -10,18 +10,17 @@ import jax
 import jax.numpy as jnp
 import quax
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from ._array import NVFP4Array, to_nvfp4
 from ._axes import explicit_axes_as_auto
 from ._format._nvfp4 import tensor_amax
 from ._formats import gemm_dtype, quantize_operand, scaled_dot
-from ._gemm import compiled, fprop, vmapped
+from ._gemm import batched_problem, fprop
 from ._linear import QuantizedLinear, apply_linear, product_seen_by_interpreter
 from ._packed import FP8Array, MXFP8Array, to_fp8, to_mxfp8
 from ._policy import Recipe
+from ._prims import def_jvp, is_zero, primitive, shaped, vmapped, zero_tangent
 from ._qweight import (
     QWeight,
     WeightValue,
@@ -62,7 +61,7 @@ class FrozenWeight(WeightValue):
 
     def aval(self):
         shape = tuple(self.packed.shape)
-        return jax.core.ShapedArray(shape[::-1] if self.transposed else shape, self.packed.dtype)
+        return shaped(shape[::-1] if self.transposed else shape, self.packed.dtype)
 
     def materialise(self) -> Array:
         """The decoded weight: `(value x block scale) x tensor scale` (spec §2)."""
@@ -188,49 +187,28 @@ def _frozen_fprop(x, *leaves, wdef, recipe, dtype):
     return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), dtype=dtype)
 
 
-def _frozen_impl(x, *leaves, wdef, recipe, dtype, nbatch):
-    return compiled(_frozen_fprop, nbatch, wdef=wdef, recipe=recipe, dtype=dtype)(x, *leaves)
-
-
 def _frozen_abstract(x, *leaves, wdef, recipe, dtype, nbatch):
     n = jax.tree_util.tree_unflatten(wdef, leaves).shape[-2]  # avals stand in for arrays
-    return jax.core.ShapedArray(x.shape[:-1] + (n,), jnp.float32)
-
-
-def _frozen_batch(args, dims, *, wdef, recipe, dtype, nbatch):
-    x, *leaves = args
-    dx, *dl = dims
-    params = dict(wdef=wdef, recipe=recipe, dtype=dtype)
-    if all(d is None for d in dl):
-        x = jnp.moveaxis(x, dx, nbatch)
-        return frozen_p.bind(x, *leaves, nbatch=nbatch, **params), nbatch
-    size = next(a.shape[d] for a, d in zip(leaves, dl, strict=True) if d is not None)
-
-    def lead(v, d):
-        return jnp.broadcast_to(v, (size,) + v.shape) if d is None else jnp.moveaxis(v, d, 0)
-
-    x = lead(x, dx)
-    leaves = [lead(v, d) for v, d in zip(leaves, dl, strict=True)]
-    return frozen_p.bind(x, *leaves, nbatch=nbatch + 1, **params), 0
+    return x.shape[:-1] + (n,), jnp.float32
 
 
 def _frozen_jvp(primals, tangents, **params):
-    if any(type(t) is not ad.Zero for t in tangents):
+    if any(not is_zero(t) for t in tangents):
         raise TypeError(
             "nvfp4x: a frozen model (`FrozenLinear`, made by `nvfp4x.freeze`) holds packed "
             "weights without master copies and cannot be differentiated. Differentiate the "
             "`QuantizedLinear` model before freezing it."
         )
     y = frozen_p.bind(*primals, **params)
-    return y, ad.Zero.from_primal_value(y)
+    return y, zero_tangent(y)
 
 
-frozen_p = Primitive("nvfp4x_frozen_qdot")
-frozen_p.def_impl(_frozen_impl)
-frozen_p.def_abstract_eval(_frozen_abstract)
-mlir.register_lowering(frozen_p, mlir.lower_fun(_frozen_impl, multiple_results=False))
-batching.primitive_batchers[frozen_p] = _frozen_batch
-ad.primitive_jvps[frozen_p] = _frozen_jvp
+#: `frozen_p(x, *leaves)`: the activation, then the packed weight's leaves (weights in
+#: batching: a vmapped packed weight makes independent problems).
+frozen_p = primitive(
+    "nvfp4x_frozen_qdot", _frozen_fprop, _frozen_abstract, act=1, problem=batched_problem
+)
+def_jvp(frozen_p, _frozen_jvp)
 
 
 def pack_weight(w: Array, recipe: Recipe, amax: Array | None = None) -> PackedWeight:

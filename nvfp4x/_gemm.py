@@ -42,22 +42,31 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Float, UInt32
 
 from ._format._constants import BLOCK
 from ._format._hadamard import rht
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._policy import Recipe
+from ._prims import (
+    Primitive,
+    def_jvp,
+    def_transpose,
+    is_undefined,
+    is_zero,
+    primitive,
+    vmapped,
+    zero,
+    zero_tangent,
+)
 
 
-def _grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
+def grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
     key = jax.random.wrap_key_data(seed, impl="threefry2x32")
     return jax.random.fold_in(key, tag)
 
 
-def _mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:
+def mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:
     """Mix an integer checksum of the weight into the seed. The weight changes every
     optimiser step, so a loop that never mentions keys still draws fresh thresholds each
     step; an integer sum is exact in any order, so every device layout draws the same.
@@ -71,7 +80,7 @@ def _mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"
     return seed ^ jnp.stack([c, c * jnp.uint32(0x9E3779B9)], axis=-1)
 
 
-def _needs_key(recipe: Recipe) -> bool:
+def needs_key(recipe: Recipe) -> bool:
     return recipe.grad is not None and recipe.grad.rounding == "stochastic"
 
 
@@ -127,7 +136,7 @@ def dgrad(
 ) -> Float[Array, "..."]:
     """dgrad: `Q(dy) @ Q(W)`, dy quantised along n (stochastically if the recipe says);
     `(wv, ws)` the weight quantised along n (`quantize_weight(w, recipe, axis=0)`)."""
-    key = _grad_key(seed, 1) if _needs_key(recipe) else None
+    key = grad_key(seed, 1) if needs_key(recipe) else None
     gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
     return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), dtype=dtype)
 
@@ -145,33 +154,10 @@ def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
 def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, dtype) -> Float[Array, "n k"]:
     """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
     g, a = wgrad_operands(dy, x, recipe)
-    key = _grad_key(seed, 2) if _needs_key(recipe) else None
+    key = grad_key(seed, 2) if needs_key(recipe) else None
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)
     return scaled_dot(gv, gs, xv, xs, ((0,), (0,)), dtype=dtype)
-
-
-def vmapped(fn, nbatch: int):
-    """`fn` vmapped over `nbatch` leading axes of every argument."""
-    for _ in range(nbatch):
-        fn = jax.vmap(fn)
-    return fn
-
-
-def compiled(fn, nbatch: int, **static):
-    """`fn` with `static` bound, vmapped over `nbatch` leading axes, jitted: a transpose
-    rule runs it once per call, so an eager `jax.grad` is one dispatch per GEMM rather
-    than one per operation (under an outer `jit` it is inlined). A GEMM operand `dtype`
-    among `static` is the one for problems with batch dimensions when `nbatch > 0`
-    (`batched_gemm_dtype`)."""
-    if nbatch and static.get("dtype") is not None:
-        static["dtype"] = batched_gemm_dtype(static["dtype"])
-    return _compiled(fn, nbatch, tuple(sorted(static.items())))
-
-
-@functools.cache
-def _compiled(fn, nbatch: int, static: tuple):
-    return jax.jit(vmapped(functools.partial(fn, **dict(static)), nbatch))
 
 
 # --- primitives ---
@@ -184,68 +170,21 @@ def _compiled(fn, nbatch: int, static: tuple):
 # both GEMMs, as the unquantised program gathers its weight once.
 
 
-def _abstract(a, *rest, recipe, dtype, nbatch, name):
-    del recipe, dtype, name
-    w = rest[0]
-    return jax.core.ShapedArray(a.shape[:-1] + (w.shape[-2],), jnp.float32)
+def batched_problem(params: dict) -> dict:
+    """A GEMM's parameters when it is one of independent problems (vmapped): operands
+    in `batched_gemm_dtype`."""
+    return {**params, "dtype": batched_gemm_dtype(params["dtype"])}
 
 
-def _combine_seeds(seed: Array, axis: int) -> Array:
-    """One seed from a batch of seeds (every key counts)."""
-    seed = jnp.moveaxis(seed, axis, 0)
-    weights = (2 * jnp.arange(seed.shape[0], dtype=jnp.uint32) + 1).reshape(
-        (-1,) + (1,) * (seed.ndim - 1)
-    )
-    return jnp.sum(seed * weights, axis=0, dtype=jnp.uint32)
-
-
-def _stack_batch(prim, args, dims, params):
-    """Independent problems, as a new leading batch axis of every operand."""
-    nm = None  # batching.not_mapped
-    size = next(v.shape[d] for v, d in zip(args, dims, strict=True) if d is not nm)
-
-    def lead(v, d):
-        if d is nm:
-            return jnp.broadcast_to(v, (size,) + v.shape)
-        return jnp.moveaxis(v, d, 0)
-
-    new = [lead(v, d) for v, d in zip(args, dims, strict=True)]
-    return prim.bind(*new, **{**params, "nbatch": params["nbatch"] + 1}), 0
-
-
-def _batch_rule(prim, args, dims, **params):
-    a, *ws, seed = args
-    da, *dws, ds = dims
-    nm = None  # batching.not_mapped
-    nbatch = params["nbatch"]
-    if all(d is nm for d in dws):
-        # Fold a vmapped activation axis into the token axes: one problem over the batch.
-        if ds is not nm:
-            seed = _combine_seeds(seed, ds)
-        if da is nm:
-            return prim.bind(a, *ws, seed, **params), nm
-        a = jnp.moveaxis(a, da, nbatch)
-        return prim.bind(a, *ws, seed, **params), nbatch
-    # A vmapped weight: independent problems, as a new leading batch axis.
-    return _stack_batch(prim, args, dims, params)
-
-
-def _make_primitive(name: str, fn, abstract=_abstract, batch=_batch_rule) -> Primitive:
+def _make_primitive(name: str, fn, abstract, *, stack: bool = False) -> Primitive:
     """A GEMM primitive running `fn` (one problem) vmapped over `nbatch` leading axes.
-    Its parameters: `recipe`, `dtype` (the GEMM operand dtype, `gemm_dtype`), `nbatch`
-    and `name` (the layer's path, for reports such as `nvfp4x.coverage`; not part of the
-    computation)."""
-    prim = Primitive(name)
-
-    def impl(*args, recipe, dtype, nbatch, name):
-        del name
-        return compiled(fn, nbatch, recipe=recipe, dtype=dtype)(*args)
-
-    prim.def_impl(impl)
-    prim.def_abstract_eval(abstract)
-    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
-    batching.primitive_batchers[prim] = functools.partial(batch, prim)
-    return prim
+    Its operands: the activation-side operand first, the weight-side operands, the seed
+    last. Its parameters: `recipe`, `dtype` (the GEMM operand dtype, `gemm_dtype`),
+    `nbatch` and `name` (the layer's path, for reports such as `nvfp4x.coverage`; not
+    part of the computation)."""
+    return primitive(
+        name, fn, abstract, act=1, seed=-1, stack=stack, labels=("name",), problem=batched_problem
+    )
 
 
 def _fprop_operands(x, w, wv, ws, seed, *, recipe, dtype):
@@ -253,25 +192,25 @@ def _fprop_operands(x, w, wv, ws, seed, *, recipe, dtype):
     return fprop(x, wv, ws, recipe=recipe, dtype=dtype)
 
 
+def _fprop_abstract(a, w, *_, **__):
+    return a.shape[:-1] + (w.shape[-2],), jnp.float32
+
+
 def _dgrad_abstract(ct, wv, ws, seed, **_):
-    return jax.core.ShapedArray(ct.shape[:-1] + (wv.shape[-1],), jnp.float32)
+    return ct.shape[:-1] + (wv.shape[-1],), jnp.float32
 
 
 def _wgrad_abstract(ct, a, seed, *, nbatch, **_):
-    return jax.core.ShapedArray(ct.shape[:nbatch] + (ct.shape[-1], a.shape[-1]), jnp.float32)
+    return ct.shape[:nbatch] + (ct.shape[-1], a.shape[-1]), jnp.float32
 
 
-def _stack_rule(prim, args, dims, **params):
-    # Under `jax.vmap(jax.grad(f))` each example's gradient is its own problem.
-    return _stack_batch(prim, args, dims, params)
-
-
-qdot_p = _make_primitive("nvfp4x_qdot", _fprop_operands)
-tx_p = _make_primitive("nvfp4x_qdot_tangent_x", tangent_x)
-tw_p = _make_primitive("nvfp4x_qdot_tangent_w", tangent_w)
-#: The backward GEMMs, as their own primitives so that a traced step shows them.
-dgrad_p = _make_primitive("nvfp4x_dgrad", dgrad, _dgrad_abstract, _stack_rule)
-wgrad_p = _make_primitive("nvfp4x_wgrad", wgrad, _wgrad_abstract, _stack_rule)
+qdot_p = _make_primitive("nvfp4x_qdot", _fprop_operands, _fprop_abstract)
+tx_p = _make_primitive("nvfp4x_qdot_tangent_x", tangent_x, _fprop_abstract)
+tw_p = _make_primitive("nvfp4x_qdot_tangent_w", tangent_w, _fprop_abstract)
+#: The backward GEMMs, as their own primitives so that a traced step shows them. Under
+#: `jax.vmap(jax.grad(f))` each example's gradient is its own problem (`stack`).
+dgrad_p = _make_primitive("nvfp4x_dgrad", dgrad, _dgrad_abstract, stack=True)
+wgrad_p = _make_primitive("nvfp4x_wgrad", wgrad, _wgrad_abstract, stack=True)
 
 
 def _qdot_jvp(primals, tangents, **params):
@@ -279,18 +218,18 @@ def _qdot_jvp(primals, tangents, **params):
     tx, tw = tangents[:2]
     recipe, dtype, nbatch = params["recipe"], params["dtype"], params["nbatch"]
     y = qdot_p.bind(x, w, wv, ws, seed, **params)
-    if _needs_key(recipe):
-        seed = _mix_weight(seed, w)
+    if needs_key(recipe):
+        seed = mix_weight(seed, w)
     parts = []
-    if type(tx) is not ad.Zero:
+    if not is_zero(tx):
         if not shares_weight(recipe):
             quant = functools.partial(quantize_weight, recipe=recipe, axis=0, dtype=dtype)
             wv, ws = vmapped(quant, nbatch)(w)
         parts.append(tx_p.bind(tx, wv, ws, seed, **params))
-    if type(tw) is not ad.Zero:
+    if not is_zero(tw):
         parts.append(tw_p.bind(x, tw, seed, **params))
     if not parts:
-        return y, ad.Zero.from_primal_value(y)
+        return y, zero_tangent(y)
     return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
@@ -303,18 +242,18 @@ def _second_order():
 
 
 def _tx_transpose(ct, a, wv, ws, seed, **params):
-    if ad.is_undefined_primal(wv) or ad.is_undefined_primal(ws):
+    if is_undefined(wv) or is_undefined(ws):
         raise _second_order()
-    if type(ct) is ad.Zero:
-        return [ad.Zero(a.aval), None, None, None]
+    if is_zero(ct):
+        return [zero(a.aval), None, None, None]
     return [dgrad_p.bind(ct, wv, ws, seed, **params).astype(a.aval.dtype), None, None, None]
 
 
 def _tw_transpose(ct, a, b, seed, **params):
-    if ad.is_undefined_primal(a):
+    if is_undefined(a):
         raise _second_order()
-    if type(ct) is ad.Zero:
-        return [None, ad.Zero(b.aval), None]
+    if is_zero(ct):
+        return [None, zero(b.aval), None]
     return [None, wgrad_p.bind(ct, a, seed, **params).astype(b.aval.dtype), None]
 
 
@@ -322,11 +261,11 @@ def _no_derivative(primals, tangents, **params):
     raise _second_order()
 
 
-ad.primitive_jvps[qdot_p] = _qdot_jvp
-ad.primitive_transposes[tx_p] = _tx_transpose
-ad.primitive_transposes[tw_p] = _tw_transpose
+def_jvp(qdot_p, _qdot_jvp)
+def_transpose(tx_p, _tx_transpose)
+def_transpose(tw_p, _tw_transpose)
 for _p in (tx_p, tw_p, dgrad_p, wgrad_p):  # derivatives of a derivative
-    ad.primitive_jvps[_p] = _no_derivative
+    def_jvp(_p, _no_derivative)
 
 
 def qdot(

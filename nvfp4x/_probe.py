@@ -7,23 +7,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Float
 
 from ._format._constants import E2M1_MAX
 from ._format._nvfp4 import pad_to_blocks, quantize_blocks, to_blocks
 from ._formats import Format, quantize_operand
-from ._gemm import (
-    _combine_seeds,
-    _grad_key,
-    _mix_weight,
-    _needs_key,
-    compiled,
-    qdot,
-    wgrad_operands,
-)
+from ._gemm import grad_key, mix_weight, needs_key, qdot, wgrad_operands
 from ._policy import Recipe
+from ._prims import compiled, def_jvp, def_transpose, is_zero, primitive, zero, zero_tangent
 
 OPERANDS = ("fprop_x", "weight", "dgrad_dy", "wgrad_x", "wgrad_dy")
 STATS = ("amax", "zero_frac", "saturated_frac", "sqnr_db")
@@ -62,104 +53,59 @@ def layer_stats(dy: Array, x: Array, w: Array, seed: Array, *, recipe: Recipe) -
     """The `(5, 4)` statistics table of one problem (no independent batch axes)."""
     dy = dy.astype(jnp.float32)
     g, a = wgrad_operands(dy, x.astype(jnp.float32), recipe)
-    sr = _needs_key(recipe)
+    sr = needs_key(recipe)
     rows = [
         operand_stats(x, recipe.input, -1, None),
         operand_stats(w, recipe.weight, -1, None),
-        operand_stats(dy, recipe.grad, -1, _grad_key(seed, 1) if sr else None),
+        operand_stats(dy, recipe.grad, -1, grad_key(seed, 1) if sr else None),
         operand_stats(a, recipe.input, 0, None),
-        operand_stats(g, recipe.grad, 0, _grad_key(seed, 2) if sr else None),
+        operand_stats(g, recipe.grad, 0, grad_key(seed, 2) if sr else None),
     ]
     return jnp.stack(rows)
 
 
-def _fold_or_stack(prim, args, dims, params, n_act: int):
-    """Batching shared by both probe primitives, as the GEMM primitives batch (see
-    `nvfp4x._gemm._batch_rule`): the first `n_act` operands are activation-like (a
-    vmapped axis folds into their token axes), the seed (the operand after the weight) is
-    combined into one seed as the GEMM combines it, the rest are weight-like (a vmapped
-    axis makes independent problems)."""
-    nbatch = params["nbatch"]
-    args, dims = list(args), list(dims)
-    seed_at = n_act + 1
-    act, dact = args[:n_act], dims[:n_act]
-    if all(d is None for i, d in enumerate(dims[n_act:], n_act) if i != seed_at):
-        if dims[seed_at] is not None:
-            args[seed_at] = _combine_seeds(args[seed_at], dims[seed_at])
-        rest = args[n_act:]
-        if all(d is None for d in dact):
-            return prim.bind(*act, *rest, **params), None
-        # every activation operand folds at the same place (they share token axes)
-        size = next(a.shape[d] for a, d in zip(act, dact, strict=True) if d is not None)
-        act = [
-            jnp.broadcast_to(
-                jnp.expand_dims(a, nbatch), a.shape[:nbatch] + (size,) + a.shape[nbatch:]
-            )
-            if d is None
-            else jnp.moveaxis(a, d, nbatch)
-            for a, d in zip(act, dact, strict=True)
-        ]
-        return prim.bind(*act, *rest, **params), nbatch
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-
-    def lead(v, d):
-        return jnp.broadcast_to(v, (size,) + v.shape) if d is None else jnp.moveaxis(v, d, 0)
-
-    args = [lead(v, d) for v, d in zip(args, dims, strict=True)]
-    return prim.bind(*args, **{**params, "nbatch": nbatch + 1}), 0
+def _probe_abstract(y, *_, **__):
+    return y.shape, y.dtype
 
 
-# probe_p(y, x, w, seed, probe) -> y
-probe_p = Primitive("nvfp4x_probe")
-# probe_tangent_p(x, w, seed, tprobe) -> zeros like y (linear in tprobe)
-probe_tangent_p = Primitive("nvfp4x_probe_tangent")
-
-
-def _probe_impl(y, x, w, seed, probe, *, recipe, nbatch, n):
-    return y
-
-
-def _tangent_impl(x, w, seed, tprobe, *, recipe, nbatch, n):
+def _tangent(x, w, seed, tprobe, *, recipe, n):
     return jnp.zeros(x.shape[:-1] + (n,), jnp.float32) + 0.0 * jnp.sum(tprobe)
 
 
-probe_p.def_impl(_probe_impl)
-probe_p.def_abstract_eval(lambda y, *a, **p: jax.core.ShapedArray(y.shape, y.dtype))
-mlir.register_lowering(probe_p, mlir.lower_fun(_probe_impl, multiple_results=False))
-probe_tangent_p.def_impl(_tangent_impl)
-probe_tangent_p.def_abstract_eval(
-    lambda x, w, s, t, *, n, **p: jax.core.ShapedArray(x.shape[:-1] + (n,), jnp.float32)
-)
-mlir.register_lowering(probe_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
-batching.primitive_batchers[probe_p] = lambda args, dims, **p: _fold_or_stack(
-    probe_p, args, dims, p, 2
-)
-batching.primitive_batchers[probe_tangent_p] = lambda args, dims, **p: _fold_or_stack(
-    probe_tangent_p, args, dims, p, 1
-)
+def _tangent_abstract(x, w, seed, tprobe, *, n, **_):
+    return x.shape[:-1] + (n,), jnp.float32
+
+
+# Batched as the GEMM primitives are (the kit's one rule): `y` and `x` are activations
+# (a vmapped axis folds into their token axes), the seed is combined into one seed, a
+# vmapped weight or probe makes independent problems.
+#: `probe_p(y, x, w, seed, probe) -> y`, the identity on `y`.
+probe_p = primitive("nvfp4x_probe", lambda y, *_, **__: y, _probe_abstract, act=2, seed=3)
+#: `probe_tangent_p(x, w, seed, tprobe)`: zeros like `y`, linear in `tprobe`.
+probe_tangent_p = primitive("nvfp4x_probe_tangent", _tangent, _tangent_abstract, act=1, seed=2)
 
 
 def _probe_jvp(primals, tangents, **params):
     y, x, w, seed, probe = primals
     ty, _, _, _, tprobe = tangents
     out = probe_p.bind(y, x, w, seed, probe, **params)
-    parts = [] if type(ty) is ad.Zero else [ty]
-    if type(tprobe) is not ad.Zero:
-        mixed = _mix_weight(seed, w) if _needs_key(params["recipe"]) else seed
+    parts = [] if is_zero(ty) else [ty]
+    if not is_zero(tprobe):
+        mixed = mix_weight(seed, w) if needs_key(params["recipe"]) else seed
         parts.append(probe_tangent_p.bind(x, w, mixed, tprobe, **params))
     if not parts:
-        return out, ad.Zero.from_primal_value(out)
+        return out, zero_tangent(out)
     return out, functools.reduce(jnp.add, parts)
 
 
 def _tangent_transpose(ct, x, w, seed, tprobe, *, recipe, nbatch, n):
-    if type(ct) is ad.Zero:
-        return [None, None, None, ad.Zero(tprobe.aval)]
+    if is_zero(ct):
+        return [None, None, None, zero(tprobe.aval)]
     return [None, None, None, compiled(layer_stats, nbatch, recipe=recipe)(ct, x, w, seed)]
 
 
-ad.primitive_jvps[probe_p] = _probe_jvp
-ad.primitive_transposes[probe_tangent_p] = _tangent_transpose
+def_jvp(probe_p, _probe_jvp)
+def_transpose(probe_tangent_p, _tangent_transpose)
 
 
 def probe(y: Array, x: Array, w: Array, seed: Array, p: Array, recipe: Recipe) -> Array:

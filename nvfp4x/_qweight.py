@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 import quax
 from jax import lax
-from jax._src import ad_checkpoint
 from jaxtyping import Array, ArrayLike
 
 from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
 from ._policy import Recipe
+from ._prims import Jaxpr, eval_jaxpr, jaxprs_in_params, remat_p, shaped
 from ._probe import gemm_with_probe
 
 
@@ -132,7 +132,7 @@ class QWeight(WeightValue):
     scale_group: str | None = eqx.field(static=True, default=None)
 
     def aval(self):
-        return jax.core.ShapedArray(self.array.shape, self.array.dtype)
+        return shaped(self.array.shape, self.array.dtype)
 
     def materialise(self) -> Array:
         return self.array
@@ -389,7 +389,7 @@ def _holds_gemm(params: dict) -> bool:
     """Whether a higher-order primitive's parameters hold a jaxpr with a GEMM."""
     for v in params.values():
         jaxpr = getattr(v, "jaxpr", v)
-        if isinstance(jaxpr, jax.extend.core.Jaxpr) and _jaxpr_has_gemm(jaxpr):
+        if isinstance(jaxpr, Jaxpr) and _jaxpr_has_gemm(jaxpr):
             return True
     return False
 
@@ -398,7 +398,7 @@ def _jaxpr_has_gemm(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
             return True
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             if _jaxpr_has_gemm(sub):
                 return True
     return False
@@ -434,9 +434,9 @@ def _report_unquantised(path: str, why: str) -> None:
 
 
 # `jax.checkpoint`: look into the body (quax itself would read the master array).
-@quax.register(ad_checkpoint.remat_p)
+@quax.register(remat_p)
 def _(*args: quax.ArrayValue | ArrayLike, jaxpr, prevent_cse, differentiated, policy):
-    body = quax.quaxify(functools.partial(jax.core.eval_jaxpr, jaxpr, ()))
+    body = quax.quaxify(functools.partial(eval_jaxpr, jaxpr, ()))
     fn = jax.checkpoint(lambda *a: body(*a), prevent_cse=prevent_cse, policy=policy)
     return fn(*args)
 

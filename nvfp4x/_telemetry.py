@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from ._prims import is_traced
 from ._probe import OPERANDS, PROBE_SHAPE, STATS
 from ._qweight import QWeight, is_qweight
 from ._sites import qweights
@@ -131,7 +132,7 @@ def collect(grads: Any) -> dict[str, dict[str, dict[str, Array]]]:
             continue
         path = w.path if w.path or not tree_path.endswith("weight") else tree_path[:-7]
         table = w.probe
-        if not isinstance(table, jax.core.Tracer) and not np.any(np.asarray(table)):
+        if not is_traced(table) and not np.any(np.asarray(table)):
             warnings.warn(
                 f"nvfp4x.telemetry.collect: layer `{path}` has telemetry on but its GEMM "
                 "never ran in the differentiated function; it is reported as zeros, which "
