@@ -16,11 +16,8 @@ from ._coverage import (
 )
 from ._format._hadamard import hadamard_matrix as hadamard_matrix, rht as rht
 from ._formats import FORMATS as FORMATS, Format as Format
-from ._frozen import (
-    FrozenLinear as FrozenLinear,
-    FrozenWeight as FrozenWeight,
-    freeze as freeze,
-)
+from ._freeze import freeze as freeze
+from ._frozen import FrozenLinear as FrozenLinear, FrozenWeight as FrozenWeight
 from ._gemm import qdot as qdot
 from ._hf import (
     export_hf as export_hf,

@@ -375,7 +375,7 @@ _PYTHON_SCALARS = {
 
 
 def _orbax():
-    try:
+    try:  # an optional dependency (the `checkpoint` extra): imported where it is used
         import orbax.checkpoint as ocp
     except ImportError as e:
         raise ImportError(

@@ -15,7 +15,7 @@ from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import Literal, jaxprs_in_params
 from ._qweight import LAYOUT, QWeight, record_unquantised
-from ._sites import path_str
+from ._sites import is_qweight, path_str
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
          wgrad_p: "wgrad"}  # fmt: skip
@@ -249,9 +249,7 @@ def coverage(fn: Callable, *args: Any, **kwargs: Any) -> CoverageReport:
     """
     with record_unquantised() as seen:
         closed, _ = eqx.filter_make_jaxpr(fn)(*args, **kwargs)[:2]
-    leaves = jax.tree_util.tree_flatten_with_path(
-        (args, kwargs), is_leaf=lambda x: isinstance(x, QWeight)
-    )[0]
+    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_qweight)[0]
     arrays = [
         (p, x)
         for p, x in leaves

@@ -38,6 +38,11 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+# quax's tracer and trace, for the `custom_vjp` rule it lacks (`_install_custom_vjp`)
+# and for reading the value a tracer carries (`as_qweight`).
+from quax._trace import _QuaxTrace, _QuaxTracer
+from quax._values import _dense
+
 from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
 from ._policy import Recipe
@@ -455,15 +460,10 @@ def _process_custom_vjp_call(self, primitive, fun, fwd, bwd, tracers, **params):
     outs = primitive.bind_with_trace(
         self.parent_trace, tuple(arrays), avals, dict(params, subfuns=(fun, fwd, bwd))
     )
-    from quax._trace import _QuaxTracer
-    from quax._values import _dense
-
     return [_QuaxTracer(self, _dense(o)) for o in outs]
 
 
 def _install_custom_vjp() -> None:
-    from quax._trace import _QuaxTrace
-
     if not hasattr(_QuaxTrace, "_nvfp4x_custom_vjp"):
         _QuaxTrace.process_custom_vjp_call = _process_custom_vjp_call
         _QuaxTrace._nvfp4x_custom_vjp = True
@@ -475,15 +475,9 @@ _install_custom_vjp()
 # --- modules whose calls are interpreted ---
 
 
-def is_qweight(x: Any) -> bool:
-    return isinstance(x, QWeight)
-
-
 def as_qweight(x: Any) -> Any:
     """The `QWeight` behind `x`: `x` itself, or, inside an interpreted call, the value
     its tracer carries (a layer that runs its own GEMM reads it directly)."""
-    from quax._trace import _QuaxTracer
-
     return x.value if isinstance(x, _QuaxTracer) else x
 
 

@@ -16,8 +16,8 @@ from jaxtyping import Array, Float
 
 from ._coverage import coverage
 from ._policy import Policy, Recipe, recipes
-from ._qweight import QWeight, is_qweight
-from ._sites import layers, path_str
+from ._qweight import QWeight
+from ._sites import is_qweight, layers, path_str
 from ._transform import quantize
 
 

@@ -82,12 +82,22 @@ def layers(model: Any) -> list[tuple[str, Any]]:
     return [(path_str(p), leaf) for p, leaf in leaves if is_layer(leaf)]
 
 
+def is_qweight(x: Any) -> bool:
+    """Whether `x` is a quantised (training) weight, a `QWeight`."""
+    return isinstance(x, QWeight)
+
+
+def is_weight(x: Any) -> bool:
+    """Whether `x` is a quantised weight, training (`QWeight`) or frozen."""
+    return isinstance(x, WeightValue)
+
+
 def qweights(model: Any, *, frozen: bool = False) -> list[tuple[str, Any]]:
     """`(tree path, weight)` of every `QWeight` of `model` (and frozen weight, if
     `frozen`), in tree order."""
-    kind = WeightValue if frozen else QWeight
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, kind))
-    return [(path_str(p), w) for p, w in leaves[0] if isinstance(w, kind)]
+    test = is_weight if frozen else is_qweight
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=test)
+    return [(path_str(p), w) for p, w in leaves[0] if test(w)]
 
 
 def children(node: Any) -> tuple[list, Any]:

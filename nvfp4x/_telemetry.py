@@ -37,8 +37,8 @@ from jaxtyping import Array
 
 from ._prims import is_traced
 from ._probe import OPERANDS, PROBE_SHAPE, STATS
-from ._qweight import QWeight, is_qweight
-from ._sites import qweights
+from ._qweight import QWeight
+from ._sites import is_qweight, qweights
 
 #: The public names of `nvfp4x.telemetry`; the rest is machinery.
 __all__ = ["OPERANDS", "STATS", "collect", "disable", "enable"]

@@ -11,7 +11,15 @@ import jax
 from ._linear import QuantizedLinear
 from ._policy import Policy, PolicyLike, Recipe, as_recipe
 from ._qweight import QWeight, base_class, interpreted_class, with_class
-from ._sites import children, is_conv, is_layer, layers as site_layers, path_str, qweights
+from ._sites import (
+    children,
+    is_conv,
+    is_layer,
+    is_qweight,
+    layers as site_layers,
+    path_str,
+    qweights,
+)
 
 
 def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], Recipe | None], Policy | None]:
@@ -350,7 +358,7 @@ def requantize(model: Any, policy: PolicyLike, *, state: Any = None) -> Any:
                 )
             return dataclasses.replace(node, recipe=recipes[node.path])
 
-        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QWeight))
+        return jax.tree.map(one, tree, is_leaf=is_qweight)
 
     if state is None:
         return switch(model)

@@ -1,0 +1,135 @@
+"""`freeze`: pack every quantised weight of a model for inference (NVFP4: 4.5 bits per
+parameter) and drop the master copy, making the layers of `_frozen.py`."""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ._array import NVFP4Array, to_nvfp4
+from ._format._nvfp4 import tensor_amax
+from ._formats import quantize_operand
+from ._frozen import FrozenLinear, FrozenWeight, PackedWeight
+from ._linear import QuantizedLinear
+from ._packed import to_fp8, to_mxfp8
+from ._policy import Recipe
+from ._prims import vmapped
+from ._qweight import QWeight
+from ._sites import qweights
+
+
+def pack_weight(w: Array, recipe: Recipe, amax: Array | None = None) -> PackedWeight:
+    """The weight in its GEMM format, per stacked slice (each slice its own tensor scale).
+    `amax` (NVFP4 only; shape: the stack's leading axes) replaces each slice's own amax:
+    a tensor scale shared by a group of layers."""
+    if amax is None:
+        return _pack_weight(w, recipe)
+    return _pack_weight_amax(w, recipe, amax)
+
+
+# Jitted: eager `freeze` is one compiled packing per weight shape and recipe.
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
+    fmt = recipe.weight
+    if fmt is None:
+        return w
+    if fmt.name == "nvfp4":
+        fn = functools.partial(to_nvfp4, block=fmt.block)
+    elif fmt.name == "mxfp8":
+        fn = to_mxfp8
+    elif fmt.name in ("fp8_e4m3", "fp8_e5m2"):
+        fn = functools.partial(to_fp8, kind=fmt.name[4:])
+    else:
+        return quantize_operand(w, fmt, axis=-1)[0]
+    return vmapped(fn, w.ndim - 2)(w)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_weight_amax(w: Array, recipe: Recipe, amax: Array) -> NVFP4Array:
+    fn = lambda wi, ai: to_nvfp4(wi, block=recipe.weight.block, amax=ai)
+    return vmapped(fn, w.ndim - 2)(w, amax)
+
+
+@jax.jit
+def _weight_amax(w: Array) -> Array:
+    """`max|w|` per stacked slice (the amax `to_nvfp4` takes for each slice)."""
+    return vmapped(tensor_amax, w.ndim - 2)(w)
+
+
+def _group_amaxes(model: Any) -> dict[str, Array]:
+    """The shared amax of every tensor scale group (the policy's `tensor_scale_groups`):
+    the largest amax of its NVFP4 weights, per stacked slice. Weights of other formats
+    have no tensor scale to share and take no part."""
+    members: dict[str, list[QWeight]] = {}
+    for _, w in qweights(model):
+        fmt = w.recipe.weight
+        if w.scale_group is not None and fmt is not None and fmt.name == "nvfp4":
+            members.setdefault(w.scale_group, []).append(w)
+    amaxes = {}
+    for key, ws in members.items():
+        stacks = {tuple(w.array.shape[:-2]) for w in ws}
+        if len(stacks) > 1:
+            listed = ", ".join(f"`{w.path}` {tuple(w.array.shape)}" for w in ws)
+            raise ValueError(
+                f"nvfp4x.freeze: the tensor scale group {key!r} holds weights stacked "
+                f"differently ({listed}); one scale per slice needs the same stack. Change "
+                "the policy's `tensor_scale_groups`."
+            )
+        amaxes[key] = functools.reduce(jnp.maximum, [_weight_amax(w.array) for w in ws])
+    return amaxes
+
+
+def freeze(model: Any) -> Any:
+    """Pack every quantised weight for inference: a [`nvfp4x.QuantizedLinear`][] becomes
+    a [`nvfp4x.FrozenLinear`][], any other quantised weight (user linear classes,
+    subclasses, tied weights) a [`nvfp4x.FrozenWeight`][]; the weight is held in its
+    recipe's weight format (NVFP4: 4.5 bits per parameter), master copy gone.
+
+    The frozen forward equals the unfrozen one bit for bit wherever the weight is used
+    in its stored layout. A weight that a wrapper transforms before its GEMM
+    (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`) is decoded, transformed and quantised
+    again at use: it runs, close to the unfrozen numbers but not bit-equal. Stacked
+    layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the
+    policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
+    the group's largest amax: the layer that holds it freezes as without the group, the
+    others to a coarser grid than their training forward used (not bit-equal to it).
+    Serialise with [`nvfp4x.save`][]; export for serving stacks with
+    [`nvfp4x.export_hf`][]. Eager calls are jitted (one compiled packing per weight shape
+    and recipe).
+
+    **Arguments:**
+
+    - `model`: a model returned by [`nvfp4x.quantize`][] (trained or not).
+
+    **Returns:** the frozen model.
+
+    ```python
+    frozen = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only()))
+    ```
+    """
+
+    amaxes = _group_amaxes(model)
+
+    def packed(w: QWeight) -> PackedWeight:
+        return pack_weight(w.array, w.recipe, amaxes.get(w.scale_group))
+
+    def one(leaf):
+        if isinstance(leaf, QuantizedLinear):
+            w = leaf.weight
+            return FrozenLinear(
+                weight=FrozenWeight(packed(w), w.recipe, w.path, w.fast),
+                bias=leaf.bias,
+                in_features=leaf.in_features,
+                out_features=leaf.out_features,
+                use_bias=leaf.use_bias,
+                recipe=w.recipe,
+                fast=w.fast,
+            )
+        if isinstance(leaf, QWeight):
+            return FrozenWeight(packed(leaf), leaf.recipe, leaf.path, leaf.fast)
+        return leaf
+
+    is_leaf = lambda x: isinstance(x, QuantizedLinear | QWeight)
+    return jax.tree_util.tree_map(one, model, is_leaf=is_leaf)
