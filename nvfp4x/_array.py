@@ -1,7 +1,7 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -23,17 +23,10 @@ from ._format._nvfp4 import (
     to_blocks,
 )
 from ._format._pack import pack, unpack
+from ._packed import PackedArray, as_bits
 
 
-def as_bits(x: Shaped[Array, "..."], dtype) -> UInt8[Array, "..."]:
-    """The uint8 bit patterns of an 8-bit float array (given as `dtype` or as bits)."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.uint8:
-        return x
-    return jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint8)
-
-
-class NVFP4Array(eqx.Module):
+class NVFP4Array(PackedArray):
     """An array in NVFP4: packed E2M1 codes, E4M3 block scales and a float32 tensor scale.
 
     Create one with [`nvfp4x.to_nvfp4`][]. It is an `eqx.Module`, so it passes through
@@ -69,6 +62,9 @@ class NVFP4Array(eqx.Module):
     logical_tail: tuple[int, ...] = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True)
 
+    per_block: ClassVar[tuple[str, ...]] = ("codes", "scale_bits")
+    per_tensor: ClassVar[tuple[str, ...]] = ("tensor_scale",)
+
     def __init__(
         self,
         codes: UInt8[Array, "..."],
@@ -101,9 +97,8 @@ class NVFP4Array(eqx.Module):
         return len(self.shape)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held: packed codes + block scales + tensor scale(s)."""
-        return int(self.codes.nbytes + self.scale_bits.nbytes + self.tensor_scale.nbytes)
+    def shard_blocks(self) -> tuple[int, ...]:
+        return self.block
 
     @follows_input_sharding(like=lambda self, *_, **__: self.codes)
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:

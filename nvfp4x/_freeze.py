@@ -8,12 +8,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._array import NVFP4Array, to_nvfp4
 from ._format._nvfp4 import tensor_amax
-from ._formats import quantize_operand
 from ._frozen import FrozenLinear, FrozenWeight, PackedWeight
 from ._linear import QuantizedLinear
-from ._packed import to_fp8, to_mxfp8
 from ._policy import Recipe
 from ._prims import vmapped
 from ._qweight import QWeight
@@ -35,20 +32,12 @@ def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
     fmt = recipe.weight
     if fmt is None:
         return w
-    if fmt.name == "nvfp4":
-        fn = functools.partial(to_nvfp4, block=fmt.block)
-    elif fmt.name == "mxfp8":
-        fn = to_mxfp8
-    elif fmt.name in ("fp8_e4m3", "fp8_e5m2"):
-        fn = functools.partial(to_fp8, kind=fmt.name[4:])
-    else:
-        return quantize_operand(w, fmt, axis=-1)[0]
-    return vmapped(fn, w.ndim - 2)(w)
+    return vmapped(functools.partial(fmt.spec.pack, fmt=fmt), w.ndim - 2)(w)
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _pack_weight_amax(w: Array, recipe: Recipe, amax: Array) -> NVFP4Array:
-    fn = lambda wi, ai: to_nvfp4(wi, block=recipe.weight.block, amax=ai)
+def _pack_weight_amax(w: Array, recipe: Recipe, amax: Array) -> PackedWeight:
+    fn = lambda wi, ai: recipe.weight.spec.pack(wi, recipe.weight, amax=ai)
     return vmapped(fn, w.ndim - 2)(w, amax)
 
 
@@ -65,7 +54,7 @@ def _group_amaxes(model: Any) -> dict[str, Array]:
     members: dict[str, list[QWeight]] = {}
     for _, w in qweights(model):
         fmt = w.recipe.weight
-        if w.scale_group is not None and fmt is not None and fmt.name == "nvfp4":
+        if w.scale_group is not None and fmt is not None and fmt.spec.shared_tensor_scale:
             members.setdefault(w.scale_group, []).append(w)
     amaxes = {}
     for key, ws in members.items():

@@ -14,12 +14,11 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
 from ._formats import gemm_dtype, quantize_operand, scaled_dot
 from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
-from ._packed import FP8Array, MXFP8Array
+from ._packed import PackedArray
 from ._policy import Recipe
 from ._prims import def_jvp, is_zero, primitive, shaped, zero_tangent
 from ._qweight import (
@@ -31,7 +30,7 @@ from ._qweight import (
     weight_gemm,
 )
 
-PackedWeight = NVFP4Array | MXFP8Array | FP8Array | Array
+PackedWeight = PackedArray | Array
 
 
 class FrozenWeight(WeightValue):
@@ -167,7 +166,7 @@ def _matmul(x: Array, *leaves: Array, wdef, recipe: Recipe, fast: bool) -> Array
 
 
 def weight_operand(w: PackedWeight, recipe: Recipe):
-    if isinstance(w, NVFP4Array | MXFP8Array | FP8Array):
+    if isinstance(w, PackedArray):
         return w.operand()
     return quantize_operand(w, recipe.weight, axis=-1)
 

@@ -39,9 +39,9 @@ from ._checkpoint import atomic_write
 from ._format._constants import BLOCK
 from ._format._nvfp4 import tensor_scales
 from ._frozen import FrozenWeight
-from ._packed import FP8Array, MXFP8Array
-from ._qweight import QWeight, WeightValue
-from ._sites import layers as site_layers, path_str
+from ._packed import PackedArray
+from ._qweight import QWeight
+from ._sites import is_weight, layers as site_layers, path_str
 
 #: NVFP4's group size: elements per block scale along the input features.
 GROUP_SIZE = BLOCK
@@ -240,7 +240,7 @@ class _Entry:
 
 
 def _is_weight_leaf(x: Any) -> bool:
-    return isinstance(x, WeightValue | NVFP4Array | MXFP8Array | FP8Array)
+    return is_weight(x) or isinstance(x, PackedArray)
 
 
 def _is_array(x: Any) -> bool:
@@ -275,7 +275,7 @@ def _plan(model: Any, names: Any, who: str) -> tuple[list[_Entry], Any, list]:
                 f"{who}: `{path}` is a quantised training weight (`nvfp4x.QWeight`); pass "
                 "the frozen model, `nvfp4x.freeze(qmodel)`."
             )
-        if isinstance(leaf, NVFP4Array | MXFP8Array | FP8Array):
+        if isinstance(leaf, PackedArray):
             raise ValueError(
                 f"{who}: `{path}` is a bare {type(leaf).__name__} outside a frozen layer; "
                 "the checkpoint format stores quantised weights of linear layers only. Hold "
@@ -947,7 +947,8 @@ def export_hf(
     quantised_modules = set()
     for e in entries:
         leaf = e.leaf
-        if isinstance(leaf, FrozenWeight) and isinstance(leaf.packed, MXFP8Array | FP8Array):
+        packed = leaf.packed if isinstance(leaf, FrozenWeight) else None
+        if isinstance(packed, PackedArray) and not isinstance(packed, NVFP4Array):
             raise ValueError(
                 f"{who}: `{e.module}` is frozen in {leaf.recipe.weight.name}; this format "
                 "holds NVFP4 or unquantised weights. Quantise it with an NVFP4 recipe, or "

@@ -1,4 +1,8 @@
-"""Compact containers for weights in the other formats (MXFP8, per-tensor FP8)."""
+"""`PackedArray`, what the packed arrays of every format have in common, and the packed
+arrays of the formats other than NVFP4 (MXFP8, per-tensor FP8)."""
+
+import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -7,7 +11,6 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Shaped, UInt8
 
-from ._array import as_bits
 from ._axes import follows_input_sharding
 from ._checks import check_float, check_fp8_kind, check_ndim
 from ._format._constants import MX_BLOCK
@@ -15,7 +18,54 @@ from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
 from ._format._nvfp4 import tensor_amax
 
 
-class MXFP8Array(eqx.Module):
+def as_bits(x: Shaped[Array, "..."], dtype) -> UInt8[Array, "..."]:
+    """The uint8 bit patterns of an 8-bit float array (given as `dtype` or as bits)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint8:
+        return x
+    return jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint8)
+
+
+class PackedArray(eqx.Module):
+    """A weight packed in its format (an [`nvfp4x.NVFP4Array`][],
+    [`nvfp4x.MXFP8Array`][], [`nvfp4x.FP8Array`][]): an `eqx.Module` whose array fields
+    are each either *per block* (elements and block scales: laid out like the logical
+    array, sharded like it) or *per tensor* (tensor scales: one per stacked slice,
+    sharded like the leading axes only), as the class declares in `per_block` and
+    `per_tensor`; [`nvfp4x.packed_sharding`][] reads the declaration.
+
+    Every packed array has a logical `shape`, the `dtype` that was quantised, `nbytes`,
+    the GEMM operand form `operand()` and `dequantize()`.
+    """
+
+    #: The fields laid out like the logical array (elements, block scales).
+    per_block: ClassVar[tuple[str, ...]]
+    #: The fields with one value per tensor (per stacked slice): tensor scales.
+    per_tensor: ClassVar[tuple[str, ...]] = ()
+    dtype: eqx.AbstractVar[np.dtype]
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape (without padding)."""
+
+    @property
+    @abc.abstractmethod
+    def shard_blocks(self) -> tuple[int, ...]:
+        """The blocks along the last two axes that a shard must not cut, e.g. `(1, 16)`
+        (empty: any shard will do)."""
+
+    @abc.abstractmethod
+    def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"] | None]:
+        """The GEMM operand form `(values, tensor scale or None)`, values in bfloat16."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every array field (elements, block scales, tensor scales)."""
+        return int(sum(getattr(self, f).nbytes for f in self.per_block + self.per_tensor))
+
+
+class MXFP8Array(PackedArray):
     """MXFP8 along the last axis: `data` (`float8_e4m3fn`, last axis padded to 32) and
     `scales` (`float8_e8m0fnu`, one per 32 elements), both held as uint8 bit patterns
     (`data_bits`, `scale_bits`) so Equinox serialisation round-trips them. Make one with
@@ -37,6 +87,8 @@ class MXFP8Array(eqx.Module):
     logical_last: int = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
 
+    per_block: ClassVar[tuple[str, ...]] = ("data_bits", "scale_bits")
+
     @property
     def data(self) -> Shaped[Array, "..."]:
         """The elements as `float8_e4m3fn`, last axis padded to a multiple of 32."""
@@ -53,9 +105,8 @@ class MXFP8Array(eqx.Module):
         return tuple(self.data_bits.shape[:-1]) + (self.logical_last,)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held: the (padded) elements plus the block scales."""
-        return int(self.data_bits.nbytes + self.scale_bits.nbytes)
+    def shard_blocks(self) -> tuple[int, ...]:
+        return (1, MX_BLOCK)
 
     @follows_input_sharding(like=lambda self: self.data_bits)
     def operand(self) -> tuple[Shaped[Array, "..."], None]:
@@ -81,7 +132,7 @@ class MXFP8Array(eqx.Module):
         return self.operand()[0].astype(self.dtype if dtype is None else dtype)
 
 
-class FP8Array(eqx.Module):
+class FP8Array(PackedArray):
     """FP8 with one float32 decode scale per tensor: value = `data * scale`, `data` held
     as uint8 bit patterns (`data_bits`) of `kind` ("e4m3" or "e5m2"). Make one with
     [`nvfp4x.to_fp8`][].
@@ -102,6 +153,9 @@ class FP8Array(eqx.Module):
     kind: str = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
 
+    per_block: ClassVar[tuple[str, ...]] = ("data_bits",)
+    per_tensor: ClassVar[tuple[str, ...]] = ("scale",)
+
     @property
     def data(self) -> Shaped[Array, "..."]:
         """The elements as `float8_e4m3fn` or `float8_e5m2` (per `kind`), unscaled."""
@@ -114,9 +168,8 @@ class FP8Array(eqx.Module):
         return tuple(self.data_bits.shape)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held: the elements plus the tensor scale(s)."""
-        return int(self.data_bits.nbytes + self.scale.nbytes)
+    def shard_blocks(self) -> tuple[int, ...]:
+        return ()
 
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
         """The GEMM operand form.

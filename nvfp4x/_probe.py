@@ -9,8 +9,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._format._constants import E2M1_MAX
-from ._format._nvfp4 import pad_to_blocks, quantize_blocks, to_blocks
 from ._formats import Format, quantize_operand
 from ._gemm import grad_key, mix_weight, needs_key, qdot, wgrad_operands
 from ._policy import Recipe
@@ -31,19 +29,7 @@ def operand_stats(
     amax = jnp.max(jnp.abs(a))
     nonzero = a != 0
     zero = jnp.sum(nonzero & (deq == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
-    if fmt is not None and fmt.name == "nvfp4":
-        # Saturated: beyond the largest magnitude of its block, 6 x block scale x s_dec.
-        # That magnitude is the block's largest |deq| whenever any element hit it.
-        blk = fmt.block
-        moved = a if blk == (16, 16) else jnp.moveaxis(a, axis, -1)
-        padded = pad_to_blocks(moved, blk)
-        _, sb, s_dec = quantize_blocks(padded, blk, "nearest", None, None, fmt.scale_rounding)
-        top = E2M1_MAX * sb * s_dec
-        top = top[..., None] if blk[0] == 1 else top[..., :, None, :, None]
-        magnitude = to_blocks(jnp.abs(padded), blk)
-        sat = jnp.sum(magnitude > top) / a.size
-    else:
-        sat = jnp.float32(0.0)
+    sat = jnp.float32(0.0) if fmt is None else fmt.spec.saturated_frac(a, fmt, axis)
     err = jnp.sum((a - deq) ** 2)
     sqnr = 10.0 * jnp.log10(jnp.sum(a**2) / err)
     return jnp.stack([amax, zero, sat, sqnr]).astype(jnp.float32)

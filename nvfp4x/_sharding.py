@@ -6,10 +6,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._array import NVFP4Array
-from ._format._constants import BLOCK, MX_BLOCK
 from ._frozen import FrozenWeight
-from ._packed import MXFP8Array
+from ._packed import PackedArray
 
 
 def _axis_size(mesh, entry) -> int:
@@ -51,15 +49,15 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
     # A frozen layer's weight: its packed array.
     packed_array = packed.packed if isinstance(packed, FrozenWeight) else packed
     spec = spec + (None,) * (len(shape) - len(spec))
-    blocks: tuple[int, ...] = ()
-    if isinstance(packed_array, NVFP4Array):
-        blocks = (1, BLOCK) if packed_array.block[0] == 1 else (BLOCK, BLOCK)
-    elif isinstance(packed_array, MXFP8Array):
-        blocks = (1, MX_BLOCK)
+    # What the packed array's class declares: the blocks a shard must not cut, and which
+    # fields hold one value per tensor.
+    is_packed = isinstance(packed_array, PackedArray)
+    blocks = packed_array.shard_blocks if is_packed else ()
+    per_tensor = type(packed_array).per_tensor if is_packed else ()
     for i, b in enumerate(blocks):
         axis = len(shape) - 2 + i
         n = _axis_size(mesh, spec[axis])
-        if n > 1 and (shape[axis] % n or (shape[axis] // n) % max(b, 2 if i else 1)):
+        if n > 1 and (shape[axis] % n or (shape[axis] // n) % b):
             raise ValueError(
                 f"Sharding axis {axis} (size {shape[axis]}) of a packed weight over "
                 f"`{spec[axis]}` ({n} devices) gives shards of {shape[axis] / n:g}, not a "
@@ -71,7 +69,7 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
 
     def leaf_sharding(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
-        return lead if name in ("tensor_scale", "scale") else full
+        return lead if name in per_tensor else full
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, packed)
 

@@ -4,6 +4,9 @@ import numpy as np
 
 #: Elements per NVFP4 block (along one axis).
 BLOCK = 16
+#: NVFP4's blocks: 16 elements along the last axis, and 16x16 tiles (weights).
+ROW_BLOCK = (1, BLOCK)
+TILE = (BLOCK, BLOCK)
 #: Elements per MXFP8 block.
 MX_BLOCK = 32
 #: Largest E2M1 magnitude.

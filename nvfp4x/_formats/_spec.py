@@ -1,0 +1,204 @@
+"""`Format`, the operand format a recipe names, and `FormatSpec`, what a format name
+means: each format is one `FormatSpec` object, in a module of its own, registered by its
+name. Nothing else in nvfp4x branches on format names or packed array types."""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._format._nvfp4 import SCALE_ROUNDINGS
+
+FORMATS: dict[str, str] = {}  # filled by `register`
+"""The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.
+
+```python
+sorted(nvfp4x.FORMATS)   # ['bf16', 'float32', 'fp8_e4m3', 'fp8_e5m2', 'mxfp8', 'nvfp4']
+```
+"""
+
+_SPECS: dict[str, "FormatSpec"] = {}
+
+
+class FormatSpec:
+    """What one format name means: how an operand is quantised, how a weight is packed
+    (and into which packed array type), its storage cost and its saturation statistic.
+    One instance per format name, registered with `register` (`_formats/__init__.py`
+    registers the built-in ones); a [`nvfp4x.Format`][]
+    (name, block, rounding) reads it as `fmt.spec`.
+
+    Subclasses set the class attributes and override `quantize`, and `pack` /
+    `saturated_frac` where the format has them.
+    """
+
+    #: The format's name, as recipes and `nvfp4x.Format` spell it.
+    name: str
+    #: One line for `nvfp4x.FORMATS`.
+    description: str
+    #: Storage cost per element, block scales included (tensor scales not counted).
+    bits_per_element: float
+    #: The blocks a `Format` of this name may have, its default first (`None`: no blocks).
+    blocks: ClassVar[tuple[tuple[int, int] | None, ...]] = (None,)
+    #: The element roundings it implements.
+    roundings: ClassVar[tuple[str, ...]] = ("nearest",)
+    #: The block-scale roundings it implements.
+    scale_roundings: ClassVar[tuple[str, ...]] = ("nearest",)
+    #: Whether it is a scaled low-precision format (False: a plain dtype).
+    quantised: ClassVar[bool] = True
+    #: Whether `pack` takes a given tensor amax, so that a group of weights shares one
+    #: tensor scale (the policy's `tensor_scale_groups`).
+    shared_tensor_scale: ClassVar[bool] = False
+
+    def label(self, fmt: "Format") -> str:
+        """How `str(fmt)` shows a format of this name."""
+        return self.name
+
+    def quantize(
+        self, a: Float[Array, "..."], fmt: "Format", axis: int, key: jax.Array | None
+    ) -> tuple[Array, Float[Array, ""] | None]:
+        """`quantize_operand` for this format (see there)."""
+        raise NotImplementedError
+
+    def pack(self, w: Float[Array, "n k"], fmt: "Format", amax: Array | None = None) -> Any:
+        """A 2-D weight in its storage form: a packed array, or a plain array for
+        formats that are a dtype. `amax` (formats with `shared_tensor_scale`) replaces
+        the weight's own amax."""
+        return self.quantize(w, fmt, -1, None)[0]
+
+    def saturated_frac(self, a: Float[Array, "..."], fmt: "Format", axis: int) -> Float[Array, ""]:
+        """The fraction of `a`'s elements that quantising along `axis` clamps (beyond
+        the largest magnitude their block can hold); zero for formats that never clamp a
+        finite value below their range."""
+        return jnp.float32(0.0)
+
+
+def register(spec: FormatSpec) -> FormatSpec:
+    """Make a format name known to `nvfp4x.Format` (and list it in `nvfp4x.FORMATS`)."""
+    if spec.name in _SPECS:
+        raise ValueError(f"A format named `{spec.name}` is registered already.")
+    _SPECS[spec.name] = spec
+    FORMATS[spec.name] = spec.description
+    return spec
+
+
+def _which(attribute: str, value: str) -> str:
+    """The formats whose `attribute` holds `value`, for error messages: "`nvfp4`"."""
+    names = [n for n, s in _SPECS.items() if value in getattr(s, attribute)]
+    return ", ".join(f"`{n}`" for n in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How one GEMM operand is stored: a format name, its block layout and rounding.
+
+    **Arguments:**
+
+    - `name`: one of `"nvfp4"`, `"mxfp8"`, `"fp8_e4m3"`, `"fp8_e5m2"`, `"bf16"`, `"float32"`.
+    - `block`: for NVFP4, `(1, 16)` (16 elements along the GEMM's contraction axis) or
+      `(16, 16)` (16x16 tiles of a weight: the same numbers in every GEMM). MXFP8 uses
+      `(1, 32)`; the other formats have no blocks (`None`).
+    - `rounding`: `"nearest"` or `"stochastic"` (NVFP4 only).
+    - `scale_rounding`: how NVFP4's E4M3 block scales are rounded. `"nearest"` (default)
+      is the spec's rule, bit for bit Blackwell's cast: a scale that rounds down lets the
+      block's largest elements scale past 6, and they are clamped to 6, which biases
+      stochastic rounding towards zero. `"up"` takes the smallest E4M3 scale with which
+      no element of the block exceeds 6, so nothing is clamped and stochastic rounding
+      is unbiased (`E[dequantised] == x`, up to float32 rounding); it is not what
+      Blackwell's cast computes. It is allowed with either rounding (with
+      `"nearest"` it trades clamping for a coarser grid) and for NVFP4 only.
+
+    Raises `ValueError` for an unknown name, rounding or scale rounding, a block the
+    format does not allow, or stochastic rounding or `scale_rounding="up"` of a format
+    other than NVFP4.
+
+    ```python
+    fmt = nvfp4x.Format("nvfp4", block=(1, 16), rounding="stochastic")
+    str(fmt), fmt.bits_per_element   # 'nvfp4 1x16, SR', 4.5
+    nvfp4x.Format("mxfp8").block     # (1, 32)
+    str(nvfp4x.Format("nvfp4", rounding="stochastic", scale_rounding="up"))
+    # 'nvfp4 1x16, SR, scale up'
+    ```
+    """
+
+    name: str
+    block: tuple[int, int] | None = None
+    rounding: str = "nearest"
+    scale_rounding: str = "nearest"
+
+    def __post_init__(self):
+        spec = _SPECS.get(self.name)
+        if spec is None:
+            raise ValueError(f"Unknown format `{self.name!r}`; use one of {sorted(FORMATS)}.")
+        block = spec.blocks[0] if self.block is None else self.block
+        ints = isinstance(block, tuple | list) and all(
+            isinstance(b, int) and not isinstance(b, bool) for b in block
+        )
+        if block is not None and not ints:
+            raise ValueError(f"`block={self.block!r}` must be a tuple of two ints, e.g. `(1, 16)`.")
+        block = None if block is None else tuple(block)
+        if block not in spec.blocks:
+            raise ValueError(
+                f"`block={self.block!r}` is not valid for format `{self.name}`; allowed: "
+                f"{spec.blocks}."
+            )
+        object.__setattr__(self, "block", block)
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(
+                f"`rounding={self.rounding!r}` is unknown; use 'nearest' or 'stochastic'."
+            )
+        if self.rounding not in spec.roundings:
+            raise ValueError(
+                f"Stochastic rounding is implemented for {_which('roundings', self.rounding)} "
+                f"only, not `{self.name}`."
+            )
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise ValueError(
+                f"`scale_rounding={self.scale_rounding!r}` is unknown; use one of "
+                f"{SCALE_ROUNDINGS}."
+            )
+        if self.scale_rounding not in spec.scale_roundings:
+            owners = _which("scale_roundings", self.scale_rounding)
+            raise ValueError(
+                f"`scale_rounding={self.scale_rounding!r}` applies to {owners}'s E4M3 block "
+                f"scales only, not `{self.name}`; leave it at 'nearest'."
+            )
+
+    @property
+    def spec(self) -> FormatSpec:
+        """What the format's name means (its quantiser, packing, costs)."""
+        return _SPECS[self.name]
+
+    @property
+    def quantised(self) -> bool:
+        """True for the scaled low-precision formats (`nvfp4`, `mxfp8`, `fp8_e4m3`,
+        `fp8_e5m2`); False for `bf16` and `float32`."""
+        return self.spec.quantised
+
+    def __str__(self) -> str:
+        return self.spec.label(self)
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage cost per element, scales included (tensor scales not counted)."""
+        return self.spec.bits_per_element
+
+
+def quantize_operand(
+    a: Float[Array, "..."],
+    fmt: Format | None,
+    axis: int,
+    key: jax.Array | None = None,
+) -> tuple[Array, Float[Array, ""] | None]:
+    """Quantise a GEMM operand whose contraction axis is `axis`, with the format's
+    rounding and (NVFP4) scale rounding.
+
+    **Returns:** `(values, scale)`: the operand is `values * scale`. `values` has `a`'s
+    shape; it is bfloat16 for quantised formats (their values are exact there), `a` cast to the
+    format's dtype otherwise (`a` itself for `fmt=None`); `scale` is `None` when the
+    format has no tensor scale.
+    """
+    if fmt is None:
+        return a, None
+    return fmt.spec.quantize(a, fmt, axis, key)
