@@ -1,9 +1,11 @@
 """Helpers shared by the test files: test data, comparisons of values and of bits, the
-recipes by name, and running a script in a subprocess.
+recipes by name, the GEMM tests' layer and gradients, and running a script in a
+subprocess.
 
-The NumPy references of the formats are in `reference.py`. Test files import both as
-top-level modules (`from helpers import ...`): pytest puts `tests/` on `sys.path`, and
-`pyproject.toml` adds the repository root (for `benchmarks`).
+The NumPy references of the formats and GEMMs are in `reference.py`. Test files import
+both as top-level modules (`from helpers import ...`): pytest puts `tests/` on
+`sys.path`, and `pyproject.toml` adds the repository root (for `benchmarks`) and
+`examples/`.
 """
 
 import pathlib
@@ -11,6 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +56,23 @@ def normal(seed: int, shape) -> jax.Array:
 # ---------------------------------------------------------------------------------------
 
 
+#: The relative error allowed against the NumPy reference GEMMs: float32 summation order,
+#: far below one element's quantisation step.
+RTOL = 1e-5
+
+
+def rel_err(got, want) -> float:
+    """Frobenius norm of the difference over the norm of `want`."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def assert_close(got, want, what: str, rtol: float = RTOL) -> None:
+    err = rel_err(got, want)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
 def assert_same(a, b, what: str) -> None:
     """Bit for bit (`==`, NaNs equal to NaNs), same dtype and shape."""
     a, b = np.asarray(a), np.asarray(b)
@@ -91,6 +111,51 @@ def assert_same_bits(got: Any, want: Any, what: str = "") -> None:
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)]
     for path, a, b in zip(paths, leaves_bits(got), leaves_bits(want), strict=True):
         assert a == b, f"{what}: leaf {path} differs"
+
+
+# ---------------------------------------------------------------------------------------
+# A quantised linear layer and its gradients (the GEMM tests, `test_gemm_*.py`).
+# ---------------------------------------------------------------------------------------
+
+PLAIN = nvfp4x.recipes.nvfp4_training(rht=False, stochastic_rounding=False)
+TRAIN = nvfp4x.recipes.nvfp4_training()
+# Token and feature sizes that are not multiples of 16.
+T, K, N = 37, 40, 24
+
+
+def make_layer(recipe, k=K, n=N, *, fast=True, use_bias=True, seed=0, dtype=jnp.float32):
+    lin = eqx.nn.Linear(k, n, use_bias=use_bias, key=jax.random.key(seed), dtype=dtype)
+    if use_bias:  # a bias that is not tiny, so that adding it in float32 is visible
+        lin = eqx.tree_at(lambda m: m.bias, lin, jnp.asarray(normal_np(seed + 1, (n,)), dtype))
+    q = nvfp4x.quantize(lin, recipe, fast=fast)
+    assert isinstance(q, nvfp4x.QuantizedLinear)
+    return q
+
+
+def cot_loss(layer, x, g, key=None):
+    """`sum(layer(x) * g)`: its output gradient `dy` is exactly `g`."""
+    return jnp.sum(layer(x, key=key).astype(jnp.float32) * g)
+
+
+grad_layer_x = jax.grad(cot_loss, argnums=(0, 1))
+jit_grad_layer_x = jax.jit(grad_layer_x)
+jit_call = jax.jit(lambda m, x: m(x))
+
+fasts = pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
+
+
+class TwoLayer(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, d, h, key):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(d, h, key=k1)
+        self.fc2 = eqx.nn.Linear(h, d, key=k2)
+
+    def __call__(self, x, *, key=None):
+        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        return self.fc2(jax.nn.gelu(self.fc1(x, key=keys[0])), key=keys[1])
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The NumPy references of the formats (spec §1, §2 and §6), shared by the tests.
+"""The NumPy references of the formats (spec §1, §2 and §6) and of the quantised GEMMs
+(§4, §5), shared by the tests.
 
 Written from `shared/spec/nvfp4.md` with NumPy float32 arithmetic (IEEE: subnormals kept)
-and `ml_dtypes` casts only; nothing here calls into `nvfp4x`. Comparisons with it are bit
-for bit (`assert_bits`).
+and `ml_dtypes` casts only (the GEMMs multiply in float64); nothing here calls into
+`nvfp4x`. Comparisons with the formats are bit for bit (`assert_bits`), with the GEMMs to
+a relative error (`helpers.assert_close`: float32 summation order).
 
 Documented choices of the library that the references follow:
 - the tensor amax is `max(|x|)` ignoring NaN (CUDA's `fmaxf`) but counting infinities;
@@ -207,3 +209,69 @@ def ref_fp8(x: np.ndarray, kind: str) -> FP8Ref:
         q = np.where(np.isfinite(x32), y, F32(np.nan)).astype(fp8)
         deq = q.astype(F32) * scale
     return FP8Ref(data=q, scale=np.asarray(scale, F32), deq=deq)
+
+
+# ---------------------------------------------------------------------------------------
+# The GEMMs (spec §4, §5): float64 products of the quantised operands.
+# ---------------------------------------------------------------------------------------
+
+#: Transformer Engine's RHT sign vector (spec §4).
+TE_SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], np.float64)
+
+
+def sylvester16() -> np.ndarray:
+    """The 16x16 Sylvester Hadamard matrix (entries ±1)."""
+    i = np.arange(16)
+    parity = np.vectorize(lambda v: bin(v).count("1") % 2)(i[:, None] & i[None, :])
+    return np.where(parity == 0, 1.0, -1.0)
+
+
+def ref_quantize(a, axis: int = -1, tile: bool = False) -> tuple[np.ndarray, np.float32]:
+    """A GEMM operand quantised as spec §2 (`ref_nvfp4`, round to nearest even):
+    `(block values, s_dec)`.
+
+    `block values` are `e2m1_value * block_scale` (exact; float64 here) in `a`'s shape, so
+    the dequantised tensor is `values * s_dec`. 1x16 blocks run along `axis`; `tile=True`
+    uses 16x16 tiles of a 2-D weight. Padding is zeros.
+    """
+    a = np.asarray(a, F32)
+    if not tile:
+        a = np.moveaxis(a, axis, -1)
+    ref = ref_nvfp4(a, (16, 16) if tile else (1, 16))
+    vals = (ref.codes.view(E2M1).astype(F32) * ref.sbf).astype(np.float64)
+    vals = vals[tuple(slice(0, n) for n in a.shape)]
+    return (vals if tile else np.moveaxis(vals, -1, axis)), ref.tensor_scale
+
+
+def ref_deq(a, axis: int = -1, tile: bool = False) -> np.ndarray:
+    vals, s = ref_quantize(a, axis, tile)
+    return vals * np.float64(s)
+
+
+def ref_rht_tokens(a: np.ndarray) -> np.ndarray:
+    """`H = diag(s) @ H16 / 4` applied to each chunk of 16 rows (tokens) of a 2-D array,
+    rows zero-padded to a multiple of 16 (spec §4). Float64, returned as float32."""
+    h = np.diag(TE_SIGNS) @ sylvester16() / 4
+    a = np.asarray(a, np.float64)
+    ap = np.pad(a, [(0, -a.shape[0] % 16), (0, 0)])
+    chunks = ap.reshape(-1, 16, ap.shape[1])
+    return np.einsum("ij,cjk->cik", h, chunks).reshape(ap.shape).astype(F32)
+
+
+def ref_gemms(x, w, g, *, rht: bool = False):
+    """The three GEMMs of `nvfp4_training(rht=..., stochastic_rounding=False)`.
+
+    `x: (t, k)`, `w: (n, k)`, `g = dy: (t, n)`. Each operand has its own tensor scale.
+    """
+    x, w, g = (np.asarray(v, F32) for v in (x, w, g))
+    xv, xs = ref_quantize(x, axis=1)  # x along k
+    wv, ws = ref_quantize(w, tile=True)  # W 16x16
+    gv, gs = ref_quantize(g, axis=1)  # dy along n
+    y = (xv @ wv.T) * (np.float64(xs) * np.float64(ws))
+    dx = (gv @ wv) * (np.float64(gs) * np.float64(ws))
+    if rht:
+        g, x = ref_rht_tokens(g), ref_rht_tokens(x)
+    gt, gts = ref_quantize(g, axis=0)  # dy along t
+    xt, xts = ref_quantize(x, axis=0)  # x along t
+    dw = (gt.T @ xt) * (np.float64(gts) * np.float64(xts))
+    return y, dx, dw

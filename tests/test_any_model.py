@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import normal
+from helpers import TRAIN, normal
 from jax import lax
 
 import nvfp4x
 
-TRAIN = nvfp4x.recipes.nvfp4_training()
 D, T = 32, 16
 
 

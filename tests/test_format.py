@@ -21,17 +21,16 @@ from reference import (
     E4M3,
     F32,
     GRID,
+    TE_SIGNS,
     Ref,
     assert_bits,
     ref_neighbours,
     ref_nvfp4,
+    sylvester16,
     unpack,
 )
 
 import nvfp4x
-
-#: Transformer Engine's RHT sign vector (spec §4).
-TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
 
 LAYOUTS = {"1x16": (1, 16), "16x16": (16, 16)}
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -521,12 +520,6 @@ def test_amax_argument(block):
 # ---------------------------------------------------------------------------------------
 # Random Hadamard transform (spec §4).
 # ---------------------------------------------------------------------------------------
-
-
-def sylvester16() -> np.ndarray:
-    i = np.arange(16)
-    parity = np.vectorize(lambda v: bin(v).count("1") % 2)(i[:, None] & i[None, :])
-    return np.where(parity == 0, 1.0, -1.0)
 
 
 def test_hadamard_matrix():

@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import RECIPES, normal
+from helpers import RECIPES, TRAIN, normal
 
 import nvfp4x
 
-TRAIN = nvfp4x.recipes.nvfp4_training()
 D = 24  # feature size, not a multiple of 16
 
 
