@@ -1,6 +1,6 @@
 """Helpers shared by the test files: test data, comparisons of values and of bits, the
-recipes by name, the GEMM tests' layer and gradients, and running a script in a
-subprocess.
+recipes by name, the GEMM tests' layer and gradients, the inference tests' models (and
+their frozen forms, cached), and running a script in a subprocess.
 
 The NumPy references of the formats and GEMMs are in `reference.py`. Test files import
 both as top-level modules (`from helpers import ...`): pytest puts `tests/` on
@@ -8,9 +8,11 @@ both as top-level modules (`from helpers import ...`): pytest puts `tests/` on
 `examples/`.
 """
 
+import functools
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -156,6 +158,110 @@ class TwoLayer(eqx.Module):
     def __call__(self, x, *, key=None):
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         return self.fc2(jax.nn.gelu(self.fc1(x, key=keys[0])), key=keys[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Models to quantise and freeze (the inference tests, `test_freeze.py`, `test_save_load.py`).
+# ---------------------------------------------------------------------------------------
+
+recipe_names = pytest.mark.parametrize("name", list(RECIPES))
+
+
+class Stack(eqx.Module):
+    """`nlayers` Linear layers made with `eqx.filter_vmap` (one stacked weight) and run
+    with `jax.lax.scan`, the way deep models avoid unrolling."""
+
+    layers: Any
+
+    def __init__(self, d: int, nlayers: int, key: jax.Array):
+        keys = jax.random.split(key, nlayers)
+        self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(d, d, key=k))(keys)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        return jax.lax.scan(body, x, params)[0]
+
+
+def mixed(key: jax.Array) -> eqx.nn.Sequential:
+    """Feature sizes that are multiples of 16 and sizes that are not, in one model:
+    32 -> 64 (both multiples), 64 -> 40 (the output is not), 40 -> 24 (neither). One
+    model covers both kinds of layer for the price of one compilation per test."""
+    k = jax.random.split(key, 3)
+    return eqx.nn.Sequential(
+        [
+            eqx.nn.Linear(32, 64, key=k[0]),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Linear(64, 40, key=k[1]),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Linear(40, 24, key=k[2]),
+        ]
+    )
+
+
+MODELS: dict[str, tuple[Callable[[jax.Array], Any], tuple[int, ...]]] = {
+    # name: (make(key), shape of one example)
+    "mixed": (mixed, (32,)),
+    "stack-scan": (lambda key: Stack(40, 3, key), (40,)),
+    # The checkpoint tests' model (its last layer is kept plain by `ckpt_policy`).
+    "odd-features": (lambda key: eqx.nn.MLP(40, 24, 56, 2, key=key), (40,)),
+    "scalar": (lambda key: eqx.nn.MLP("scalar", "scalar", 20, 1, key=key), ()),
+}
+
+
+def make(model: str, seed: int = 0) -> Any:
+    return MODELS[model][0](jax.random.key(seed))
+
+
+def inputs(model: str, seed: int = 1) -> jax.Array:
+    return normal(seed, (12,) + MODELS[model][1])  # 12 tokens (not a multiple of 16)
+
+
+def call(m, x):
+    return m(x)
+
+
+def vcall(m, x):
+    return jax.vmap(m)(x)
+
+
+MODES: dict[str, Callable[[Any, jax.Array], jax.Array]] = {
+    "eager": call,
+    "jit": eqx.filter_jit(call),  # the model is a jit argument, not a closed-over constant
+    "vmap": vcall,
+    "jit-vmap": eqx.filter_jit(vcall),
+}
+
+
+def ckpt_policy(name: str) -> nvfp4x.Policy:
+    """The recipe everywhere except an MLP's last layer, kept as a plain `eqx.nn.Linear`."""
+    return nvfp4x.Policy([(r"layers\[2\]", None), (r".*", RECIPES[name]())])
+
+
+# Freezing eagerly dispatches (and compiles) every packing op on its own: seconds per
+# model on this CPU. Most tests freeze under `eqx.filter_jit` once per model and recipe;
+# `test_eager_freeze_equals_jitted_freeze` shows that both give the same bits.
+freeze_jit = eqx.filter_jit(nvfp4x.freeze)
+
+
+@functools.cache
+def quantized(model: str, name: str, seed: int = 0, keep_last: bool = False) -> Any:
+    policy = ckpt_policy(name) if keep_last else RECIPES[name]()
+    return nvfp4x.quantize(make(model, seed), policy)
+
+
+@functools.cache
+def frozen_model(model: str, name: str, seed: int = 0, keep_last: bool = False) -> Any:
+    return freeze_jit(quantized(model, name, seed, keep_last))
+
+
+def build_frozen(seed: int) -> Any:
+    """A small frozen NVFP4 MLP (`nvfp4_inference`): the checkpoint tests' model."""
+    mlp = eqx.nn.MLP(32, 16, 48, 1, key=jax.random.key(seed))
+    return nvfp4x.freeze(nvfp4x.quantize(mlp, nvfp4x.recipes.nvfp4_inference()))
 
 
 # ---------------------------------------------------------------------------------------

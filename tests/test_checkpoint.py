@@ -1,17 +1,13 @@
-"""Checkpoints that lose nothing.
+"""`nvfp4x.TrainingCheckpointer`: checkpoints of a training run that lose nothing.
 
-`nvfp4x.save` / `nvfp4x.load`: a save that fails or is killed half-way leaves the
-previous file intact; a flipped byte anywhere is refused, naming the file; files of
-format version 1 (no checksum) still load, with a warning.
-
-`nvfp4x.TrainingCheckpointer`: the whole training state (quantised model, Adam state,
-step, data position, PRNG keys, Python numbers, packed float8/uint8 leaves) round-trips
-bit for bit; a corrupted leaf is refused, naming it; a step cut short is never listed;
-a training run killed with SIGKILL and resumed ends with the same bits as one never
-stopped. (Sharded state: `tests/multidevice/test_checkpoint_sharded.py`.)
+The whole training state (quantised model, Adam state, step, data position, PRNG keys,
+Python numbers, packed float8/uint8 leaves) round-trips bit for bit; a corrupted leaf is
+refused, naming it; a step cut short is never listed; a training run killed with SIGKILL
+and resumed ends with the same bits as one never stopped. (Sharded state:
+`tests/multidevice/test_checkpoint_sharded.py`; `nvfp4x.save` / `nvfp4x.load`:
+`tests/test_save_load.py`.)
 """
 
-import errno
 import json
 import os
 import pathlib
@@ -23,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -32,216 +27,13 @@ import numpy as np
 import optax
 import pytest
 import resumable_training
-from helpers import assert_same_bits, run_script
+from helpers import assert_same_bits, build_frozen, run_script
 
 import nvfp4x
 from nvfp4x import _checkpoint
 
 HERE = pathlib.Path(__file__).parent
 TIMEOUT = 240  # seconds, for any subprocess
-
-
-# ---------------------------------------------------------------------------------------
-# Helpers.
-# ---------------------------------------------------------------------------------------
-
-
-def build_frozen(seed: int) -> Any:
-    mlp = eqx.nn.MLP(32, 16, 48, 1, key=jax.random.key(seed))
-    return nvfp4x.freeze(nvfp4x.quantize(mlp, nvfp4x.recipes.nvfp4_inference()))
-
-
-@pytest.fixture(scope="module")
-def frozen_pair() -> tuple[Any, Any]:
-    """Two frozen NVFP4 models of one structure, different weights."""
-    return build_frozen(0), build_frozen(1)
-
-
-def saved_file(tmp_path: pathlib.Path, model: Any) -> tuple[pathlib.Path, bytes]:
-    path = tmp_path / "model.nvfp4x"
-    nvfp4x.save(path, model)
-    return path, path.read_bytes()
-
-
-def header_of(data: bytes) -> tuple[dict, int]:
-    """The JSON header of an `nvfp4x.save` file and where its payload starts."""
-    magic = data.index(b"\n") + 1
-    end = magic + 8 + int.from_bytes(data[magic : magic + 8], "little")
-    return json.loads(data[magic + 8 : end]), end
-
-
-# ---------------------------------------------------------------------------------------
-# nvfp4x.save / nvfp4x.load.
-# ---------------------------------------------------------------------------------------
-
-
-class FailingFile:
-    """A binary file whose writes fail with ENOSPC once `limit` bytes are written."""
-
-    def __init__(self, f, limit: int):
-        self._f, self._left = f, limit
-
-    def write(self, data: bytes) -> int:
-        if len(data) > self._left:
-            self._f.write(data[: self._left])
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        self._left -= len(data)
-        return self._f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
-
-
-def inject(monkeypatch, where: str, size: int) -> None:
-    """Make the next `nvfp4x.save` of a `size`-byte file fail at `where`."""
-    if where == "serialiser":
-        real = eqx.tree_serialise_leaves
-
-        def half_then_fail(f, tree):
-            real(f, tree)
-            f.truncate(f.tell() // 2)
-            raise RuntimeError("serialiser died (injected)")
-
-        monkeypatch.setattr(eqx, "tree_serialise_leaves", half_then_fail)
-    elif where == "write":
-        real_fdopen = os.fdopen
-        failing = lambda *a, **k: FailingFile(real_fdopen(*a, **k), size // 2)
-        monkeypatch.setattr(os, "fdopen", failing)
-    elif where == "fsync":
-
-        def fail(fd):
-            raise OSError(errno.EIO, "I/O error (injected)")
-
-        monkeypatch.setattr(os, "fsync", fail)
-    elif where == "rename":
-
-        def fail(src, dst):
-            raise OSError(errno.EXDEV, "rename failed (injected)")
-
-        monkeypatch.setattr(os, "replace", fail)
-
-
-@pytest.mark.parametrize("where", ["serialiser", "write", "fsync", "rename"])
-def test_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(
-    tmp_path, monkeypatch, frozen_pair, where
-):
-    old, new = frozen_pair
-    path, data = saved_file(tmp_path, old)
-    inject(monkeypatch, where, len(data))
-    with pytest.raises((OSError, RuntimeError), match="injected"):
-        nvfp4x.save(path, new)
-    monkeypatch.undo()
-    assert path.read_bytes() == data, f"{where}: the previous checkpoint was changed"
-    assert sorted(os.listdir(tmp_path)) == ["model.nvfp4x"], f"{where}: left {os.listdir(tmp_path)}"
-    assert_same_bits(nvfp4x.load(path, new), old, f"{where}: the previous checkpoint")
-
-
-def test_atomic_write_keeps_the_replaced_files_permissions(tmp_path):
-    path = tmp_path / "file.bin"
-    with _checkpoint.atomic_write(path) as f:
-        f.write(b"one")
-    assert path.stat().st_mode & 0o777 == 0o666 & ~_checkpoint._UMASK
-    path.chmod(0o640)
-    with _checkpoint.atomic_write(path) as f:
-        f.write(b"two")
-    assert path.read_bytes() == b"two"
-    assert path.stat().st_mode & 0o777 == 0o640
-
-
-SAVER = """
-import sys
-import jax.numpy as jnp
-import nvfp4x
-assert not any(m.startswith("orbax") for m in sys.modules), "import nvfp4x imported orbax"
-i = 0
-while True:  # a 16 MiB checkpoint, over and over, each with its own values
-    nvfp4x.save(sys.argv[1], {"i": jnp.int32(i), "w": jnp.full((4, 1 << 20), i, jnp.float32)})
-    print(i, flush=True)
-    i += 1
-"""
-
-
-def test_save_killed_mid_write_leaves_a_complete_checkpoint(tmp_path):
-    """A process saving a 16 MiB checkpoint in a loop is killed with SIGKILL at a random
-    moment: the file at the path is one complete save (all its values from one `i`).
-    (This also checks that `import nvfp4x` does not import Orbax.)"""
-    path = tmp_path / "model.nvfp4x"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True
-    )
-    delay = random.uniform(0.0, 0.3)
-    try:
-        timer = threading.Timer(TIMEOUT, proc.kill)
-        timer.start()
-        first = proc.stdout.readline()  # the first save is complete
-        timer.cancel()
-        assert first.strip() == "0", f"the saver failed before its first save: {first!r}"
-        time.sleep(delay)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        rest = proc.communicate(timeout=TIMEOUT)[0]
-    saves = 1 + len(rest.split())
-    like = {
-        "i": jax.ShapeDtypeStruct((), jnp.int32),
-        "w": jax.ShapeDtypeStruct((4, 1 << 20), jnp.float32),
-    }
-    loaded = nvfp4x.load(path, like)
-    i = int(loaded["i"])
-    assert i >= 0 and np.all(np.asarray(loaded["w"]) == i), f"killed after {delay:.2f} s"
-    assert i >= saves - 1, (i, saves)
-    # At most the killed write's temporary file is left next to it.
-    others = [p for p in os.listdir(tmp_path) if p != "model.nvfp4x"]
-    assert len(others) <= 1 and all(re.fullmatch(r"\.model\.nvfp4x\..*\.tmp", p) for p in others)
-
-
-def test_flipped_byte_anywhere_is_refused_naming_the_file(tmp_path, frozen_pair):
-    old, new = frozen_pair
-    path, data = saved_file(tmp_path, old)
-    header, start = header_of(data)
-    assert header["format_version"] == 2 and len(header["payload_sha256"]) == 64
-    rng = np.random.default_rng(0)
-    in_payload = {start, len(data) - 1, *rng.integers(start, len(data), 40).tolist()}
-    in_header = {0, start - 1, *rng.integers(0, start, 40).tolist()}
-    name = re.escape(str(path))
-    for i in sorted(in_payload | in_header):
-        path.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :])
-        match = rf"`{name}` is corrupted: the sha256" if i >= start else rf"`{name}`"
-        with pytest.raises(ValueError, match=match):
-            nvfp4x.load(path, new)
-
-
-@pytest.mark.parametrize("cut", ["at-payload", "mid-payload", "last-byte"])
-def test_truncated_file_is_refused_naming_the_file(tmp_path, frozen_pair, cut):
-    old, new = frozen_pair
-    path, data = saved_file(tmp_path, old)
-    _, start = header_of(data)
-    at = {"at-payload": start, "mid-payload": (start + len(data)) // 2, "last-byte": len(data) - 1}
-    path.write_bytes(data[: at[cut]])
-    with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is truncated"):
-        nvfp4x.load(path, new)
-
-
-def test_version_1_file_loads_with_a_warning(tmp_path, frozen_pair):
-    """A file as nvfp4x 0.1 wrote it (header: format version 1, layers, arrays; no
-    checksum) loads to the same bits, warning that it cannot be verified."""
-    old, new = frozen_pair
-    path, data = saved_file(tmp_path, old)
-    header, start = header_of(data)
-    v1 = {"format_version": 1, "layers": header["layers"], "arrays": header["arrays"]}
-    raw = json.dumps(v1).encode()
-    magic = data.index(b"\n") + 1
-    path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[start:])
-    with pytest.warns(UserWarning, match=r"version 1, which carries no checksum.*Save it again"):
-        loaded = nvfp4x.load(path, eqx.filter_eval_shape(build_frozen, 3))
-    assert_same_bits(loaded, old, "version-1 file")
-    nvfp4x.save(path, loaded)  # saving it again gives a version-2 file
-    assert header_of(path.read_bytes())[0]["format_version"] == 2
 
 
 # ---------------------------------------------------------------------------------------

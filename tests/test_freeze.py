@@ -1,19 +1,16 @@
 """Inference (issue 4): `nvfp4x.freeze` packs each quantised weight in its recipe's format
-and drops the master copy; checkpoints round-trip bit for bit and refuse mismatched
-files; frozen models take 3.5x fewer weight bytes than bf16, dequantise one layer at a
-time, and cannot be differentiated.
+and drops the master copy; frozen models take 3.5x fewer weight bytes than bf16,
+dequantise one layer at a time, and cannot be differentiated. (Their files:
+`test_save_load.py`.)
 
 What "the same" means here: a frozen model's forward is compared with the unfrozen
 (`nvfp4x.quantize`-d) model's forward in the same mode (eager with eager, jit with jit,
-vmap with vmap), bit for bit (`==`, same dtype and shape). Checkpoint leaves are compared
-as raw bytes.
+vmap with vmap), bit for bit (`==`, same dtype and shape). Frozen trees are compared
+leaf by leaf as raw bytes.
 """
 
 import functools
-import io
-import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -22,7 +19,19 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import RECIPES, assert_same, assert_same_bits, normal
+from helpers import (
+    MODES,
+    RECIPES,
+    Stack,
+    assert_same,
+    assert_same_bits,
+    freeze_jit,
+    frozen_model,
+    inputs,
+    make,
+    quantized,
+    recipe_names,
+)
 
 import nvfp4x
 
@@ -33,9 +42,7 @@ import nvfp4x
 NVFP4_RECIPES = ("nvfp4_inference", "nvfp4_weight_only", "nvfp4_training")
 E4M3 = ml_dtypes.float8_e4m3fn
 E8M0 = ml_dtypes.float8_e8m0fnu
-T = 12  # tokens (not a multiple of 16)
 
-recipe_names = pytest.mark.parametrize("name", list(RECIPES))
 nvfp4_names = pytest.mark.parametrize("name", NVFP4_RECIPES)
 
 
@@ -64,102 +71,6 @@ def to_bf16(model: Any) -> Any:
         return v
 
     return jax.tree_util.tree_map(cast, model)
-
-
-# ---------------------------------------------------------------------------------------
-# Models.
-# ---------------------------------------------------------------------------------------
-
-
-class Stack(eqx.Module):
-    """`nlayers` Linear layers made with `eqx.filter_vmap` (one stacked weight) and run
-    with `jax.lax.scan`, the way deep models avoid unrolling."""
-
-    layers: Any
-
-    def __init__(self, d: int, nlayers: int, key: jax.Array):
-        keys = jax.random.split(key, nlayers)
-        self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(d, d, key=k))(keys)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        params, static = eqx.partition(self.layers, eqx.is_array)
-
-        def body(h, p):
-            return jnp.tanh(eqx.combine(p, static)(h)), None
-
-        return jax.lax.scan(body, x, params)[0]
-
-
-def mixed(key: jax.Array) -> eqx.nn.Sequential:
-    """Feature sizes that are multiples of 16 and sizes that are not, in one model:
-    32 -> 64 (both multiples), 64 -> 40 (the output is not), 40 -> 24 (neither). One
-    model covers both kinds of layer for the price of one compilation per test."""
-    k = jax.random.split(key, 3)
-    return eqx.nn.Sequential(
-        [
-            eqx.nn.Linear(32, 64, key=k[0]),
-            eqx.nn.Lambda(jax.nn.relu),
-            eqx.nn.Linear(64, 40, key=k[1]),
-            eqx.nn.Lambda(jax.nn.relu),
-            eqx.nn.Linear(40, 24, key=k[2]),
-        ]
-    )
-
-
-MODELS: dict[str, tuple[Callable[[jax.Array], Any], tuple[int, ...]]] = {
-    # name: (make(key), shape of one example)
-    "mixed": (mixed, (32,)),
-    "stack-scan": (lambda key: Stack(40, 3, key), (40,)),
-    # The checkpoint tests' model (its last layer is kept plain by `ckpt_policy`).
-    "odd-features": (lambda key: eqx.nn.MLP(40, 24, 56, 2, key=key), (40,)),
-    "scalar": (lambda key: eqx.nn.MLP("scalar", "scalar", 20, 1, key=key), ()),
-}
-
-
-def make(model: str, seed: int = 0) -> Any:
-    return MODELS[model][0](jax.random.key(seed))
-
-
-def inputs(model: str, seed: int = 1) -> jax.Array:
-    return normal(seed, (T,) + MODELS[model][1])
-
-
-def call(m, x):
-    return m(x)
-
-
-def vcall(m, x):
-    return jax.vmap(m)(x)
-
-
-MODES: dict[str, Callable[[Any, jax.Array], jax.Array]] = {
-    "eager": call,
-    "jit": eqx.filter_jit(call),  # the model is a jit argument, not a closed-over constant
-    "vmap": vcall,
-    "jit-vmap": eqx.filter_jit(vcall),
-}
-
-
-def ckpt_policy(name: str) -> nvfp4x.Policy:
-    """The recipe everywhere except an MLP's last layer, kept as a plain `eqx.nn.Linear`."""
-    return nvfp4x.Policy([(r"layers\[2\]", None), (r".*", RECIPES[name]())])
-
-
-# Freezing eagerly dispatches (and compiles) every packing op on its own: seconds per
-# model on this CPU. Most tests freeze under `eqx.filter_jit` once per model and recipe;
-# `test_eager_freeze_equals_jitted_freeze` shows that both give the same bits.
-freeze_jit = eqx.filter_jit(nvfp4x.freeze)
-
-
-@functools.cache
-def quantized(model: str, name: str, seed: int = 0, keep_last: bool = False) -> Any:
-    policy = ckpt_policy(name) if keep_last else RECIPES[name]()
-    return nvfp4x.quantize(make(model, seed), policy)
-
-
-@functools.cache
-def frozen_model(model: str, name: str, seed: int = 0, keep_last: bool = False) -> Any:
-    return freeze_jit(quantized(model, name, seed, keep_last))
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,188 +279,6 @@ def test_checkpoint_file_at_least_3_4x_smaller_than_bf16(name, tmp_path):
     for file in ("frozen.eqx", "frozen.nvfp4x"):
         size = (tmp_path / file).stat().st_size
         assert bf16 / size >= 3.4, f"{name} {file}: {bf16:,} B / {size:,} B = {bf16 / size:.3f}"
-
-
-# ---------------------------------------------------------------------------------------
-# Checkpoints.
-# ---------------------------------------------------------------------------------------
-
-
-def frozen_like(name: str, kind: str, seed: int = 7) -> Any:
-    """A `like` for loading, built from a skeleton with *other* values (seed 7)."""
-
-    if kind == "concrete":
-        return frozen_model("odd-features", name, seed, keep_last=True)
-    return eqx.filter_eval_shape(
-        lambda: nvfp4x.freeze(nvfp4x.quantize(make("odd-features", seed), ckpt_policy(name)))
-    )
-
-
-def write_eqx(path, model) -> None:
-    eqx.tree_serialise_leaves(path, model)
-
-
-def read_eqx(path, like):
-    return eqx.tree_deserialise_leaves(path, like)
-
-
-def write_nvfp4x(path, model) -> None:
-    nvfp4x.save(str(path), model)
-
-
-def read_nvfp4x(path, like):
-    return nvfp4x.load(str(path), like)
-
-
-CHECKPOINT_IO = {"eqx": (write_eqx, read_eqx), "nvfp4x": (write_nvfp4x, read_nvfp4x)}
-
-
-@pytest.mark.parametrize("io_kind", list(CHECKPOINT_IO))
-@pytest.mark.parametrize("like_kind", ["concrete", "eval_shape"])
-@recipe_names
-def test_checkpoint_round_trip_is_bit_exact(name, like_kind, io_kind, tmp_path):
-    write, read = CHECKPOINT_IO[io_kind]
-    frozen = frozen_model("odd-features", name, keep_last=True)
-    path = tmp_path / "model.eqx"
-    write(path, frozen)
-    like = frozen_like(name, like_kind)
-    loaded = read(path, like)
-    assert_same_bits(loaded, frozen, f"{name}: {io_kind} round trip, like={like_kind}")
-    x = inputs("odd-features")
-    for mode in ("vmap", "jit-vmap"):
-        fn = MODES[mode]
-        assert_same(fn(loaded, x), fn(frozen, x), f"{name}: loaded model's outputs, {mode}")
-
-
-def saved(tmp_path, name: str = "nvfp4_inference", model: str = "odd-features") -> tuple:
-    frozen = frozen_model(model, name, keep_last=True)
-    path = tmp_path / "model.nvfp4x"
-    nvfp4x.save(str(path), frozen)
-    return path, path.read_bytes()
-
-
-def header_end(data: bytes) -> int:
-    """Where the leaves start in an `nvfp4x.save` file: magic line, 8-byte length, JSON."""
-    magic = data.index(b"\n") + 1
-    return magic + 8 + int.from_bytes(data[magic : magic + 8], "little")
-
-
-@pytest.mark.parametrize(
-    "where", ["in-magic", "in-length", "in-header", "at-leaves", "mid-leaves", "last-byte"]
-)
-def test_load_truncated_checkpoint_raises(tmp_path, where):
-    path, data = saved(tmp_path)
-    like = frozen_like("nvfp4_inference", "concrete")
-    nvfp4x.load(str(path), like)  # the intact file loads
-    end = header_end(data)
-    cut = {
-        "in-magic": 5,
-        "in-length": data.index(b"\n") + 4,
-        "in-header": end - 10,
-        "at-leaves": end,
-        "mid-leaves": (end + len(data)) // 2,
-        "last-byte": len(data) - 1,
-    }[where]
-    path.write_bytes(data[:cut])
-    with pytest.raises(ValueError, match=r"truncated|corrupt|not an nvfp4x checkpoint"):
-        nvfp4x.load(str(path), like)
-
-
-RECIPE_MISMATCHES = {
-    # saved under -> loaded into; the arrays have the same shapes and dtypes in each pair.
-    "w4a4-into-w4a16": ("nvfp4_inference", nvfp4x.recipes.nvfp4_weight_only),
-    "w4a16-into-w4a4": ("nvfp4_weight_only", nvfp4x.recipes.nvfp4_inference),
-    "training-into-inference-16x16": (
-        "nvfp4_training",
-        lambda: nvfp4x.recipes.nvfp4_inference(weight_block=(16, 16)),
-    ),
-}
-
-
-@pytest.mark.parametrize("pair", list(RECIPE_MISMATCHES))
-@pytest.mark.parametrize("like_kind", ["concrete", "eval_shape"])
-def test_load_into_another_recipe_raises(tmp_path, pair, like_kind):
-    saved_as, other = RECIPE_MISMATCHES[pair]
-    path, _ = saved(tmp_path, saved_as)
-
-    policy = nvfp4x.Policy([(r"layers\[2\]", None), (r".*", other())])
-    qmodel = nvfp4x.quantize(make("odd-features", 7), policy)
-    if like_kind == "concrete":
-        like = freeze_jit(qmodel)
-    else:
-        like = eqx.filter_eval_shape(lambda: nvfp4x.freeze(qmodel))
-    # The premise: the arrays alone cannot tell the two apart.
-    frozen_saved = frozen_model("odd-features", saved_as, keep_last=True)
-    assert array_structs(frozen_saved) == array_structs(like)
-    with pytest.raises(ValueError, match=rf"recipe.*layers\[0\].*{saved_as}"):
-        nvfp4x.load(str(path), like)
-
-
-def array_structs(model: Any) -> list[tuple]:
-    leaves = jax.tree_util.tree_leaves(model)
-    return [(v.shape, v.dtype) for v in leaves if hasattr(v, "shape") and hasattr(v, "dtype")]
-
-
-def test_load_with_different_shapes_raises(tmp_path):
-    path, _ = saved(tmp_path)
-    wider = freeze_jit(
-        nvfp4x.quantize(
-            eqx.nn.MLP(40, 24, 64, 2, key=jax.random.key(7)), ckpt_policy("nvfp4_inference")
-        )
-    )
-    with pytest.raises(ValueError, match=r"shape"):
-        nvfp4x.load(str(path), wider)
-    deeper = freeze_jit(
-        nvfp4x.quantize(
-            eqx.nn.MLP(40, 24, 56, 3, key=jax.random.key(7)),
-            nvfp4x.Policy([(r"layers\[3\]", None), (r".*", nvfp4x.recipes.nvfp4_inference())]),
-        )
-    )
-    with pytest.raises(ValueError, match=r"does not match"):
-        nvfp4x.load(str(path), deeper)
-
-
-def test_load_unfrozen_checkpoint_into_frozen_like_raises(tmp_path):
-    qmodel = nvfp4x.quantize(make("odd-features", 0), ckpt_policy("nvfp4_inference"))
-    path = tmp_path / "q.nvfp4x"
-    nvfp4x.save(str(path), qmodel)
-    with pytest.raises(ValueError, match=r"FrozenLinear|QuantizedLinear|freeze"):
-        nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
-
-
-def eqx_file(tmp_path) -> bytes:
-    frozen = frozen_model("odd-features", "bf16", keep_last=True)
-    buf = io.BytesIO()
-    eqx.tree_serialise_leaves(buf, frozen)
-    return buf.getvalue()
-
-
-NOT_CHECKPOINTS = {
-    "empty": lambda tmp_path: b"",
-    "text": lambda tmp_path: b"hello, this is not a checkpoint\n" * 20,
-    "random": lambda tmp_path: np.random.default_rng(0).bytes(4096),
-    "plain-eqx-file": eqx_file,
-}
-
-
-@pytest.mark.parametrize("kind", list(NOT_CHECKPOINTS))
-def test_load_non_checkpoint_raises(tmp_path, kind):
-    path = tmp_path / "file.bin"
-    path.write_bytes(NOT_CHECKPOINTS[kind](tmp_path))
-    with pytest.raises(ValueError, match=r"not an nvfp4x checkpoint|truncated|corrupt"):
-        nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
-
-
-def test_load_other_format_version_raises(tmp_path):
-    path, data = saved(tmp_path)
-    magic = data.index(b"\n") + 1
-    end = header_end(data)
-    header = json.loads(data[magic + 8 : end])
-    header["format_version"] = 999
-    raw = json.dumps(header).encode()
-    path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[end:])
-    with pytest.raises(ValueError, match=r"version"):
-        nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
 
 
 # ---------------------------------------------------------------------------------------
