@@ -1,5 +1,5 @@
 """`PackedArray`, what the packed arrays of every format have in common, and the packed
-arrays of the formats other than NVFP4 (MXFP8, per-tensor FP8)."""
+array of per-tensor FP8."""
 
 import abc
 from typing import ClassVar
@@ -12,9 +12,8 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Shaped, UInt8
 
 from ._axes import follows_input_sharding
-from ._checks import check_float, check_fp8_kind, check_ndim
-from ._format._constants import MX_BLOCK
-from ._format._fp8 import mx_pad, quantize_fp8, quantize_mxfp8
+from ._checks import check_float, check_fp8_kind
+from ._format._fp8 import quantize_fp8
 from ._format._nvfp4 import tensor_amax
 
 
@@ -63,73 +62,6 @@ class PackedArray(eqx.Module):
     def nbytes(self) -> int:
         """Bytes held: every array field (elements, block scales, tensor scales)."""
         return int(sum(getattr(self, f).nbytes for f in self.per_block + self.per_tensor))
-
-
-class MXFP8Array(PackedArray):
-    """MXFP8 along the last axis: `data` (`float8_e4m3fn`, last axis padded to 32) and
-    `scales` (`float8_e8m0fnu`, one per 32 elements), both held as uint8 bit patterns
-    (`data_bits`, `scale_bits`) so Equinox serialisation round-trips them. Make one with
-    [`nvfp4x.to_mxfp8`][].
-
-    **Fields:** `data_bits`, `scale_bits`, and (static) `logical_last` (the unpadded
-    length of the last axis) and `dtype` (the dtype that was quantised).
-
-    ```python
-    m = nvfp4x.to_mxfp8(jax.random.normal(jax.random.key(0), (4, 40)))
-    m.shape, m.data.shape, m.scales.shape   # (4, 40), (4, 64), (4, 2)
-    m.nbytes                                # 264
-    m.dequantize().shape                    # (4, 40)
-    ```
-    """
-
-    data_bits: UInt8[Array, "..."]
-    scale_bits: UInt8[Array, "..."]
-    logical_last: int = eqx.field(static=True)
-    dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
-
-    per_block: ClassVar[tuple[str, ...]] = ("data_bits", "scale_bits")
-
-    @property
-    def data(self) -> Shaped[Array, "..."]:
-        """The elements as `float8_e4m3fn`, last axis padded to a multiple of 32."""
-        return jax.lax.bitcast_convert_type(self.data_bits, jnp.float8_e4m3fn)
-
-    @property
-    def scales(self) -> Shaped[Array, "..."]:
-        """The block scales as `float8_e8m0fnu` (powers of two), one per 32 elements."""
-        return jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e8m0fnu)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The logical shape (without the padding of the last axis)."""
-        return tuple(self.data_bits.shape[:-1]) + (self.logical_last,)
-
-    @property
-    def shard_blocks(self) -> tuple[int, ...]:
-        return (1, MX_BLOCK)
-
-    @follows_input_sharding(like=lambda self: self.data_bits)
-    def operand(self) -> tuple[Shaped[Array, "..."], None]:
-        """The GEMM operand form.
-
-        **Returns:** `(values, None)`: element × block scale in bfloat16 (exact), in the
-        logical shape; MXFP8 has no tensor scale.
-        """
-        d = self.data.astype(jnp.float32)
-        d = d.reshape(*d.shape[:-1], d.shape[-1] // MX_BLOCK, MX_BLOCK)
-        v = (d * self.scales.astype(jnp.float32)[..., None]).reshape(self.data.shape)
-        return v[..., : self.logical_last].astype(jnp.bfloat16), None
-
-    def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
-        """The array's values, element × block scale, in the logical shape.
-
-        **Arguments:**
-
-        - `dtype`: the output dtype; by default the dtype that was quantised.
-
-        **Returns:** an array of shape `self.shape`.
-        """
-        return self.operand()[0].astype(self.dtype if dtype is None else dtype)
 
 
 class FP8Array(PackedArray):
@@ -191,39 +123,6 @@ class FP8Array(PackedArray):
         scale = self.scale.reshape(self.scale.shape + (1,) * (self.data.ndim - self.scale.ndim))
         out = self.data.astype(jnp.float32) * scale
         return out.astype(self.dtype if dtype is None else dtype)
-
-
-@follows_input_sharding
-def to_mxfp8(x: ArrayLike) -> MXFP8Array:
-    """Quantise to MXFP8 along the last axis (E4M3 elements, power-of-two scale per 32).
-
-    **Arguments:**
-
-    - `x`: a floating-point array with at least one axis; the last axis is blocked
-      (zero-padded to a multiple of 32 internally), leading axes are batch axes.
-
-    **Returns:** an [`nvfp4x.MXFP8Array`][] of `x`'s shape. Its scales are
-    `2^ceil(log2(bamax / 448))` (spec §6); a finite input always dequantises to finite
-    values (elements saturate so that element × scale stays below the float32 maximum),
-    and a block holding NaN or ±inf dequantises to NaN.
-
-    **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex); `ValueError`
-    for a 0-d `x`.
-
-    ```python
-    m = nvfp4x.to_mxfp8(jax.random.normal(jax.random.key(0), (4, 40)))
-    m.scales.shape, m.dequantize().shape   # (4, 2), (4, 40)
-    ```
-    """
-    x = check_float(x)
-    check_ndim(x, 1, "MXFP8 (blocks of 32 along the last axis)")
-    q, scale = quantize_mxfp8(mx_pad(x))
-    return MXFP8Array(
-        data_bits=as_bits(q, jnp.float8_e4m3fn),
-        scale_bits=as_bits(scale, jnp.float8_e8m0fnu),
-        logical_last=x.shape[-1],
-        dtype=x.dtype,
-    )
 
 
 @follows_input_sharding
