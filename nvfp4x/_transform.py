@@ -21,16 +21,29 @@ from ._sites import (
     qweights,
 )
 
+_Choice = tuple[int | None, Recipe | None]
 
-def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], Recipe | None], Policy | None]:
+
+def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], _Choice], Policy | None]:
+    """`(choose, rules)`: `choose(path, layer)` is `(index of the matching rule, recipe)`
+    (the index None unless `policy` is a `Policy`; its rules match the layer's path, then
+    `path.weight`); `rules` is the `Policy`, if `policy` is one."""
     if isinstance(policy, Policy):
-        return (lambda path, _: policy.lookup(path)[1]), policy
+
+        def lookup(path: str, layer: Any) -> _Choice:
+            index, recipe = policy.lookup(path)
+            if index is None:
+                index, recipe = policy.lookup(f"{path}.weight" if path else "weight")
+            return index, recipe
+
+        return lookup, policy
     if isinstance(policy, Recipe | str):
         recipe = as_recipe(policy, "`policy`")
-        return (lambda path, _: recipe), None
+        return (lambda path, _: (None, recipe)), None
     if callable(policy):
+        where = "The policy callable for `{}`"
         return (
-            lambda path, layer: as_recipe(policy(path, layer), f"The policy callable for `{path}`")
+            lambda path, layer: (None, as_recipe(policy(path, layer), where.format(path)))
         ), None
     raise TypeError(
         f"`policy` must be an `nvfp4x.Policy`, a recipe, a recipe name or a callable "
@@ -100,11 +113,7 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     def choose(path: str, layer: Any) -> Recipe | None:
         nonlocal found
         found += 1
-        if rules is None:
-            return resolve(path, layer)
-        index, recipe = rules.lookup(path)
-        if index is None:
-            index, recipe = rules.lookup(f"{path}.weight" if path else "weight")
+        index, recipe = resolve(path, layer)
         if index is not None:
             matched.add(index)
         return recipe
@@ -313,16 +322,17 @@ def requantize(model: Any, policy: PolicyLike, *, state: Any = None) -> Any:
     matched: set[int] = set()
 
     def lookup(path: str, layer: Any) -> Recipe | None:
-        if rules is None:
-            return resolve(path, layer)
-        index, recipe = rules.lookup(path)
-        if index is None:
-            index, recipe = rules.lookup(f"{path}.weight" if path else "weight")
+        index, recipe = resolve(path, layer)
         if index is not None:
             matched.add(index)
         return recipe
 
-    owners = {w.path: layer for layer in _weight_owners(model) for w in [layer.weight]}
+    # the layer that holds each quantised weight (for a policy callable's `layer`)
+    owners = {
+        layer.weight.path: layer
+        for _, layer in site_layers(model)
+        if isinstance(layer.weight, QWeight)
+    }
     recipes = {}
     for _, w in weights:
         recipe = lookup(w.path, owners.get(w.path, w))
@@ -363,9 +373,3 @@ def requantize(model: Any, policy: PolicyLike, *, state: Any = None) -> Any:
     if state is None:
         return switch(model)
     return switch(model), switch(state)
-
-
-def _weight_owners(model: Any) -> list[Any]:
-    """The layers of `model` whose weight is a `QWeight` (for a policy callable's
-    `layer` argument)."""
-    return [layer for _, layer in site_layers(model) if isinstance(layer.weight, QWeight)]
