@@ -1,6 +1,5 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
-import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -110,18 +109,14 @@ class NVFP4Array(PackedArray):
 
         **Returns:** an array of shape `self.shape`.
         """
-        ts = self.tensor_scale.reshape(
-            self.tensor_scale.shape + (1,) * (self.codes.ndim - self.tensor_scale.ndim)
-        )
-
-        # (value * block scale) is exact; its product with the tensor scale is the IEEE
-        # float32 one, even where that is subnormal (tiny tensors) on a device that
-        # flushes subnormals: a separate loop, run for tiny tensor scales only.
-        exact, plain = _dequantize_loops(self.block)
+        values, ts = self.operand()
+        ts = ts.reshape(ts.shape + (1,) * (values.ndim - ts.ndim))
+        # (value * block scale) is exact (in bfloat16 too); its product with the tensor
+        # scale is the IEEE float32 one, even where that is subnormal (tiny tensors) on a
+        # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
         tiny = jnp.any(is_tiny_scale(ts))
-        x = jax.lax.cond(tiny, exact, plain, self.codes, self.scales.astype(jnp.float32), ts)
-        index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
-        return x[index].astype(self.dtype if dtype is None else dtype)
+        x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
+        return x.astype(self.dtype if dtype is None else dtype)
 
     @follows_input_sharding(like=lambda self: self.codes)
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
@@ -150,18 +145,10 @@ class NVFP4Array(PackedArray):
         return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
 
 
-@functools.cache
-def _dequantize_loops(block: tuple[int, int]):
-    """The two loops of `NVFP4Array.dequantize`, cached (`lax.cond` caches its traced
-    branches by function identity; eagerly, a new branch function compiles again)."""
-
-    def values(exact, codes, scale, ts):
-        q = to_blocks(_e2m1.decode(unpack(codes)), block)
-        expanded = scale[..., None] if block[0] == 1 else scale[..., :, None, :, None]
-        p = (q * expanded).reshape(codes.shape[:-1] + (-1,))
-        return mul_exact(p, ts) if exact else p * ts
-
-    return functools.partial(values, True), functools.partial(values, False)
+def _mul(a: Array, b: Array) -> Array:
+    """`a * b` (the branch of `NVFP4Array.dequantize` for tensor scales that are not tiny;
+    a module-level function, so that `lax.cond` reuses its traced branch)."""
+    return a * b
 
 
 def _prepare(x, block, rounding, key, amax, scale_rounding):
