@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from ._format._constants import GOLDEN_RATIO_32
 from ._sites import layers as site_layers, path_str
 
 # --- atomic files ---
@@ -292,7 +293,7 @@ def _fmix32(h):
 
 
 def _mix(words, index):
-    a = _fmix32(words ^ (index * np.uint32(0x9E3779B9)))
+    a = _fmix32(words ^ (index * np.uint32(GOLDEN_RATIO_32)))
     b = _fmix32((words * np.uint32(0x27D4EB2F)) ^ _fmix32(index ^ np.uint32(0x165667B1)))
     return a, b
 

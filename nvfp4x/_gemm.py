@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt32
 
-from ._format._constants import BLOCK
+from ._format._constants import GOLDEN_RATIO_32, TILE
 from ._format._hadamard import rht
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._policy import Recipe
@@ -77,7 +77,7 @@ def mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]
     and must still draw the same thresholds, or they would drift apart)."""
     bits = lax.bitcast_convert_type(w.astype(jnp.float32), jnp.uint32) >> 16
     c = jnp.sum(bits, axis=(-2, -1), dtype=jnp.uint32)
-    return seed ^ jnp.stack([c, c * jnp.uint32(0x9E3779B9)], axis=-1)
+    return seed ^ jnp.stack([c, c * jnp.uint32(GOLDEN_RATIO_32)], axis=-1)
 
 
 def needs_key(recipe: Recipe) -> bool:
@@ -92,7 +92,7 @@ def shares_weight(recipe: Recipe) -> bool:
     blocks run along one GEMM's contraction axis (NVFP4 1x16, MXFP8). 16x16 tiles, a
     per-tensor FP8 scale or no quantisation give the same values in both layouts."""
     fmt = recipe.weight
-    return fmt is None or fmt.block in (None, (BLOCK, BLOCK))
+    return fmt is None or fmt.block in (None, TILE)
 
 
 # Jitted: called eagerly, it is one dispatch, as the primitives' own computations are.

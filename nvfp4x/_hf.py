@@ -36,7 +36,7 @@ import numpy as np
 
 from ._array import NVFP4Array, to_nvfp4
 from ._checkpoint import atomic_write
-from ._format._constants import BLOCK
+from ._format._constants import BLOCK, NVFP4_RANGE
 from ._format._nvfp4 import tensor_scales
 from ._frozen import FrozenWeight
 from ._packed import PackedArray
@@ -744,7 +744,7 @@ def _layer_algo(entry: _Entry, weight_only: bool, input_amax: dict, who: str) ->
 def _amax_for_scale(scale: Any) -> jax.Array:
     """An amax whose NVFP4 tensor decode scale is exactly `scale` (monotone search)."""
     target = np.float32(scale)
-    amax = np.float32(target * np.float32(6 * 448))
+    amax = np.float32(target * np.float32(NVFP4_RANGE))
     for _ in range(64):
         got = np.float32(tensor_scales(jnp.float32(amax))[1])
         if got == target:

@@ -27,5 +27,8 @@ FLT_MAX = float(np.finfo(np.float32).max)
 INV_E2M1_MAX = float(np.float32(1.0) / np.float32(6.0))
 #: Magnitudes of the E2M1 codes 0..7; bit 3 of a code is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: `2^32 / golden ratio`, odd: the multiplicative hashing constant (Knuth) with which
+#: the GEMM mixes a weight checksum into its seed and checkpoints hash their words.
+GOLDEN_RATIO_32 = 0x9E3779B9
 #: The sign vector of the random Hadamard transform, as Transformer Engine uses it.
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)

@@ -134,7 +134,7 @@ def _block_scales(
 
 
 def _block_scale_values(bamax, s_enc):
-    scale_b = round_e4m3(jnp.minimum(mul_normal(bamax, s_enc * INV_E2M1_MAX), 448.0))
+    scale_b = round_e4m3(jnp.minimum(mul_normal(bamax, s_enc * INV_E2M1_MAX), E4M3_MAX))
     return jnp.where(jnp.isfinite(bamax), scale_b, jnp.nan)
 
 
