@@ -5,7 +5,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._format._constants import BLOCK
+from ._format._constants import ROW_BLOCK, TILE
 from ._formats import Format
 
 
@@ -58,7 +58,7 @@ class Recipe:
                 )
         for field in ("input", "grad"):
             fmt = getattr(self, field)
-            if fmt is not None and fmt.block == (BLOCK, BLOCK):
+            if fmt is not None and fmt.block == TILE:
                 raise ValueError(
                     f"`Recipe.{field}` cannot use 16x16 blocks: they are for weights. Use "
                     "`block=(1, 16)`."
@@ -98,8 +98,19 @@ class Recipe:
         return f"{self.name}(w={f(self.weight)}, x={f(self.input)}, dy={f(self.grad)}{rht})"
 
 
-def _nvfp4(block=(1, BLOCK), rounding="nearest", scale_rounding="nearest") -> Format:
+def _nvfp4(block=ROW_BLOCK, rounding="nearest", scale_rounding="nearest") -> Format:
     return Format("nvfp4", block, rounding, scale_rounding)
+
+
+#: The ready-made recipes by name, in the order `recipes` defines them (`_preset`).
+_PRESETS: dict[str, Callable[..., "Recipe"]] = {}
+
+
+def _preset(fn: Callable[..., Recipe]) -> staticmethod:
+    """Register a `recipes` constructor under its name (`recipes.get`, recipe names in
+    policies) and make it a static method."""
+    _PRESETS[fn.__name__] = fn
+    return staticmethod(fn)
 
 
 class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp4x.recipes.x()`
@@ -112,12 +123,12 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
     ```
     """
 
-    @staticmethod
+    @_preset
     def nvfp4_training(
         *,
         rht: bool = True,
         stochastic_rounding: bool = True,
-        weight_block: Sequence[int] = (BLOCK, BLOCK),
+        weight_block: Sequence[int] = TILE,
         unbiased_sr: bool = False,
     ) -> Recipe:
         """NVIDIA's NVFP4 training recipe (spec §5): W in 16x16 blocks, x and dy in 1x16
@@ -155,8 +166,8 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
             name="nvfp4_training",
         )
 
-    @staticmethod
-    def nvfp4_inference(*, weight_block: Sequence[int] = (1, BLOCK)) -> Recipe:
+    @_preset
+    def nvfp4_inference(*, weight_block: Sequence[int] = ROW_BLOCK) -> Recipe:
         """Weights and inputs in NVFP4 with round-to-nearest (W4A4); gradients, if taken,
         flow unquantised through the quantised operands (straight-through).
 
@@ -175,8 +186,8 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
             weight=_nvfp4(tuple(weight_block)), input=_nvfp4(), grad=None, name="nvfp4_inference"
         )
 
-    @staticmethod
-    def nvfp4_weight_only(*, weight_block: Sequence[int] = (1, BLOCK)) -> Recipe:
+    @_preset
+    def nvfp4_weight_only(*, weight_block: Sequence[int] = ROW_BLOCK) -> Recipe:
         """NVFP4 weights, inputs in their own dtype (W4A16).
 
         **Arguments:**
@@ -195,7 +206,7 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
             weight=_nvfp4(tuple(weight_block)), input=None, grad=None, name="nvfp4_weight_only"
         )
 
-    @staticmethod
+    @_preset
     def mxfp8() -> Recipe:
         """MXFP8 (E4M3, 32-element power-of-two blocks) for all three operands.
 
@@ -204,7 +215,7 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         f = Format("mxfp8")
         return Recipe(weight=f, input=f, grad=f, name="mxfp8")
 
-    @staticmethod
+    @_preset
     def fp8() -> Recipe:
         """FP8 with current per-tensor scaling: E4M3 forward (W, x), E5M2 gradients.
 
@@ -217,7 +228,7 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
             name="fp8",
         )
 
-    @staticmethod
+    @_preset
     def bf16() -> Recipe:
         """No quantisation: all three GEMMs on bfloat16 operands, float32 accumulation.
 
@@ -226,7 +237,7 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         f = Format("bf16")
         return Recipe(weight=f, input=f, grad=f, name="bf16")
 
-    @staticmethod
+    @_preset
     def float32() -> Recipe:
         """No quantisation: all three GEMMs in float32.
 
@@ -248,18 +259,11 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         """
         if name not in RECIPE_NAMES:
             raise ValueError(f"Unknown recipe `{name!r}`; use one of {RECIPE_NAMES}.")
-        return getattr(recipes, name)()
+        return _PRESETS[name]()
 
 
-RECIPE_NAMES = (
-    "nvfp4_training",
-    "nvfp4_inference",
-    "nvfp4_weight_only",
-    "mxfp8",
-    "fp8",
-    "bf16",
-    "float32",
-)
+#: The names of the ready-made recipes (the constructors of `recipes`).
+RECIPE_NAMES = tuple(_PRESETS)
 
 RecipeLike = Recipe | str | None
 
@@ -278,8 +282,10 @@ def as_recipe(value: Any, where: str) -> Recipe | None:
     )
 
 
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Policy:
-    """Ordered rules mapping module paths to recipes.
+    """Ordered rules mapping module paths to recipes. Immutable (and hashable), like a
+    recipe: build a new one to change it.
 
     **Arguments:**
 
@@ -312,6 +318,11 @@ class Policy:
     ```
     """
 
+    rules: tuple[tuple[re.Pattern, Recipe | None], ...]
+    strict: bool
+    convolutions: bool
+    tensor_scale_groups: tuple[re.Pattern, ...]
+
     def __init__(
         self,
         rules: Sequence[tuple[str, RecipeLike]],
@@ -332,9 +343,9 @@ class Policy:
                     f"Policy rule {i}: regex `{pattern!r}` does not compile: {e}."
                 ) from e
             compiled.append((regex, as_recipe(recipe, f"Policy rule {i} (`{pattern}`)")))
-        self.rules = tuple(compiled)
-        self.strict = strict
-        self.convolutions = convolutions
+        object.__setattr__(self, "rules", tuple(compiled))
+        object.__setattr__(self, "strict", strict)
+        object.__setattr__(self, "convolutions", convolutions)
         if isinstance(tensor_scale_groups, str):
             raise TypeError(
                 "`tensor_scale_groups` must be a sequence of regexes, got the string "
@@ -348,7 +359,7 @@ class Policy:
                 raise ValueError(
                     f"`tensor_scale_groups[{i}]`: regex `{pattern!r}` does not compile: {e}."
                 ) from e
-        self.tensor_scale_groups = tuple(groups)
+        object.__setattr__(self, "tensor_scale_groups", tuple(groups))
 
     def lookup(self, path: str) -> tuple[int | None, Recipe | None]:
         """The first rule that matches `path` (with `re.fullmatch`).
