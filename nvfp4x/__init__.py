@@ -29,7 +29,11 @@ from ._hf import (
 from ._linear import QuantizedLinear as QuantizedLinear
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
 from ._qweight import QWeight as QWeight, quantized as quantized
-from ._sensitivity import SensitivityReport as SensitivityReport, sensitivity as sensitivity
+from ._sensitivity import (
+    SensitivityReport as SensitivityReport,
+    SensitivityRow as SensitivityRow,
+    sensitivity as sensitivity,
+)
 from ._sharding import packed_sharding as packed_sharding, shard_packed as shard_packed
 from ._summary import summary as summary
 from ._transform import (
