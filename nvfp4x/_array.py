@@ -10,12 +10,18 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray, Shaped, UInt8
 
 from ._axes import follows_input_sharding
-from ._checks import check_amax, check_block, check_float, check_ndim, check_rounding
+from ._checks import (
+    check_amax,
+    check_block,
+    check_float,
+    check_ndim,
+    check_rounding,
+    check_scale_rounding,
+)
 from ._format import _e2m1
 from ._format._constants import BLOCK
 from ._format._ieee import is_tiny_scale, mul_exact
 from ._format._nvfp4 import (
-    SCALE_ROUNDINGS,
     fake_quantize_blocks,
     pad_to_blocks,
     scale_blocks,
@@ -76,7 +82,7 @@ class NVFP4Array(PackedArray):
         self.codes = codes
         self.scale_bits = as_bits(scales, jnp.float8_e4m3fn)
         self.tensor_scale = tensor_scale
-        self.block = tuple(block)
+        self.block = (block[0], block[1])
         self.logical_tail = tuple(logical_tail)
         self.dtype = np.dtype(dtype)
 
@@ -155,12 +161,9 @@ def _prepare(x, block, rounding, key, amax, scale_rounding):
     x = check_float(x)
     check_ndim(x, 1, "NVFP4 (blocks of 16 elements)")
     block = check_block(block, x.ndim)
-    check_rounding(rounding, key)
-    if not isinstance(scale_rounding, str) or scale_rounding not in SCALE_ROUNDINGS:
-        raise ValueError(
-            f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
-        )
-    return x, block, check_amax(amax)
+    rounding = check_rounding(rounding, key)
+    scale_rounding = check_scale_rounding(scale_rounding)
+    return x, block, rounding, scale_rounding, check_amax(amax)
 
 
 @follows_input_sharding
@@ -205,13 +208,15 @@ def to_nvfp4(
     q.codes.shape, q.scales.dtype, q.dequantize().shape   # (32,), float8_e4m3fn, (64,)
     ```
     """
-    x, block, amax = _prepare(x, block, rounding, key, amax, scale_rounding)
+    x, block, rounding, scale_rounding, amax = _prepare(
+        x, block, rounding, key, amax, scale_rounding
+    )
     xp = pad_to_blocks(x, block)
     v, scale_b, s_dec = scale_blocks(xp, block, amax, scale_rounding)
-    if rounding == "nearest":
-        codes = _e2m1.encode_nearest(v)
-    else:
+    if rounding == "stochastic" and key is not None:  # `_prepare`: SR always has a key
         codes = _e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape)))
+    else:
+        codes = _e2m1.encode_nearest(v)
     codes = codes.reshape(xp.shape)
     tail = x.shape[-1:] if block[0] == 1 else x.shape[-2:]
     return NVFP4Array(
@@ -262,7 +267,9 @@ def fake_quantize(
     jnp.array_equal(y, nvfp4x.to_nvfp4(x).dequantize())   # True
     ```
     """
-    x, block, amax = _prepare(x, block, rounding, key, amax, scale_rounding)
+    x, block, rounding, scale_rounding, amax = _prepare(
+        x, block, rounding, key, amax, scale_rounding
+    )
     xp = pad_to_blocks(x, block)
     y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))

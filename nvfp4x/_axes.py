@@ -19,7 +19,7 @@ types (`jax.device_put(x, NamedSharding(mesh, spec))` outside any mesh context).
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -68,7 +68,21 @@ def following_spec(mesh: Any, spec: PartitionSpec, shape: tuple, out_shape: tupl
     return PartitionSpec(*out)
 
 
-def follows_input_sharding(fn: Callable | None = None, *, like: Callable | None = None):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@overload
+def follows_input_sharding(
+    fn: Callable[_P, _R], *, like: Callable | None = None
+) -> Callable[_P, _R]: ...
+@overload
+def follows_input_sharding(
+    fn: None = None, *, like: Callable | None = None
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
+def follows_input_sharding(
+    fn: Callable[..., Any] | None = None, *, like: Callable[..., Any] | None = None
+) -> Any:
     """Decorate a function whose results (an array, or a PyTree of arrays such as a
     quantised array) are computed block by block from one array argument, `like(*args)`
     (by default the first argument). When that array is typed with explicit mesh axes

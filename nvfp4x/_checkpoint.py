@@ -326,7 +326,7 @@ _checksums_jit = jax.jit(_checksums)
 def _numpy_checksum(x: np.ndarray) -> str:
     x = np.ascontiguousarray(x)
     if np.iscomplexobj(x):
-        x = np.stack([x.real, x.imag], axis=-1)
+        x = np.stack([np.real(x), np.imag(x)], axis=-1)
     bits = _bits(x.dtype)
     if bits == 64 or bits == 32:
         words = x.view(np.uint32).reshape(-1)
@@ -346,7 +346,7 @@ def _hex(a: int, b: int) -> str:
 def checksums(leaves: list) -> list[str]:
     """The checksum of every array of `leaves` (jax or numpy), as 16 hex digits; jax
     arrays are reduced where they live, one jitted call per set of devices."""
-    out: list[str | None] = [None] * len(leaves)
+    out: dict[int, str] = {}
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
         if isinstance(x, jax.Array):
@@ -359,7 +359,7 @@ def checksums(leaves: list) -> list[str]:
             sums = sums.addressable_data(0)
         for i, (a, b) in zip(indices, np.asarray(sums).tolist(), strict=True):
             out[i] = _hex(a, b)
-    return out
+    return [out[i] for i in range(len(leaves))]
 
 
 # --- training state with Orbax ---
@@ -387,7 +387,7 @@ def _orbax():
 
 
 def _is_key(leaf: Any) -> bool:
-    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,7 +623,7 @@ class TrainingCheckpointer:
                 for (_, spec), checksum in zip(saved, checksums(values), strict=True)
             ],
         }
-        args = {"nvfp4x": self._ocp.args.JsonSave(metadata)}
+        args: dict[str, Any] = {"nvfp4x": self._ocp.args.JsonSave(metadata)}
         if values:
             args["state"] = self._ocp.args.StandardSave(values)
         if not self._manager.save(step, args=self._ocp.args.Composite(**args)):
@@ -661,7 +661,7 @@ class TrainingCheckpointer:
         ocp = self._ocp
         restore = lambda **items: self._manager.restore(step, args=ocp.args.Composite(**items))
         try:
-            metadata = restore(nvfp4x=ocp.args.JsonRestore()).nvfp4x
+            metadata = restore(nvfp4x=ocp.args.JsonRestore())["nvfp4x"]
         except (FileNotFoundError, KeyError) as e:
             raise ValueError(f"{where} was not written by `nvfp4x.TrainingCheckpointer`.") from e
         if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
@@ -675,7 +675,7 @@ class TrainingCheckpointer:
         saved = [(i, spec) for i, spec in enumerate(specs) if spec]
         _check_matches(where, metadata, [spec for _, spec in saved], like)
         targets = [_target(leaves[i], spec) for i, spec in saved]
-        values = restore(state=ocp.args.StandardRestore(targets)).state if targets else []
+        values = restore(state=ocp.args.StandardRestore(targets))["state"] if targets else []
         found = checksums(values)
         for (_, spec), record, got in zip(saved, metadata["leaves"], found, strict=True):
             if got != record["checksum"]:

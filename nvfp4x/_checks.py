@@ -8,15 +8,16 @@ unchanged under `jax.jit`, where arrays are tracers; a traced `amax` is checked 
 and shape, its value only when it is concrete.
 """
 
+import math
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._format._constants import BLOCK
-from ._format._nvfp4 import BLOCKS, ROUNDINGS
+from ._format._nvfp4 import BLOCKS, ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
 from ._prims import is_traced
 
 _ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (
@@ -86,9 +87,9 @@ def check_block(block: Any, ndim: int) -> tuple[int, int]:
     return block
 
 
-def check_rounding(rounding: Any, key: Any) -> None:
-    """Raise `ValueError` for an unknown rounding or stochastic rounding without a key,
-    `TypeError` for a key that is not a PRNG key."""
+def check_rounding(rounding: Any, key: Any) -> Rounding:
+    """Return `rounding`, or raise `ValueError` for an unknown rounding or stochastic
+    rounding without a key, `TypeError` for a key that is not a PRNG key."""
     if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"`rounding={rounding!r}` is unknown; use one of {ROUNDINGS}.")
     if rounding == "stochastic" and key is None:
@@ -98,12 +99,22 @@ def check_rounding(rounding: Any, key: Any) -> None:
         )
     if key is not None:
         dtype = getattr(key, "dtype", None)
-        typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
         legacy = dtype == np.uint32 and getattr(key, "shape", ())[-1:] == (2,)
         if not (typed or legacy):
             raise TypeError(
                 f"`key` must be a PRNG key such as `jax.random.key(seed)`, got {key!r:.60}."
             )
+    return cast(Rounding, rounding)  # one of ROUNDINGS, checked above
+
+
+def check_scale_rounding(scale_rounding: Any) -> ScaleRounding:
+    """Return `scale_rounding`, or raise `ValueError` if it is unknown."""
+    if not isinstance(scale_rounding, str) or scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(
+            f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
+        )
+    return cast(ScaleRounding, scale_rounding)  # one of SCALE_ROUNDINGS, checked above
 
 
 def check_amax(amax: Any) -> jax.Array | None:
@@ -130,9 +141,10 @@ def check_amax(amax: Any) -> jax.Array | None:
             f"`amax` must be a real number or a real scalar array (`max(|x|)`, e.g. "
             f"`jnp.max(jnp.abs(x))`), got {what}: {amax!r:.40}."
         )
-    if int(np.prod(np.shape(amax))) != 1:
+    shape = tuple(getattr(amax, "shape", ()))  # an array, or a real number: ()
+    if math.prod(shape) != 1:
         raise ValueError(
-            f"`amax` must be a scalar, got shape {tuple(np.shape(amax))}; pass the amax of "
+            f"`amax` must be a scalar, got shape {shape}; pass the amax of "
             "the whole tensor, e.g. `jnp.max(jnp.abs(x))`."
         )
     if not is_traced(amax):

@@ -37,7 +37,10 @@ def _pack_weight(w: Array, recipe: Recipe) -> PackedWeight:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _pack_weight_amax(w: Array, recipe: Recipe, amax: Array) -> PackedWeight:
-    fn = lambda wi, ai: recipe.weight.spec.pack(wi, recipe.weight, amax=ai)
+    fmt = recipe.weight
+    if fmt is None:  # (tensor scale groups hold quantised weights only)
+        return w
+    fn = lambda wi, ai: fmt.spec.pack(wi, fmt, amax=ai)
     return vmapped(fn, w.ndim - 2)(w, amax)
 
 
@@ -102,7 +105,8 @@ def freeze(model: Any) -> Any:
     amaxes = _group_amaxes(model)
 
     def packed(w: QWeight) -> PackedWeight:
-        return pack_weight(w.array, w.recipe, amaxes.get(w.scale_group))
+        amax = None if w.scale_group is None else amaxes.get(w.scale_group)
+        return pack_weight(w.array, w.recipe, amax)
 
     def one(leaf):
         if isinstance(leaf, QuantizedLinear):

@@ -410,13 +410,13 @@ def _read_safetensors(path: str) -> tuple[dict[str, _Tensor], dict[str, str]]:
     body = data[8 + n :]
     tensors = {}
     for name, info in header.items():
+        malformed = f"`{path}`: the header entry of tensor `{name}` is malformed."
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
         except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"`{path}`: the header entry of tensor `{name}` is malformed.")
+            raise ValueError(malformed) from None
+        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+            raise ValueError(malformed)
         if dtype not in DTYPES:
             raise ValueError(
                 f"`{path}`: tensor `{name}` has dtype `{dtype}`, which nvfp4x does not read "
@@ -950,7 +950,7 @@ def export_hf(
         packed = leaf.packed if isinstance(leaf, FrozenWeight) else None
         if isinstance(packed, PackedArray) and not isinstance(packed, NVFP4Array):
             raise ValueError(
-                f"{who}: `{e.module}` is frozen in {leaf.recipe.weight.name}; this format "
+                f"{who}: `{e.module}` is frozen in {leaf.recipe.weight}; this format "
                 "holds NVFP4 or unquantised weights. Quantise it with an NVFP4 recipe, or "
                 "`nvfp4x.recipes.bf16()`, or leave it out of the policy."
             )

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import ad_checkpoint
+from jax.core import ShapedArray, Tracer, eval_jaxpr
 from jax.extend.core import Jaxpr, Literal, Primitive, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
@@ -56,18 +57,16 @@ __all__ = [
 
 #: `jax.checkpoint`'s primitive (quax needs a rule for it).
 remat_p = ad_checkpoint.remat_p
-#: Evaluate a closed-over jaxpr: `eval_jaxpr(jaxpr, consts, *args)`.
-eval_jaxpr = jax.core.eval_jaxpr
 
 
-def shaped(shape: tuple, dtype) -> jax.core.ShapedArray:
+def shaped(shape: tuple, dtype) -> ShapedArray:
     """The abstract value of an array of `shape` and `dtype`."""
-    return jax.core.ShapedArray(tuple(shape), dtype)
+    return ShapedArray(tuple(shape), dtype)
 
 
 def is_traced(x: Any) -> bool:
     """Whether `x` is a tracer (its value is not known while tracing)."""
-    return isinstance(x, jax.core.Tracer)
+    return isinstance(x, Tracer)
 
 
 # --- differentiation ---
@@ -85,7 +84,8 @@ def zero(aval: Any) -> Any:
 
 def zero_tangent(primal: Any) -> Any:
     """The symbolic zero tangent of a primal value."""
-    return ad.Zero.from_primal_value(primal)
+    # (`ad.Zero.from_primal_value` is gone from jax 0.10)
+    return ad.Zero(jax.typeof(primal).to_tangent_aval())
 
 
 def is_undefined(x: Any) -> bool:
@@ -164,7 +164,7 @@ def _batch(
         dims[seed] = None
     acts, dacts = args[:act], dims[:act]
     if all(d is None for d in dacts):
-        return prim.bind(*args, **params), batching.not_mapped
+        return prim.bind(*args, **params), None  # not mapped
     # Every activation folds at the same place (they share token axes).
     size = next(a.shape[d] for a, d in zip(acts, dacts, strict=True) if d is not None)
     folded = [

@@ -28,7 +28,7 @@ import math
 import operator
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -41,7 +41,7 @@ from jaxtyping import Array, ArrayLike
 # quax's tracer and trace, for the `custom_vjp` rule it lacks (`_install_custom_vjp`)
 # and for reading the value a tracer carries (`as_qweight`).
 from quax._trace import _QuaxTrace, _QuaxTracer
-from quax._values import _dense
+from quax._values import _dense, _DenseArrayValue
 
 from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
@@ -367,7 +367,8 @@ def default_rule(primitive, values, params):
     `QWeight` or a frozen weight, anything with `materialise`, `recipe`, `path`, `fast`
     and `probe`): computed on the master (or decoded) values; the result is a `QWeight`
     again when it is still the weight (see `_CARRY`)."""
-    weights = [v for v in values if isinstance(v, WeightValue)]
+    # QWeights or frozen weights: both have `recipe`, `path`, `fast`, `shape`
+    weights: list[Any] = [v for v in values if isinstance(v, WeightValue)]
     arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v for v in values]
     if _holds_gemm(params):
         for w in weights:
@@ -455,7 +456,7 @@ def _process_custom_vjp_call(self, primitive, fun, fwd, bwd, tracers, **params):
         if isinstance(v, QWeight):
             _report_unquantised(v.path, "a `jax.custom_vjp` function")
             v = v.array
-        arrays.append(v.array if type(v).__name__ == "_DenseArrayValue" else v)
+        arrays.append(v.array if isinstance(v, _DenseArrayValue) else v)
     avals = tuple(jax.typeof(a) for a in arrays)
     outs = primitive.bind_with_trace(
         self.parent_trace, tuple(arrays), avals, dict(params, subfuns=(fun, fwd, bwd))
@@ -466,7 +467,8 @@ def _process_custom_vjp_call(self, primitive, fun, fwd, bwd, tracers, **params):
 def _install_custom_vjp() -> None:
     if not hasattr(_QuaxTrace, "_nvfp4x_custom_vjp"):
         _QuaxTrace.process_custom_vjp_call = _process_custom_vjp_call
-        _QuaxTrace._nvfp4x_custom_vjp = True
+        # a marker of nvfp4x's on quax's class (installed once, also across reloads)
+        _QuaxTrace._nvfp4x_custom_vjp = True  # pyright: ignore[reportAttributeAccessIssue]
 
 
 _install_custom_vjp()
@@ -479,6 +481,9 @@ def as_qweight(x: Any) -> Any:
     """The `QWeight` behind `x`: `x` itself, or, inside an interpreted call, the value
     its tracer carries (a layer that runs its own GEMM reads it directly)."""
     return x.value if isinstance(x, _QuaxTracer) else x
+
+
+_M = TypeVar("_M", bound=eqx.Module)
 
 
 @functools.cache
@@ -506,7 +511,7 @@ def base_class(cls: type) -> type:
     return cls.__dict__.get("_nvfp4x_base", cls)
 
 
-def with_class(module: eqx.Module, cls: type) -> eqx.Module:
+def with_class(module: eqx.Module, cls: type[_M]) -> _M:
     """`module` as an instance of `cls` (same fields)."""
     if type(module) is cls:
         return module

@@ -13,9 +13,11 @@ from .._format._nvfp4 import SCALE_ROUNDINGS
 
 FORMATS: dict[str, str] = {}  # filled by `register`
 """The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.
+(Each format fills in its entry when it is registered, on `import nvfp4x`.)
 
 ```python
 sorted(nvfp4x.FORMATS)   # ['bf16', 'float32', 'fp8_e4m3', 'fp8_e5m2', 'mxfp8', 'nvfp4']
+nvfp4x.FORMATS["mxfp8"]  # 'FP8 E4M3 elements, E8M0 power-of-two scale per 32 elements'
 ```
 """
 
