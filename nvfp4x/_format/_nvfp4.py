@@ -93,19 +93,16 @@ def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
 
 def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """`(S_enc, s_dec)` of a tensor with the given amax; `s_dec = 1 / S_enc` is subnormal
-    when `S_enc > 2^126` (amax below about 3.2e-35), computed exactly then.
+    when `S_enc > 2^126` (amax below about 3.2e-35), computed exactly then (`reciprocal`
+    covers both cases).
 
-    (A `cond` rather than a `where`: besides skipping the exact path in the common case,
-    it makes XLA compute the scalars once instead of once per element of the loops that
-    use them, into which it would otherwise fuse the whole scalar computation.)
+    The two scalars go through an optimisation barrier: XLA would otherwise fuse the
+    scalar computation into every element loop that uses them and redo it per element.
+    (A barrier rather than a `lax.cond`: a `cond` is two more computations for XLA to
+    compile in every quantisation, and the scalar work it skipped is a few dozen ops.)
     """
     s_enc = encode_scale(amax)
-    s_dec = jax.lax.cond(s_enc > 2.0**126, reciprocal, _one_over, s_enc)
-    return s_enc, s_dec
-
-
-def _one_over(s: Float[Array, ""]) -> Float[Array, ""]:
-    return 1.0 / s
+    return jax.lax.optimization_barrier((s_enc, reciprocal(s_enc)))
 
 
 def _block_scales(
@@ -121,16 +118,34 @@ def _block_scales(
     `mul_normal` is inexact, rounds to a zero E4M3 scale whatever its exact value. For a
     tiny tensor (`s_dec < 2^-64`),
     `scale_b * s_dec` may be subnormal: it is rounded exactly, then inverted
-    (`mul_exact`, `reciprocal_capped`); otherwise it is at least 2^-73 and plain float32
-    is IEEE. (A `cond` again, which also keeps XLA from recomputing these per-block
-    steps for every element.) `scale_rounding="up"`: see `_block_scales_up`.
+    (`mul_exact`, `reciprocal_capped`); otherwise it is at least 2^-73, and the same two
+    functions give the plain float32 product and `min(1 / p, FLT_MAX)` (no `lax.cond`
+    between an exact and a plain path: two more computations per quantisation for XLA
+    to compile, to save a few dozen ops per block). The results go through an
+    optimisation barrier, so that XLA does not fuse these per-block steps into the
+    element loops and redo them for every element. `scale_rounding="up"`: see
+    `_block_scales_up`.
     """
     if scale_rounding not in SCALE_ROUNDINGS:
         raise ValueError(
             f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
         )
-    exact, plain = _BLOCK_SCALES[scale_rounding]
-    return jax.lax.cond(is_tiny_scale(s_dec), exact, plain, bamax, s_enc, s_dec)
+    return _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
+
+
+def _materialize(*arrays: Array) -> tuple[Array, ...]:
+    """The arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
+    XLA does not fuse a reduction into the loops that read its result, so they read
+    these values once per block instead of recomputing them for every element (an
+    optimisation barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two
+    more computations for XLA to compile)."""
+    pairs = [jnp.stack([a, jnp.full_like(a, -jnp.inf)], axis=-1) for a in arrays]
+    inits = [jnp.array(-jnp.inf, a.dtype) for a in arrays]
+
+    def maximum(x, y):
+        return [jax.lax.max(a, b) for a, b in zip(x, y, strict=True)]
+
+    return tuple(jax.lax.reduce(pairs, inits, maximum, (arrays[0].ndim,)))
 
 
 def _block_scale_values(bamax, s_enc):
@@ -142,19 +157,9 @@ def _inverse_exact(scale_b, s_dec):
     return reciprocal_capped(mul_exact(scale_b, s_dec))
 
 
-def _inverse_plain(scale_b, s_dec):
-    return jnp.minimum(1.0 / (scale_b * s_dec), FLT_MAX)
-
-
 def _block_scales_exact(bamax, s_enc, s_dec):
     scale_b = _block_scale_values(bamax, s_enc)
     inv_b = _inverse_exact(scale_b, s_dec)
-    return scale_b, inv_b, scale_down_149(inv_b)
-
-
-def _block_scales_plain(bamax, s_enc, s_dec):
-    scale_b = _block_scale_values(bamax, s_enc)
-    inv_b = _inverse_plain(scale_b, s_dec)
     return scale_b, inv_b, scale_down_149(inv_b)
 
 
@@ -185,7 +190,7 @@ def _next_e4m3(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where(s < E4M3_MIN_NORMAL, s + _E4M3_MIN_SUBNORMAL, normal)
 
 
-def _block_scales_up(bamax, s_enc, s_dec, inverse):
+def _block_scales_up(bamax, s_enc, s_dec):
     """Block scales rounded up: the smallest E4M3 `scale_b <= 448` with which the
     block's largest element scales to at most 6 (`mul_normal(bamax, inv_b) <= 6`, the
     very product the element loops compute, and every other element's is at most that)
@@ -211,29 +216,17 @@ def _block_scales_up(bamax, s_enc, s_dec, inverse):
     least = jnp.where(big, ldexp_normal(jnp.where(big, s_enc, 1.0), -128), _E4M3_MIN_SUBNORMAL)
     zero = is_zero(bamax)
     lo = jnp.where(zero, 0.0, _ceil_e4m3(jnp.maximum(t, least) * _BELOW))
-    inv_lo = inverse(lo, s_dec)
+    inv_lo = _inverse_exact(lo, s_dec)
     fits = zero | ((mul_normal(bamax, inv_lo) <= E2M1_MAX) & (inv_lo < FLT_MAX))
     hi = _next_e4m3(lo)
     finite = jnp.isfinite(bamax)
     scale_b = jnp.where(finite, jnp.where(fits, lo, hi), jnp.nan)
-    inv_b = jnp.where(finite, jnp.where(fits, inv_lo, inverse(hi, s_dec)), jnp.nan)
+    inv_b = jnp.where(finite, jnp.where(fits, inv_lo, _inverse_exact(hi, s_dec)), jnp.nan)
     return scale_b, inv_b, scale_down_149(inv_b)
 
 
-def _block_scales_up_exact(bamax, s_enc, s_dec):
-    return _block_scales_up(bamax, s_enc, s_dec, _inverse_exact)
-
-
-def _block_scales_up_plain(bamax, s_enc, s_dec):
-    return _block_scales_up(bamax, s_enc, s_dec, _inverse_plain)
-
-
-# The `(exact, plain)` branches of `_block_scales` per scale rounding (module-level
-# functions: see `_second`).
-_BLOCK_SCALES = {
-    "nearest": (_block_scales_exact, _block_scales_plain),
-    "up": (_block_scales_up_exact, _block_scales_up_plain),
-}
+#: The block scales per scale rounding.
+_BLOCK_SCALES = {"nearest": _block_scales_exact, "up": _block_scales_up}
 
 
 def pad_to_blocks(x: Array, block: Block) -> Array:
@@ -305,16 +298,27 @@ def _amax_given_blocks(x: Float[Array, "..."], bamax: Float[Array, "..."]) -> Fl
     """`tensor_amax(x)`, from the block maxima when no block holds a NaN (the common case:
     XLA:CPU's NaN-ignoring reduction over the whole array is ~8x slower). The max of the
     block maxima propagates NaN, so it is also the test: one reduction (one all-reduce
-    when sharded) in the common case. A float max reads subnormal block maxima as 0 on a
-    device that flushes subnormals, but is exact when it is normal; only when it comes out
-    below 2^-126 are the block maxima reduced again, over their bits."""
+    when sharded) in the common case.
+
+    A float max reads subnormal block maxima as 0 on a device that flushes subnormals,
+    but is exact when it is normal. Below 2^-126 every block maximum is zero or
+    subnormal, and the maximum of their bits, read as float32 integers (exact below
+    2^24), gives the answer: a second float reduction over the block grid, rather than
+    a `lax.cond` (more computations for XLA to compile in every quantisation). Only a
+    NaN takes a `cond`, to a reduction over the bits of the whole array.
+    """
     m = jnp.max(bamax, initial=0.0)
-    m = jax.lax.cond(abs_bits(m) < MIN_NORMAL_BITS, _amax_of_bits, _second, bamax, m)
-    return jax.lax.cond(jnp.isnan(m), _tensor_amax_first, _second, x, m)
+    bits = abs_bits(bamax)
+    small = jnp.max(jnp.where(bits < MIN_NORMAL_BITS, bits, 0).astype(jnp.float32), initial=0.0)
+    m = jnp.where(abs_bits(m) < MIN_NORMAL_BITS, from_bits(small.astype(jnp.int32)), m)
+    return jax.lax.cond(jnp.isnan(m), _amax_ignoring_nan, _second, x, m)
 
 
-def _tensor_amax_first(x, m):
-    return tensor_amax(x)
+def _amax_ignoring_nan(x, m):
+    """`tensor_amax(x)` in one reduction over the bits (slow on XLA:CPU; for the rare
+    tensor holding a NaN)."""
+    b = abs_bits(x)
+    return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
 
 
 def _prepare(

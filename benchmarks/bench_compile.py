@@ -1,0 +1,153 @@
+"""Compile time of a jitted adam training step, NVFP4 vs float32, against depth.
+
+```
+python benchmarks/bench_compile.py [--depths 2 4 8 16] [--scan 16]
+```
+
+The model is a residual MLP stack (`benchmarks/bench_training.py`'s `Block`, `d=128`,
+hidden `512`, `256` tokens, layers called per token through `jax.vmap`), at each depth
+unrolled and, for `--scan` blocks, as one block `eqx.filter_vmap`-stacked and run under
+`jax.lax.scan`. Each step (adam, `eqx.filter_value_and_grad`) is compiled for the float32
+model and for `nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())`, each time from
+a fresh function, so that no cache hides work: `jax.jit(step).lower(*args)` (tracing and
+lowering to StableHLO) and `.compile()` (XLA's passes and code generation) are timed
+separately. Reported per depth: both times, their sum, the NVFP4 / float32 ratio of the
+sum (target: <= 1.3x, flat in depth) and the optimised HLO's line count per block
+(`compiled.as_text()`), which is what XLA's passes work through.
+"""
+
+import argparse
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import nvfp4x
+
+#: Arguments `benchmarks/run_all.py --quick` passes: small, to check that it runs.
+QUICK_ARGV = ["--depths", "2", "4", "--scan", "4"]
+
+
+class Block(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, d: int, hidden: int, key):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(d, hidden, key=k1)
+        self.fc2 = eqx.nn.Linear(hidden, d, key=k2)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class Unrolled(eqx.Module):
+    blocks: list
+
+    def __init__(self, d: int, hidden: int, depth: int, key):
+        self.blocks = [Block(d, hidden, k) for k in jax.random.split(key, depth)]
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Scanned(eqx.Module):
+    blocks: Block  # every array field stacked along a leading depth axis
+
+    def __init__(self, d: int, hidden: int, depth: int, key):
+        make = eqx.filter_vmap(lambda k: Block(d, hidden, k))
+        self.blocks = make(jax.random.split(key, depth))
+
+    def __call__(self, x):
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(x, layer):
+            return eqx.combine(layer, static)(x), None
+
+        return jax.lax.scan(body, x, arrays)[0]
+
+
+def make_step(optimizer, static):
+    """A fresh step function (a new identity each call: no jit cache is shared) over the
+    model's arrays, its static part closed over."""
+
+    def loss_fn(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    def step(arrays, state, x, y):
+        model = eqx.combine(arrays, static)
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), state, loss
+
+    return step
+
+
+def compile_seconds(model, x, y) -> dict:
+    """`{"lower": s, "compile": s, "total": s, "hlo_lines": n}` for one fresh step."""
+    optimizer = optax.adam(1e-4)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    state = optimizer.init(arrays)
+    step = make_step(optimizer, static)
+    t0 = time.perf_counter()
+    lowered = jax.jit(step).lower(arrays, state, x, y)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    lines = compiled.as_text().count("\n")
+    return {"lower": t1 - t0, "compile": t2 - t1, "total": t2 - t0, "hlo_lines": lines}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--scan", type=int, default=16, help="depth of the scanned stack")
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    kx, ky, km = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (args.tokens, args.d), jnp.float32)
+    y = jax.random.normal(ky, (args.tokens, args.d), jnp.float32)
+    recipe = nvfp4x.recipes.nvfp4_training()
+    cases = [(f"unrolled {n}", Unrolled, n) for n in args.depths]
+    if args.scan:
+        cases.append((f"scan {args.scan}", Scanned, args.scan))
+    print(
+        f"d={args.d}, hidden={args.hidden}, tokens={args.tokens}, adam step, "
+        f"{jax.devices()[0].platform}; seconds to lower / compile (XLA) / total"
+    )
+    result = {}
+    for label, cls, depth in cases:
+        model = cls(args.d, args.hidden, depth, km)
+        f32 = compile_seconds(model, x, y)
+        q = compile_seconds(nvfp4x.quantize(model, recipe), x, y)
+        ratio = q["total"] / f32["total"]
+        result[label] = {
+            "float32 s": f32["total"],
+            "nvfp4 s": q["total"],
+            "nvfp4 lower s": q["lower"],
+            "nvfp4 xla s": q["compile"],
+            "ratio": ratio,
+            "hlo lines per block float32": f32["hlo_lines"] / depth,
+            "hlo lines per block nvfp4": q["hlo_lines"] / depth,
+        }
+        print(
+            f"{label:12s} float32 {f32['lower']:5.2f} / {f32['compile']:5.2f} / "
+            f"{f32['total']:5.2f}   nvfp4 {q['lower']:5.2f} / {q['compile']:5.2f} / "
+            f"{q['total']:5.2f}   {ratio:4.2f}x   HLO lines/block "
+            f"{f32['hlo_lines'] / depth:.0f} vs {q['hlo_lines'] / depth:.0f}"
+        )
+    worst = max(r["ratio"] for r in result.values())
+    result["worst ratio"] = worst
+    print(f"target <= 1.3x at every depth: {'met' if worst <= 1.3 else 'NOT met'} ({worst:.2f}x)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
