@@ -1,4 +1,5 @@
-"""Run every benchmark (format, training, inference, sensitivity, sharding, export); one table.
+"""Run every benchmark (format, training, compile, inference, sensitivity, sharding,
+export); one table.
 
 ```
 python benchmarks/run_all.py [--quick] [--out benchmarks/results.md]
@@ -28,6 +29,7 @@ ROOT = HERE.parent
 BENCHMARKS = (
     "bench_format",
     "bench_training",
+    "bench_compile",
     "bench_inference",
     "bench_sensitivity",
     "bench_sharding",
