@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float
 
 from ._formats import Format, quantize_operand
@@ -22,17 +23,40 @@ PROBE_SHAPE = (len(OPERANDS), len(STATS))
 def operand_stats(
     a: Array, fmt: Format | None, axis: int, key: jax.Array | None
 ) -> Float[Array, "4"]:
-    """`(amax, zero_frac, saturated_frac, sqnr_db)` of quantising `a` along `axis`."""
+    """`(amax, zero_frac, saturated_frac, sqnr_db)` of quantising `a` along `axis`.
+
+    The statistics ride on the quantiser's work: `quantize_operand` and the format's
+    saturation mask are called exactly as the GEMMs call the quantiser (same operand,
+    axis and key), so that in a compiled step XLA computes the quantised operand and its
+    block scales once for the GEMM and the statistics, and the statistics add one pass,
+    a single variadic reduction over the operand and its quantised values."""
     a = a.astype(jnp.float32)
     vals, scale = quantize_operand(a, fmt, axis, key)
     deq = vals.astype(jnp.float32) * (1.0 if scale is None else scale)
-    amax = jnp.max(jnp.abs(a))
+    sat = jnp.zeros(a.shape, jnp.bool_) if fmt is None else fmt.spec.saturated(a, fmt, axis, key)
     nonzero = a != 0
-    zero = jnp.sum(nonzero & (deq == 0)) / jnp.maximum(jnp.sum(nonzero), 1)
-    sat = jnp.float32(0.0) if fmt is None else fmt.spec.saturated_frac(a, fmt, axis)
-    err = jnp.sum((a - deq) ** 2)
-    sqnr = 10.0 * jnp.log10(jnp.sum(a**2) / err)
-    return jnp.stack([amax, zero, sat, sqnr]).astype(jnp.float32)
+    count = jnp.int32
+    amax, n_nonzero, n_zero, n_sat, signal, err = lax.reduce(
+        (
+            jnp.abs(a),
+            nonzero.astype(count),
+            (nonzero & (deq == 0)).astype(count),
+            sat.astype(count),
+            a * a,
+            (a - deq) ** 2,
+        ),
+        (jnp.float32(0), count(0), count(0), count(0), jnp.float32(0), jnp.float32(0)),
+        _stats_sum,
+        tuple(range(a.ndim)),
+    )
+    zero = n_zero.astype(jnp.float32) / jnp.maximum(n_nonzero, 1).astype(jnp.float32)
+    sqnr = 10.0 * jnp.log10(signal / err)
+    return jnp.stack([amax, zero, n_sat.astype(jnp.float32) / a.size, sqnr])
+
+
+def _stats_sum(x: tuple, y: tuple) -> tuple:
+    """The reduction of `operand_stats`: a max (amax), then sums."""
+    return (jnp.maximum(x[0], y[0]), *(u + v for u, v in zip(x[1:], y[1:], strict=True)))
 
 
 def layer_stats(dy: Array, x: Array, w: Array, seed: Array, *, recipe: Recipe) -> Array:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import nvfp4x
+from nvfp4x._probe import operand_stats
 from nvfp4x._telemetry import OPERANDS, STATS
 
 
@@ -173,3 +174,23 @@ def test_stacked_layers_get_one_row_per_layer():
     amax = nvfp4x.telemetry.collect(grads)[""]["weight"]["amax"]
     assert amax.shape == (3,)
     np.testing.assert_allclose(amax, jnp.max(jnp.abs(stack.weight), axis=(1, 2)), rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["tokens", "tile"])
+def test_saturation_is_counted_in_every_block_layout(layout):
+    # `test_saturation_is_counted`'s blocks, down the columns (wgrad's token axis,
+    # axis 0) or as 16x16 tiles. The probe's saturation mask is computed in the
+    # quantiser's own block layout (to share its block scales), so each layout must count
+    # the elements of the blocks whose E4M3 scale rounds down: the blocks of amax b.
+    b = np.float32(6.2 * 6 / 448)
+    if layout == "tokens":
+        # column 0 holds the amax 6 (S_enc = 448); the 15 other columns saturate
+        x = jnp.full((16, 16), b).at[:, 0].set(6.0)
+        fmt, axis, want = nvfp4x.Format("nvfp4"), 0, 15 / 16
+    else:
+        # tile 0 holds the amax 6; tile 1 (all b) saturates
+        x = jnp.full((16, 32), b).at[0, 0].set(6.0)
+        fmt, axis, want = nvfp4x.Format("nvfp4", block=(16, 16)), -1, 1 / 2
+    stats = operand_stats(x, fmt, axis, None)
+    assert float(stats[STATS.index("saturated_frac")]) == pytest.approx(want, abs=1e-6)
+    assert float(stats[STATS.index("amax")]) == 6.0

@@ -5,7 +5,7 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from .._array import NVFP4Array, to_nvfp4
 from .._format._constants import BLOCK, E2M1_MAX, ROW_BLOCK, TILE
@@ -32,6 +32,13 @@ def _layout(fmt: Format) -> tuple[Block, Rounding, ScaleRounding]:
     )
 
 
+def _per_element(scale: Array, block: Block) -> Array:
+    """A per-block array broadcast against the `to_blocks` view."""
+    if block[0] == 1:
+        return scale[..., None]
+    return scale[..., :, None, :] if block[1] == 1 else scale[..., :, None, :, None]
+
+
 class NVFP4Spec(FormatSpec):
     name = "nvfp4"
     description = "FP4 E2M1 elements, E4M3 scale per 16 elements, float32 tensor scale"
@@ -50,44 +57,61 @@ class NVFP4Spec(FormatSpec):
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        block, rounding, scale_rounding = _layout(fmt)
+        q, sb, s_dec, blk, _, unblock = self._blocks(a, fmt, axis, key, fmt.rounding)
+        return unblock(q * _per_element(sb, blk)).astype(jnp.bfloat16), s_dec
+
+    def _blocks(
+        self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None, rounding
+    ):
+        """The quantiser's work in its block view, with element rounding `rounding`:
+        `(q, scale_b, s_dec, block, padded, unblock)`, `unblock` taking an array of the
+        block view back to `a`'s layout. `quantize` and `saturated` share it, so that in
+        one program XLA computes an operand's block scales once for both."""
+        block, _, scale_rounding = _layout(fmt)
         if block == TILE:
             if a.ndim != 2:
                 raise ValueError(
                     f"16x16 blocks need a 2-D operand (a weight), got shape {a.shape}."
                 )
+            blk = TILE
+
+            def unblock(b):
+                return from_blocks(b, TILE)[: a.shape[0], : a.shape[1]]
+
             xp = pad_to_blocks(a, TILE)
-            q, sb, s_dec = quantize_blocks(xp, TILE, rounding, key, None, scale_rounding)
-            vals = from_blocks(q * sb[..., :, None, :, None], TILE)
-            return vals[: a.shape[0], : a.shape[1]].astype(jnp.bfloat16), s_dec
-        if a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
+        elif a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
             # Blocks down the columns (e.g. wgrad's token axis): no transpose needed.
             blk = (BLOCK, 1)
+
+            def unblock(b):
+                return from_blocks(b, blk)[..., : a.shape[-2], :]
+
             xp = pad_to_blocks(a, blk)
-            q, sb, s_dec = quantize_blocks(xp, blk, rounding, key, None, scale_rounding)
-            vals = from_blocks(q * sb[..., :, None, :], blk)[..., : a.shape[-2], :]
-            return vals.astype(jnp.bfloat16), s_dec
-        moved = jnp.moveaxis(a, axis, -1)
-        n = moved.shape[-1]
-        xp = pad_to_blocks(moved, block)
-        q, sb, s_dec = quantize_blocks(xp, block, rounding, key, None, scale_rounding)
-        vals = from_blocks(q * sb[..., None], block)
-        return jnp.moveaxis(vals[..., :n], -1, axis).astype(jnp.bfloat16), s_dec
+        else:
+            blk = block
+            moved = jnp.moveaxis(a, axis, -1)
+            n = moved.shape[-1]
+
+            def unblock(b):
+                return jnp.moveaxis(from_blocks(b, block)[..., :n], -1, axis)
+
+            xp = pad_to_blocks(moved, block)
+        q, sb, s_dec = quantize_blocks(xp, blk, rounding, key, None, scale_rounding)
+        return q, sb, s_dec, blk, xp, unblock
 
     def pack(self, w: Float[Array, "n k"], fmt: Format, amax: Array | None = None) -> NVFP4Array:
         return to_nvfp4(w, block=_layout(fmt)[0], amax=amax)
 
-    def saturated_frac(self, a: Float[Array, "..."], fmt: Format, axis: int) -> Float[Array, ""]:
+    def saturated(
+        self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None = None
+    ) -> Bool[Array, "..."]:
         # Saturated: beyond the largest magnitude of its block, 6 x block scale x s_dec.
-        # That magnitude is the block's largest |deq| whenever any element hit it.
-        blk, _, scale_rounding = _layout(fmt)
-        moved = a if blk == TILE else jnp.moveaxis(a, axis, -1)
-        padded = pad_to_blocks(moved, blk)
-        _, sb, s_dec = quantize_blocks(padded, blk, "nearest", None, None, scale_rounding)
-        top = E2M1_MAX * sb * s_dec
-        top = top[..., None] if blk[0] == 1 else top[..., :, None, :, None]
-        magnitude = to_blocks(jnp.abs(padded), blk)
-        return jnp.sum(magnitude > top) / a.size
+        # With the quantiser's key, the very computation `quantize` runs (the rounded
+        # values are unused); without, nearest rounding: the block scales are the same.
+        rounding = "nearest" if key is None else fmt.rounding
+        _, sb, s_dec, blk, xp, unblock = self._blocks(a, fmt, axis, key, rounding)
+        top = _per_element(E2M1_MAX * sb * s_dec, blk)
+        return unblock(to_blocks(jnp.abs(xp), blk) > top)
 
 
 NVFP4 = NVFP4Spec()

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from .._format._nvfp4 import SCALE_ROUNDINGS
 
@@ -32,7 +32,7 @@ class FormatSpec:
     (name, block, rounding) reads it as `fmt.spec`.
 
     Subclasses set the class attributes and override `quantize`, and `pack` /
-    `saturated_frac` where the format has them.
+    `saturated` where the format has them.
     """
 
     #: The format's name, as recipes and `nvfp4x.Format` spell it.
@@ -69,11 +69,19 @@ class FormatSpec:
         the weight's own amax."""
         return self.quantize(w, fmt, -1, None)[0]
 
+    def saturated(
+        self, a: Float[Array, "..."], fmt: "Format", axis: int, key: jax.Array | None = None
+    ) -> Bool[Array, "..."]:
+        """Which of `a`'s elements quantising along `axis` clamps (beyond the largest
+        magnitude their block can hold); none for formats that never clamp a finite
+        value below their range. `key`: the quantiser's stochastic-rounding key, if any
+        (the mask does not depend on it; passing it lets XLA share the quantiser's
+        work)."""
+        return jnp.zeros(a.shape, jnp.bool_)
+
     def saturated_frac(self, a: Float[Array, "..."], fmt: "Format", axis: int) -> Float[Array, ""]:
-        """The fraction of `a`'s elements that quantising along `axis` clamps (beyond
-        the largest magnitude their block can hold); zero for formats that never clamp a
-        finite value below their range."""
-        return jnp.float32(0.0)
+        """The fraction of `a`'s elements that `saturated` marks."""
+        return jnp.sum(self.saturated(a, fmt, axis)) / a.size
 
 
 def register(spec: FormatSpec) -> FormatSpec:
