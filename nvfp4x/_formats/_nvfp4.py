@@ -1,6 +1,7 @@
 """NVFP4 as a GEMM operand format: E2M1 elements, an E4M3 scale per 16 elements (along
 the GEMM's contraction axis, or 16x16 tiles of a weight), a float32 tensor scale."""
 
+import functools
 from typing import cast
 
 import jax
@@ -110,8 +111,14 @@ class NVFP4Spec(FormatSpec):
         # values are unused); without, nearest rounding: the block scales are the same.
         rounding = "nearest" if key is None else fmt.rounding
         _, sb, s_dec, blk, xp, unblock = self._blocks(a, fmt, axis, key, rounding)
-        top = _per_element(E2M1_MAX * sb * s_dec, blk)
-        return unblock(to_blocks(jnp.abs(xp), blk) > top)
+        # Compared as the integers of their bits (the same order for magnitudes up to
+        # inf; a NaN on either side counts nothing, as a float comparison): XLA:CPU
+        # would write the float block limits out at full size before the comparison.
+        bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        top = bits(E2M1_MAX * sb * s_dec)
+        mag = bits(to_blocks(jnp.abs(xp), blk))
+        inf = bits(jnp.float32(jnp.inf))
+        return unblock((mag > _per_element(top, blk)) & (mag <= inf) & _per_element(top >= 0, blk))
 
 
 NVFP4 = NVFP4Spec()
