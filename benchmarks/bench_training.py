@@ -106,6 +106,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="time only these variants (and float32), e.g. `--only nvfp4_training "
+        "nvfp4_training+telemetry` for the telemetry overhead; skips the eager ratio",
+    )
     args = parser.parse_args(argv)
 
     kx, ky, km = jax.random.split(jax.random.key(0), 3)
@@ -122,6 +129,8 @@ def main(argv=None) -> dict:
         "nvfp4_training+telemetry": nvfp4x.telemetry.enable(nvfp4x.quantize(model, training)),
         "bf16": nvfp4x.quantize(model, nvfp4x.recipes.bf16()),
     }
+    if args.only is not None:
+        variants = {k: v for k, v in variants.items() if k == "float32" or k in args.only}
     print(
         f"{args.blocks} blocks, d={args.d}, hidden={args.hidden}, tokens={args.tokens}, "
         f"median of {args.repeats} steps, {jax.devices()[0].platform}"
@@ -139,14 +148,17 @@ def main(argv=None) -> dict:
         ratio = t / base
         result[name] = {"seconds": t, "ratio_vs_float32": ratio}
         print(f"{name:26s} {t * 1e3:9.1f} ms   {ratio:5.2f}x float32")
-    eager = eager_grad_ratio(model, x, y, training, args.repeats)
-    result["eager_grad_ratio_vs_float32"] = eager
-    print(f"eager (unjitted) jax.grad, nvfp4_training / float32: {eager:.2f}x")
-    overhead = times["nvfp4_training+telemetry"] / times["nvfp4_training"]
-    result["telemetry_overhead"] = overhead
-    print(f"telemetry overhead: {overhead:.2f}x the nvfp4_training step")
-    ok = result["nvfp4_training"]["ratio_vs_float32"] <= 1.5
-    print(f"target nvfp4_training <= 1.5x float32: {'met' if ok else 'NOT met'}")
+    if args.only is None:
+        eager = eager_grad_ratio(model, x, y, training, args.repeats)
+        result["eager_grad_ratio_vs_float32"] = eager
+        print(f"eager (unjitted) jax.grad, nvfp4_training / float32: {eager:.2f}x")
+    if "nvfp4_training+telemetry" in times and "nvfp4_training" in times:
+        overhead = times["nvfp4_training+telemetry"] / times["nvfp4_training"]
+        result["telemetry_overhead"] = overhead
+        print(f"telemetry overhead: {overhead:.2f}x the nvfp4_training step (target <= 1.15x)")
+    if "nvfp4_training" in result:
+        ok = result["nvfp4_training"]["ratio_vs_float32"] <= 1.5
+        print(f"target nvfp4_training <= 1.5x float32: {'met' if ok else 'NOT met'}")
     return result
 
 
