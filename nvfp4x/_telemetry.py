@@ -20,9 +20,15 @@ the output gradient `dy` and returns these statistics instead of a true transpos
 the statistics are computed inside the compiled step, on exactly the operands the GEMMs
 quantise (the same stochastic-rounding keys), with no host callback, and they follow
 `jax.vmap` like the GEMM does (a folded batch gives whole-call statistics;
-`jax.vmap(jax.grad(f))` gives per-example ones). `nvfp4x.telemetry.collect(grads)` turns
-the gradient into a `{path: {operand: {stat: array}}}` table; an optimiser stepping the
-probes is harmless (nothing reads them) but `nvfp4x.telemetry.disable` removes them.
+`jax.vmap(jax.grad(f))` gives per-example ones). The statistics ride on the GEMMs' own
+work: the probe calls the quantiser (and the format's saturation mask) exactly as the
+GEMMs do, on the same arrays with the same keys, so that XLA computes each quantised
+operand, its RHT and its block scales once for both; what telemetry adds is one pass per
+operand (a single reduction over it and its quantised values).
+
+`nvfp4x.telemetry.collect(grads)` turns the gradient into a
+`{path: {operand: {stat: array}}}` table; an optimiser stepping the probes is harmless
+(nothing reads them) but `nvfp4x.telemetry.disable` removes them.
 """
 
 import warnings
