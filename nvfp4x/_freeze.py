@@ -6,13 +6,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from ._format._nvfp4 import tensor_amax
 from ._frozen import FrozenLinear, FrozenWeight, PackedWeight
 from ._linear import QuantizedLinear
 from ._policy import Recipe
-from ._prims import vmapped
+from ._prims import is_traced, vmapped
 from ._qweight import QWeight
 from ._sites import qweights
 
@@ -87,6 +88,9 @@ def freeze(model: Any) -> Any:
     policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
     the group's largest amax: the layer that holds it freezes as without the group, the
     others to a coarser grid than their training forward used (not bit-equal to it).
+    A stack whose `QWeight.enabled` mask keeps slices unquantised is refused (a frozen
+    stack holds every slice in one format); the mask is read when it is concrete, so
+    freeze such a model outside `jax.jit`.
     Serialise with [`nvfp4x.save`][]; export for serving stacks with
     [`nvfp4x.export_hf`][]. Eager calls are jitted (one compiled packing per weight shape
     and recipe).
@@ -105,6 +109,7 @@ def freeze(model: Any) -> Any:
     amaxes = _group_amaxes(model)
 
     def packed(w: QWeight) -> PackedWeight:
+        _refuse_unquantised_slices(w)
         amax = None if w.scale_group is None else amaxes.get(w.scale_group)
         return pack_weight(w.array, w.recipe, amax)
 
@@ -126,3 +131,21 @@ def freeze(model: Any) -> Any:
 
     is_leaf = lambda x: isinstance(x, QuantizedLinear | QWeight)
     return jax.tree_util.tree_map(one, model, is_leaf=is_leaf)
+
+
+def _refuse_unquantised_slices(w: QWeight) -> None:
+    """Raise if `w.enabled` keeps some slices of a stack out of its weight format:
+    packing them would run them quantised, silently."""
+    if w.enabled is None or w.recipe.weight is None or is_traced(w.enabled):
+        return
+    on = np.asarray(w.enabled).reshape(-1)
+    if on.all():
+        return
+    off = [int(i) for i in np.flatnonzero(~on)]
+    raise ValueError(
+        f"nvfp4x.freeze: `{w.path}` keeps slices {off} of its stack unquantised "
+        f"(`QWeight.enabled`), but a frozen stack holds every slice in its weight format "
+        f"({w.recipe.weight}); freezing would run those slices quantised. Set the mask to "
+        "all true to freeze them quantised, or hold those layers outside the stack and "
+        "leave them out of the policy."
+    )

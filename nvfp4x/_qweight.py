@@ -395,17 +395,19 @@ def _holds_gemm(params: dict) -> bool:
     """Whether a higher-order primitive's parameters hold a jaxpr with a GEMM."""
     for v in params.values():
         jaxpr = getattr(v, "jaxpr", v)
-        if isinstance(jaxpr, Jaxpr) and _jaxpr_has_gemm(jaxpr):
+        if isinstance(jaxpr, Jaxpr) and jaxpr_has_gemm(jaxpr):
             return True
     return False
 
 
-def _jaxpr_has_gemm(jaxpr) -> bool:
+def jaxpr_has_gemm(jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a `dot_general` or
+    a convolution."""
     for eqn in jaxpr.eqns:
         if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
             return True
         for sub in jaxprs_in_params(eqn.params):
-            if _jaxpr_has_gemm(sub):
+            if jaxpr_has_gemm(sub):
                 return True
     return False
 

@@ -6,19 +6,28 @@ A *linear-like layer* is
 - an `eqx.nn.Linear`, or any subclass of it (its own fields and `__call__` are kept), or
 - any other `eqx.Module` with a floating-point array field `weight` of at least two
   dimensions (a user's `LlamaLinear`, a LoRA layer...), except Equinox's layers whose
-  `weight` is not a linear map's (`Embedding`, convolutions, normalisations).
+  `weight` is not a linear map's (`Embedding`, convolutions, normalisations), and
+  except modules whose call holds no GEMM at all: such a module is traced once (per
+  class, structure and shapes) on an abstract input of the weight's last dimension
+  (float, then an integer index); if that trace succeeds and contains no
+  `dot_general` or convolution, its weight is not a linear map's (a norm's scale
+  stacked by `eqx.filter_vmap` to `(layers, d)`, a positional table added to the
+  input, a user's embedding), and it is left alone. A call that cannot be traced that
+  way (extra arguments) keeps the module a layer.
 
 Its weight is what a policy selects (by the layer's path, or `path.weight`): the GEMMs
 that consume it run quantised wherever they happen (see `_qweight`).
 """
 
+import functools
+import warnings
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._qweight import QWeight, WeightValue
+from ._qweight import QWeight, WeightValue, jaxpr_has_gemm
 
 #: Equinox layers with a `weight` that is not a linear layer's: never linear-like.
 _NOT_LINEAR = (
@@ -66,7 +75,55 @@ def is_layer(x: Any) -> bool:
         return True
     if not isinstance(x, eqx.Module) or isinstance(x, (*_NOT_LINEAR, WeightValue)):
         return False
-    return _is_weight_array(getattr(x, "weight", None)) and callable(x)
+    weight = getattr(x, "weight", None)
+    if weight is None or not _is_weight_array(weight) or not callable(x):
+        return False
+    if isinstance(weight, WeightValue):  # already chosen by `quantize`
+        return True
+    return _call_may_hold_gemm(x, jax.ShapeDtypeStruct((weight.shape[-1],), weight.dtype))
+
+
+def _is_array_like(v: Any) -> bool:
+    return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
+
+
+def _call_may_hold_gemm(module: eqx.Module, x: jax.ShapeDtypeStruct) -> bool:
+    """False only when `module(x)` traces, for an abstract `x` of the weight's last
+    dimension and dtype (or else an integer index), without any GEMM. (Arrays and their
+    `ShapeDtypeStruct`s alike: a model made by `eqx.filter_eval_shape` answers as the
+    model does.)"""
+    arrays, rest = eqx.partition(module, _is_array_like)
+    leaves, treedef = jax.tree_util.tree_flatten(arrays)
+    try:
+        key = (type(module), treedef, jax.tree_util.tree_structure(rest), hash(rest))
+    except TypeError:  # an unhashable static field: trace without the cache
+        return _traced_gemm(rest, treedef, _avals(leaves), x)
+    return _cached_traced_gemm(key, rest, treedef, _avals(leaves), x)
+
+
+def _avals(leaves: list) -> tuple:
+    return tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_traced_gemm(key, rest, treedef, avals, x) -> bool:
+    del key  # the cache key: class, structure, static fields
+    return _traced_gemm(rest, treedef, avals, x)
+
+
+def _traced_gemm(rest, treedef, avals, x) -> bool:
+    def call(leaves, x):
+        return eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), rest)(x)
+
+    for arg in (x, jax.ShapeDtypeStruct((), jnp.int32)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                jaxpr = jax.make_jaxpr(call)(list(avals), arg)
+        except Exception:  # noqa: BLE001 - any failure: this input is not the call's
+            continue
+        return jaxpr_has_gemm(jaxpr.jaxpr)
+    return True
 
 
 def is_conv(x: Any) -> bool:

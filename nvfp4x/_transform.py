@@ -57,7 +57,9 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     model reads it; nothing else changes.
 
     Linear-like layers are `eqx.nn.Linear` and its subclasses, and any module with a
-    floating-point `weight` of two or more dimensions (a user's linear class);
+    floating-point `weight` of two or more dimensions (a user's linear class) whose
+    call holds a GEMM (see `nvfp4x/_sites.py`: a stacked norm's `(layers, d)` scale is
+    not a linear layer's weight);
     convolutions (`eqx.nn.Conv*`, `ConvTranspose*`) only under a
     `Policy(..., convolutions=True)`, and then run as their GEMM (input patches times
     the kernel, blocks along input channels x kernel window). A plain
@@ -179,7 +181,8 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     if found == 0:
         warnings.warn(
             "nvfp4x.quantize: the model holds no `eqx.nn.Linear` (nor a subclass of it, nor a "
-            "module with a 2-D floating-point `weight`); it is returned unchanged.",
+            "module with a 2-D floating-point `weight` that its call reads in a GEMM); it is "
+            "returned unchanged.",
             UserWarning,
             stacklevel=2,
         )

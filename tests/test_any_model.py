@@ -542,3 +542,19 @@ def test_other_convolutions_run_quantised(make, shape):
     assert sqnr > 10, sqnr
     g = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(qconv)
     assert np.all(np.isfinite(g.weight.array))
+
+
+def test_freeze_refuses_a_stack_with_unquantised_slices():
+    qmodel = nvfp4x.quantize(Stack(jax.random.key(0)), TRAIN)
+    mask = jnp.array([False, True, False])
+    masked = eqx.tree_at(
+        lambda m: m.blocks.weight.enabled, qmodel, mask, is_leaf=lambda v: v is None
+    )
+    with pytest.raises(
+        ValueError, match=r"`blocks` keeps slices \[0, 2\] of its stack unquantised"
+    ):
+        nvfp4x.freeze(masked)
+    all_on = eqx.tree_at(
+        lambda m: m.blocks.weight.enabled, qmodel, jnp.ones(3, bool), is_leaf=lambda v: v is None
+    )
+    np.testing.assert_array_equal(nvfp4x.freeze(all_on)(x_()), nvfp4x.freeze(qmodel)(x_()))
