@@ -96,10 +96,12 @@ def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array
     when `S_enc > 2^126` (amax below about 3.2e-35), computed exactly then (`reciprocal`
     covers both cases).
 
-    The two scalars go through an optimisation barrier: XLA would otherwise fuse the
-    scalar computation into every element loop that uses them and redo it per element.
-    (A barrier rather than a `lax.cond`: a `cond` is two more computations for XLA to
-    compile in every quantisation, and the scalar work it skipped is a few dozen ops.)
+    The two scalars go through an optimisation barrier, so that XLA computes them once
+    rather than once per element of the loops it might fuse them into. (XLA:CPU drops
+    barriers before fusion; there the division, an operation its fusion does not
+    duplicate, keeps them apart. A `lax.cond` to skip the exact path would cost two
+    more computations for XLA to compile in every quantisation, to save a few dozen
+    scalar operations.)
     """
     s_enc = encode_scale(amax)
     return jax.lax.optimization_barrier((s_enc, reciprocal(s_enc)))
@@ -122,7 +124,7 @@ def _block_scales(
     functions give the plain float32 product and `min(1 / p, FLT_MAX)` (no `lax.cond`
     between an exact and a plain path: two more computations per quantisation for XLA
     to compile, to save a few dozen ops per block). The results go through an
-    optimisation barrier, so that XLA does not fuse these per-block steps into the
+    reduction (`_materialize`), so that XLA does not fuse these per-block steps into the
     element loops and redo them for every element. `scale_rounding="up"`: see
     `_block_scales_up`.
     """
@@ -133,19 +135,16 @@ def _block_scales(
     return _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
 
 
-def _materialize(*arrays: Array) -> tuple[Array, ...]:
-    """The arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
+def _materialize(*arrays: Array) -> tuple[Array, Array, Array]:
+    """The three arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
     XLA does not fuse a reduction into the loops that read its result, so they read
     these values once per block instead of recomputing them for every element (an
     optimisation barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two
     more computations for XLA to compile)."""
     pairs = [jnp.stack([a, jnp.full_like(a, -jnp.inf)], axis=-1) for a in arrays]
     inits = [jnp.array(-jnp.inf, a.dtype) for a in arrays]
-
-    def maximum(x, y):
-        return [jax.lax.max(a, b) for a, b in zip(x, y, strict=True)]
-
-    return tuple(jax.lax.reduce(pairs, inits, maximum, (arrays[0].ndim,)))
+    scale_b, inv_b, inv_sub = jax.lax.reduce(pairs, inits, _maxima, (arrays[0].ndim,))
+    return scale_b, inv_b, inv_sub
 
 
 def _block_scale_values(bamax, s_enc):
@@ -282,43 +281,55 @@ def block_absmax(xp: Float[Array, "..."], block: Block) -> Float[Array, "..."]:
     for 1x16 blocks and ~10x faster for 16x16 and 16x1 ones (an int32 `reduce_window`
     is ~10x slower); 16x16 tiles reduce each row's 16 first, then 16 rows.
     """
+    return from_bits(_block_max(block, abs_bits(xp))[0])
+
+
+def block_maxima(
+    xp: Float[Array, "..."], block: Block
+) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+    """`(block_absmax(xp, block), the same ignoring NaN)`, in one pass over `xp` (one
+    variadic reduction): the second gives the tensor amax without a second pass over
+    the array when some block holds a NaN."""
     bits = abs_bits(xp)
+    out, ignoring_nan = _block_max(block, bits, jnp.where(bits > INF_BITS, 0, bits))
+    return from_bits(out), from_bits(ignoring_nan)
+
+
+def _block_max(block: Block, *bits: Array) -> list[Array]:
+    """The int32 max of each of `bits` (same shape) per block, in one reduction."""
+
+    def reduce(arrays, axis):
+        zeros = [jnp.int32(0)] * len(arrays)
+        return jax.lax.reduce(arrays, zeros, _maxima, (axis % arrays[0].ndim,))
+
     if block[0] == 1:
-        return from_bits(jnp.max(to_blocks(bits, block), axis=-1))
-    *lead, r, c = bits.shape
+        return reduce([to_blocks(b, block) for b in bits], -1)
+    *lead, r, c = bits[0].shape
     if block[1] == 1:
-        out = jnp.max(bits.reshape(*lead, r // BLOCK, BLOCK, c), axis=-2)
-    else:
-        rows = jnp.max(bits.reshape(*lead, r, c // BLOCK, BLOCK), axis=-1)
-        out = jnp.max(rows.reshape(*lead, r // BLOCK, BLOCK, c // BLOCK), axis=-2)
-    return from_bits(out)
+        return reduce([b.reshape(*lead, r // BLOCK, BLOCK, c) for b in bits], -2)
+    rows = reduce([b.reshape(*lead, r, c // BLOCK, BLOCK) for b in bits], -1)
+    return reduce([b.reshape(*lead, r // BLOCK, BLOCK, c // BLOCK) for b in rows], -2)
 
 
-def _amax_given_blocks(x: Float[Array, "..."], bamax: Float[Array, "..."]) -> Float[Array, ""]:
-    """`tensor_amax(x)`, from the block maxima when no block holds a NaN (the common case:
-    XLA:CPU's NaN-ignoring reduction over the whole array is ~8x slower). The max of the
-    block maxima propagates NaN, so it is also the test: one reduction (one all-reduce
-    when sharded) in the common case.
+def _maxima(a, b):
+    return [jax.lax.max(x, y) for x, y in zip(a, b, strict=True)]
+
+
+def _amax_of_block_maxima(bamax: Float[Array, "..."]) -> Float[Array, ""]:
+    """`tensor_amax(x)` from its block maxima ignoring NaN (`block_maxima`).
 
     A float max reads subnormal block maxima as 0 on a device that flushes subnormals,
     but is exact when it is normal. Below 2^-126 every block maximum is zero or
     subnormal, and the maximum of their bits, read as float32 integers (exact below
     2^24), gives the answer: a second float reduction over the block grid, rather than
-    a `lax.cond` (more computations for XLA to compile in every quantisation). Only a
-    NaN takes a `cond`, to a reduction over the bits of the whole array.
+    a `lax.cond` (more computations for XLA to compile in every quantisation; an int32
+    max is ~15x slower than a float one on XLA:CPU). Both are over the block grid, 1/16
+    of the array.
     """
     m = jnp.max(bamax, initial=0.0)
     bits = abs_bits(bamax)
     small = jnp.max(jnp.where(bits < MIN_NORMAL_BITS, bits, 0).astype(jnp.float32), initial=0.0)
-    m = jnp.where(abs_bits(m) < MIN_NORMAL_BITS, from_bits(small.astype(jnp.int32)), m)
-    return jax.lax.cond(jnp.isnan(m), _amax_ignoring_nan, _second, x, m)
-
-
-def _amax_ignoring_nan(x, m):
-    """`tensor_amax(x)` in one reduction over the bits (slow on XLA:CPU; for the rare
-    tensor holding a NaN)."""
-    b = abs_bits(x)
-    return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
+    return jnp.where(abs_bits(m) < MIN_NORMAL_BITS, from_bits(small.astype(jnp.int32)), m)
 
 
 def _prepare(
@@ -336,9 +347,11 @@ def _prepare(
     # a bfloat16 input is never copied to a float32 array in memory.
     xp = jax.lax.optimization_barrier(xp)
     xf = xp.astype(jnp.float32)
-    bamax = block_absmax(xf, block)
     if amax is None:
-        amax = _amax_given_blocks(xp, bamax)
+        bamax, ignoring_nan = block_maxima(xf, block)
+        amax = _amax_of_block_maxima(ignoring_nan)
+    else:
+        bamax = block_absmax(xf, block)
     s_enc, s_dec = tensor_scales(amax)
     scale_b, inv_b, inv_sub = _block_scales(bamax, s_enc, s_dec, scale_rounding)
     return to_blocks(xf, block), scale_b, inv_b, inv_sub, s_dec, is_tiny_scale(s_dec)
