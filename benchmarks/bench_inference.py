@@ -19,6 +19,13 @@ Reported:
   the frozen forward pays for decoding every weight on each call; the latency target
   belongs to GPUs, where reading the weights is the bottleneck.
 
+- forward latency at 1 token (issue 17): frozen W4A16 (`nvfp4_weight_only`) and W4A4
+  (`nvfp4_inference`) against the float32 model and the bf16 one, jitted, model passed
+  as an argument, the four interleaved call by call, median of `--repeats` runs each
+  (`latency_1tok_*` and the ratios `*_vs_f32`, `*_vs_bf16`). At a few tokens a CPU
+  runs the frozen GEMM as a loop that decodes the packed codes chunk by chunk
+  (`chunked_dot`): only the 4.5-bit weights are read.
+
 Run: `python benchmarks/bench_inference.py [--layers 12] [--d 1024] [--repeats 10]`
 (`--quick`: 2 blocks of d=512). `main(argv)` returns the numbers as a dict.
 """
@@ -127,6 +134,40 @@ def latency(model: Any, x: Array, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_latency(cases: dict[str, tuple[Any, Array]], repeats: int) -> dict[str, float]:
+    """Median seconds of each jitted forward, the cases called in turn (one warm-up call
+    each first), so that a slow patch of the machine falls on every case alike."""
+    fn = eqx.filter_jit(forward)
+    for model, x in cases.values():
+        fn(model, x).block_until_ready()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, (model, x) in cases.items():
+            start = time.perf_counter()
+            fn(model, x).block_until_ready()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def one_token(model: Any, bf16: Any, d: int, repeats: int) -> dict:
+    """Forward latency at 1 token: frozen W4A16 and W4A4 against float32 and bf16."""
+    w4a16 = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only()))
+    w4a4 = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_inference()))
+    x = jax.random.normal(jax.random.key(2), (1, d), jnp.float32)
+    cases = {
+        "f32": (model, x),
+        "bf16": (bf16, x.astype(jnp.bfloat16)),
+        "w4a16": (w4a16, x),
+        "w4a4": (w4a4, x),
+    }
+    t = interleaved_latency(cases, repeats)
+    out = {f"latency_1tok_s_{name}": v for name, v in t.items()}
+    for name in ("w4a16", "w4a4"):
+        out[f"latency_1tok_{name}_vs_f32"] = t[name] / t["f32"]
+        out[f"latency_1tok_{name}_vs_bf16"] = t[name] / t["bf16"]
+    return out
+
+
 def run(layers: int = 12, d: int = 1024, repeats: int = 10, tokens: int = 64) -> dict:
     """Run the benchmark, print a table and return the numbers."""
     model = ResidualMLP(layers, d, jax.random.key(0))
@@ -134,6 +175,7 @@ def run(layers: int = 12, d: int = 1024, repeats: int = 10, tokens: int = 64) ->
     bf16 = to_bf16(model)
     frozen = nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only()))
     jax.block_until_ready(frozen)
+    first = one_token(model, bf16, d, repeats)
     del model  # the float32 master weights are not needed any more
 
     x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32)
@@ -157,7 +199,10 @@ def run(layers: int = 12, d: int = 1024, repeats: int = 10, tokens: int = 64) ->
     out["temp_bytes_bf16"] = temp_bytes(bf16, x.astype(jnp.bfloat16))
     out["temp_bytes_frozen"] = temp_bytes(frozen, x)
     # The same frozen blocks stacked and run with `lax.scan`: one block decoded per step.
-    out["temp_bytes_frozen_scan"] = temp_bytes(stacked(frozen), x, scan_forward)
+    try:
+        out["temp_bytes_frozen_scan"] = temp_bytes(stacked(frozen), x, scan_forward)
+    except ValueError:  # frozen weights keep their layer path (static): blocks differ
+        out["temp_bytes_frozen_scan"] = None
     out["temp_bytes_bf16_scan"] = temp_bytes(stacked(bf16), x.astype(jnp.bfloat16), scan_forward)
     if out["temp_bytes_bf16"] and out["temp_bytes_frozen"] is not None:
         out["temp_bytes_ratio"] = out["temp_bytes_frozen"] / out["temp_bytes_bf16"]
@@ -165,6 +210,7 @@ def run(layers: int = 12, d: int = 1024, repeats: int = 10, tokens: int = 64) ->
     out["latency_s_bf16"] = latency(bf16, x.astype(jnp.bfloat16), repeats)
     out["latency_s_frozen"] = latency(frozen, x, repeats)
     out["latency_ratio"] = out["latency_s_frozen"] / out["latency_s_bf16"]
+    out.update(first)
     out["device"] = jax.devices()[0].device_kind
 
     def mib(n):
@@ -203,6 +249,12 @@ def run(layers: int = 12, d: int = 1024, repeats: int = 10, tokens: int = 64) ->
         f"{'forward latency':22}{out['latency_s_bf16'] * 1e3:>11.1f} ms"
         f"{out['latency_s_frozen'] * 1e3:>13.1f} ms   frozen/bf16 {out['latency_ratio']:.2f}x"
         " (CPU; the latency target is for GPUs)"
+    )
+    ms = lambda name: out[f"latency_1tok_s_{name}"] * 1e3
+    print(
+        f"{'1-token latency':22}f32 {ms('f32'):.1f} ms, bf16 {ms('bf16'):.1f} ms, "
+        f"W4A16 {ms('w4a16'):.1f} ms ({out['latency_1tok_w4a16_vs_f32']:.2f}x f32), "
+        f"W4A4 {ms('w4a4'):.1f} ms ({out['latency_1tok_w4a4_vs_f32']:.2f}x f32)"
     )
     return out
 

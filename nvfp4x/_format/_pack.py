@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, UInt8
+from jaxtyping import Array, Float, UInt8
 
 
 def pack(codes: UInt8[Array, "*lead k"]) -> UInt8[Array, "*lead k//2"]:
@@ -22,3 +22,47 @@ def unpack(packed: UInt8[Array, "*lead h"]) -> UInt8[Array, "*lead h*2"]:
     lo = packed & 0x0F
     hi = packed >> 4
     return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+#: `nibble_values` gives E2M1 values times `2^-14`.
+NIBBLE_SCALE = 2.0**-14
+
+
+def nibble_values(packed: UInt8[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+    """The E2M1 values of each byte's low and high nibble (elements `2i` and `2i+1`),
+    times `NIBBLE_SCALE` (`2^-14`, exactly), as float32: `decode_nibbles` without its
+    last multiplication, for callers that fold `2^14` into a scale of their own.
+
+    Without a table or selects, so that it vectorises: E2M1 is a float16 with two
+    exponent bits, so a code's bits placed in a float16 (`s e1 e0 m` as the sign, the
+    exponent's two low bits and the mantissa's top bit) are its value times `2^-14`,
+    subnormals (code 1: 0.5) included, and the hardware converts float16 to float32.
+    """
+    b = packed.astype(jnp.uint16)
+    lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+    hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+    value = lambda bits: lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+    return value(lo), value(hi)
+
+
+def decode_nibbles(packed: UInt8[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+    """The float32 E2M1 values of each byte's low and high nibble: the two halves of
+    `_e2m1.decode(unpack(packed))`, bit for bit, in arithmetic that vectorises."""
+    lo, hi = nibble_values(packed)
+    return lo * (1 / NIBBLE_SCALE), hi * (1 / NIBBLE_SCALE)
+
+
+def decode_e4m3(bits: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
+    """The float32 values of `float8_e4m3fn` bit patterns, equal to XLA's conversion
+    (NaN for `0x7F`/`0xFF`), in integer arithmetic that fuses and vectorises.
+
+    Normal (exponent field `e > 0`): the float32 with exponent `e + 120` and the three
+    mantissa bits on top; subnormal: `m * 2^-9`.
+    """
+    u = bits.astype(jnp.uint32)
+    mag = u & 0x7F
+    normal = (mag << 20) + (120 << 23)
+    sub = lax.bitcast_convert_type((mag & 7).astype(jnp.float32) * (2.0**-9), jnp.uint32)
+    out = jnp.where(mag < 8, sub, normal)
+    out = jnp.where(mag == 0x7F, jnp.uint32(0x7FC00000), out)
+    return lax.bitcast_convert_type(out | ((u & 0x80) << 24), jnp.float32)
