@@ -27,33 +27,13 @@ import optax
 
 import nvfp4x
 
+try:
+    from benchmarks.bench_training import Block, Stack as Unrolled
+except ImportError:  # run as a script from inside benchmarks/
+    from bench_training import Block, Stack as Unrolled
+
 #: Arguments `benchmarks/run_all.py --quick` passes: small, to check that it runs.
 QUICK_ARGV = ["--depths", "2", "4", "--scan", "4"]
-
-
-class Block(eqx.Module):
-    fc1: eqx.nn.Linear
-    fc2: eqx.nn.Linear
-
-    def __init__(self, d: int, hidden: int, key):
-        k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(d, hidden, key=k1)
-        self.fc2 = eqx.nn.Linear(hidden, d, key=k2)
-
-    def __call__(self, x):
-        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
-
-
-class Unrolled(eqx.Module):
-    blocks: list
-
-    def __init__(self, d: int, hidden: int, depth: int, key):
-        self.blocks = [Block(d, hidden, k) for k in jax.random.split(key, depth)]
-
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 class Scanned(eqx.Module):
