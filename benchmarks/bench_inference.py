@@ -23,9 +23,9 @@ Reported:
   (`nvfp4_inference`) against the float32 model and the bf16 one, jitted, model passed
   as an argument, median of `--repeats` runs each: float32 and the frozen models
   interleaved call by call, then float32 and bf16 (see `one_token` for why the slow
-  bf16 call is kept apart) (`latency_1tok_*` and the ratios `*_vs_f32`, `*_vs_bf16`). At a few tokens a CPU
-  runs the frozen GEMM as a loop that decodes the packed codes chunk by chunk
-  (`chunked_dot`): only the 4.5-bit weights are read.
+  bf16 call is kept apart) (`latency_1tok_*` and the ratios `*_vs_f32`, `*_vs_bf16`).
+  At a few tokens a CPU runs the frozen GEMM as a loop that decodes the packed codes
+  chunk by chunk (`chunked_dot`): only the 4.5-bit weights are read.
 
 Run: `python benchmarks/bench_inference.py [--layers 12] [--d 1024] [--repeats 10]`
 (`--quick`: 2 blocks of d=512). `main(argv)` returns the numbers as a dict.
