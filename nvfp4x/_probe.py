@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._formats import Format, quantize_operand
+from ._formats import Format
 from ._gemm import grad_key, mix_weight, needs_key, qdot, wgrad_operands
 from ._policy import Recipe
 from ._prims import compiled, def_jvp, def_transpose, is_zero, primitive, zero, zero_tangent
@@ -25,15 +25,18 @@ def operand_stats(
 ) -> Float[Array, "4"]:
     """`(amax, zero_frac, saturated_frac, sqnr_db)` of quantising `a` along `axis`.
 
-    The statistics ride on the quantiser's work: `quantize_operand` and the format's
-    saturation mask are called exactly as the GEMMs call the quantiser (same operand,
-    axis and key), so that in a compiled step XLA computes the quantised operand and its
-    block scales once for the GEMM and the statistics, and the statistics add one pass,
-    a single variadic reduction over the operand and its quantised values."""
+    The statistics ride on the quantiser's work: the format's `quantize_saturated` gives
+    the quantised values and the saturation mask from one block computation, the same
+    computation as the GEMMs' `quantize_operand` (same operand, axis and key), so that in
+    a compiled step XLA computes the quantised operand and its block scales once for the
+    GEMM and the statistics, and the statistics add one pass, a single variadic
+    reduction over the operand and its quantised values."""
     a = a.astype(jnp.float32)
-    vals, scale = quantize_operand(a, fmt, axis, key)
+    if fmt is None:  # unquantised, as `quantize_operand` leaves it
+        vals, scale, sat = a, None, jnp.zeros(a.shape, jnp.bool_)
+    else:
+        vals, scale, sat = fmt.spec.quantize_saturated(a, fmt, axis, key)
     deq = vals.astype(jnp.float32) * (1.0 if scale is None else scale)
-    sat = jnp.zeros(a.shape, jnp.bool_) if fmt is None else fmt.spec.saturated(a, fmt, axis, key)
     nonzero = a != 0
     count = jnp.int32
     amax, n_nonzero, n_zero, n_sat, signal, err = lax.reduce(

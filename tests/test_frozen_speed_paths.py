@@ -13,10 +13,16 @@ import pytest
 
 import nvfp4x
 from nvfp4x._format import _e2m1
-from nvfp4x._format._pack import NIBBLE_SCALE, decode_e4m3, decode_nibbles, nibble_values, unpack
+from nvfp4x._format._pack import NIBBLE_SCALE, decode_e4m3, nibble_values, unpack
 from nvfp4x._formats._dot import CHUNKED_MAX_TOKENS
 
 BYTES = jnp.arange(256, dtype=jnp.uint8)
+
+
+def decode_nibbles(packed):
+    """The E2M1 values of each byte's nibbles: `nibble_values` times `2^14`."""
+    lo, hi = nibble_values(packed)
+    return lo * (1 / NIBBLE_SCALE), hi * (1 / NIBBLE_SCALE)
 
 
 def bits(a) -> np.ndarray:

@@ -123,7 +123,7 @@ def _block_scales(
     (`mul_exact`, `reciprocal_capped`); otherwise it is at least 2^-73, and the same two
     functions give the plain float32 product and `min(1 / p, FLT_MAX)` (no `lax.cond`
     between an exact and a plain path: two more computations per quantisation for XLA
-    to compile, to save a few dozen ops per block). The results go through an
+    to compile, to save a few dozen ops per block). The results go through a
     reduction (`_materialize`), so that XLA does not fuse these per-block steps into the
     element loops and redo them for every element. `scale_rounding="up"`: see
     `_block_scales_up`.
@@ -264,7 +264,7 @@ def from_blocks(xb: Array, block: Block) -> Array:
     return xb.reshape(*lead, r * BLOCK, c * BLOCK)
 
 
-def _expand(scale: Array, block: Block) -> Array:
+def expand(scale: Array, block: Block) -> Array:
     """Broadcast a block grid against `to_blocks` output."""
     if block[0] == 1:
         return scale[..., None]
@@ -372,7 +372,7 @@ def scale_blocks(
     tensor decode scale.
     """
     xb, scale_b, inv_b, inv_sub, s_dec, _ = _prepare(xp, block, amax, scale_rounding)
-    return mul_normal(xb, _expand(inv_b, block), _expand(inv_sub, block)), scale_b, s_dec
+    return mul_normal(xb, expand(inv_b, block), expand(inv_sub, block)), scale_b, s_dec
 
 
 def _round(
@@ -434,10 +434,10 @@ def _fake_quantize_loops(block: Block, rounding: Rounding):
 
     def loop(exact, xb, scale_b, inv_b, inv_sub, s_dec, key):
         if exact:
-            v = mul_normal(xb, _expand(inv_b, block), _expand(inv_sub, block))
+            v = mul_normal(xb, expand(inv_b, block), expand(inv_sub, block))
         else:
-            v = xb * _expand(inv_b, block)
-        p = _round(v, rounding, key) * _expand(scale_b, block)
+            v = xb * expand(inv_b, block)
+        p = _round(v, rounding, key) * expand(scale_b, block)
         return from_blocks(mul_exact(p, s_dec) if exact else p * s_dec, block)
 
     return functools.partial(loop, True), functools.partial(loop, False)

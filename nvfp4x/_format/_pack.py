@@ -30,8 +30,8 @@ NIBBLE_SCALE = 2.0**-14
 
 def nibble_values(packed: UInt8[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
     """The E2M1 values of each byte's low and high nibble (elements `2i` and `2i+1`),
-    times `NIBBLE_SCALE` (`2^-14`, exactly), as float32: `decode_nibbles` without its
-    last multiplication, for callers that fold `2^14` into a scale of their own.
+    times `NIBBLE_SCALE` (`2^-14`, exactly), as float32, for callers that fold `2^14`
+    into a scale of their own (the frozen GEMM folds it into the block scales).
 
     Without a table or selects, so that it vectorises: E2M1 is a float16 with two
     exponent bits, so a code's bits placed in a float16 (`s e1 e0 m` as the sign, the
@@ -43,13 +43,6 @@ def nibble_values(packed: UInt8[Array, "*s"]) -> tuple[Float[Array, "*s"], Float
     hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
     value = lambda bits: lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
     return value(lo), value(hi)
-
-
-def decode_nibbles(packed: UInt8[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
-    """The float32 E2M1 values of each byte's low and high nibble: the two halves of
-    `_e2m1.decode(unpack(packed))`, bit for bit, in arithmetic that vectorises."""
-    lo, hi = nibble_values(packed)
-    return lo * (1 / NIBBLE_SCALE), hi * (1 / NIBBLE_SCALE)
 
 
 def decode_e4m3(bits: UInt8[Array, "*s"]) -> Float[Array, "*s"]:

@@ -15,6 +15,7 @@ from .._format._nvfp4 import (
     Block,
     Rounding,
     ScaleRounding,
+    expand,
     from_blocks,
     pad_to_blocks,
     quantize_blocks,
@@ -31,13 +32,6 @@ def _layout(fmt: Format) -> tuple[Block, Rounding, ScaleRounding]:
         cast(Rounding, fmt.rounding),
         cast(ScaleRounding, fmt.scale_rounding),
     )
-
-
-def _per_element(scale: Array, block: Block) -> Array:
-    """A per-block array broadcast against the `to_blocks` view."""
-    if block[0] == 1:
-        return scale[..., None]
-    return scale[..., :, None, :] if block[1] == 1 else scale[..., :, None, :, None]
 
 
 class NVFP4Spec(FormatSpec):
@@ -58,17 +52,14 @@ class NVFP4Spec(FormatSpec):
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        q, sb, s_dec, blk, _, unblock = self._blocks(a, fmt, axis, key, fmt.rounding)
-        return unblock(q * _per_element(sb, blk)).astype(jnp.bfloat16), s_dec
+        q, sb, s_dec, blk, _, unblock = self._blocks(a, fmt, axis, key)
+        return unblock(q * expand(sb, blk)).astype(jnp.bfloat16), s_dec
 
-    def _blocks(
-        self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None, rounding
-    ):
-        """The quantiser's work in its block view, with element rounding `rounding`:
-        `(q, scale_b, s_dec, block, padded, unblock)`, `unblock` taking an array of the
-        block view back to `a`'s layout. `quantize` and `saturated` share it, so that in
-        one program XLA computes an operand's block scales once for both."""
-        block, _, scale_rounding = _layout(fmt)
+    def _blocks(self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None):
+        """The quantiser's work in its block view: `(q, scale_b, s_dec, block, padded,
+        unblock)`, `unblock` taking an array of the block view back to `a`'s layout.
+        `quantize` and `quantize_saturated` share it."""
+        block, rounding, scale_rounding = _layout(fmt)
         if block == TILE:
             if a.ndim != 2:
                 raise ValueError(
@@ -103,22 +94,21 @@ class NVFP4Spec(FormatSpec):
     def pack(self, w: Float[Array, "n k"], fmt: Format, amax: Array | None = None) -> NVFP4Array:
         return to_nvfp4(w, block=_layout(fmt)[0], amax=amax)
 
-    def saturated(
-        self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None = None
-    ) -> Bool[Array, "..."]:
-        # Saturated: beyond the largest magnitude of its block, 6 x block scale x s_dec.
-        # With the quantiser's key, the very computation `quantize` runs (the rounded
-        # values are unused); without, nearest rounding: the block scales are the same.
-        rounding = "nearest" if key is None else fmt.rounding
-        _, sb, s_dec, blk, xp, unblock = self._blocks(a, fmt, axis, key, rounding)
-        # Compared as the integers of their bits (the same order for magnitudes up to
+    def quantize_saturated(
+        self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
+    ) -> tuple[Array, Float[Array, ""], Bool[Array, "..."]]:
+        q, sb, s_dec, blk, xp, unblock = self._blocks(a, fmt, axis, key)
+        vals = unblock(q * expand(sb, blk)).astype(jnp.bfloat16)
+        # Saturated: beyond the largest magnitude of its block, 6 x block scale x s_dec,
+        # compared as the integers of their bits (the same order for magnitudes up to
         # inf; a NaN on either side counts nothing, as a float comparison): XLA:CPU
         # would write the float block limits out at full size before the comparison.
         bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
         top = bits(E2M1_MAX * sb * s_dec)
         mag = bits(to_blocks(jnp.abs(xp), blk))
         inf = bits(jnp.float32(jnp.inf))
-        return unblock((mag > _per_element(top, blk)) & (mag <= inf) & _per_element(top >= 0, blk))
+        sat = (mag > expand(top, blk)) & (mag <= inf) & expand(top >= 0, blk)
+        return vals, s_dec, unblock(sat)
 
 
 NVFP4 = NVFP4Spec()

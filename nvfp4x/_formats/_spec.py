@@ -32,7 +32,7 @@ class FormatSpec:
     (name, block, rounding) reads it as `fmt.spec`.
 
     Subclasses set the class attributes and override `quantize`, and `pack` /
-    `saturated` where the format has them.
+    `quantize_saturated` where the format has them.
     """
 
     #: The format's name, as recipes and `nvfp4x.Format` spell it.
@@ -69,19 +69,14 @@ class FormatSpec:
         the weight's own amax."""
         return self.quantize(w, fmt, -1, None)[0]
 
-    def saturated(
-        self, a: Float[Array, "..."], fmt: "Format", axis: int, key: jax.Array | None = None
-    ) -> Bool[Array, "..."]:
-        """Which of `a`'s elements quantising along `axis` clamps (beyond the largest
-        magnitude their block can hold); none for formats that never clamp a finite
-        value below their range. `key`: the quantiser's stochastic-rounding key, if any
-        (the mask does not depend on it; passing it lets XLA share the quantiser's
-        work)."""
-        return jnp.zeros(a.shape, jnp.bool_)
-
-    def saturated_frac(self, a: Float[Array, "..."], fmt: "Format", axis: int) -> Float[Array, ""]:
-        """The fraction of `a`'s elements that `saturated` marks."""
-        return jnp.sum(self.saturated(a, fmt, axis)) / a.size
+    def quantize_saturated(
+        self, a: Float[Array, "..."], fmt: "Format", axis: int, key: jax.Array | None
+    ) -> tuple[Array, Float[Array, ""] | None, Bool[Array, "..."]]:
+        """`quantize`'s `(values, scale)` and, from the same block computation, which of
+        `a`'s elements it clamps (beyond the largest magnitude their block can hold):
+        none for formats that never clamp a finite value below their range."""
+        values, scale = self.quantize(a, fmt, axis, key)
+        return values, scale, jnp.zeros(a.shape, jnp.bool_)
 
 
 def register(spec: FormatSpec) -> FormatSpec:
