@@ -94,21 +94,11 @@ def _call_may_hold_gemm(module: eqx.Module, x: jax.ShapeDtypeStruct) -> bool:
     model does.)"""
     arrays, rest = eqx.partition(module, _is_array_like)
     leaves, treedef = jax.tree_util.tree_flatten(arrays)
-    try:
-        key = (type(module), treedef, jax.tree_util.tree_structure(rest), hash(rest))
+    avals = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves)
+    try:  # cached by class, static fields and shapes
+        return _cached_traced_gemm(rest, treedef, avals, x)
     except TypeError:  # an unhashable static field: trace without the cache
-        return _traced_gemm(rest, treedef, _avals(leaves), x)
-    return _cached_traced_gemm(key, rest, treedef, _avals(leaves), x)
-
-
-def _avals(leaves: list) -> tuple:
-    return tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_traced_gemm(key, rest, treedef, avals, x) -> bool:
-    del key  # the cache key: class, structure, static fields
-    return _traced_gemm(rest, treedef, avals, x)
+        return _traced_gemm(rest, treedef, avals, x)
 
 
 def _traced_gemm(rest, treedef, avals, x) -> bool:
@@ -124,6 +114,10 @@ def _traced_gemm(rest, treedef, avals, x) -> bool:
             continue
         return jaxpr_has_gemm(jaxpr.jaxpr)
     return True
+
+
+#: `_traced_gemm`, cached by class, static fields and shapes.
+_cached_traced_gemm = functools.lru_cache(maxsize=4096)(_traced_gemm)
 
 
 def is_conv(x: Any) -> bool:

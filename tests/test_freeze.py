@@ -34,6 +34,11 @@ from helpers import (
 )
 
 import nvfp4x
+from benchmarks.bench_inference import (
+    linear_layers as layers_of,
+    to_bf16,
+    weight_bytes as weight_nbytes,
+)
 
 # ---------------------------------------------------------------------------------------
 # Helpers.
@@ -44,33 +49,6 @@ E4M3 = ml_dtypes.float8_e4m3fn
 E8M0 = ml_dtypes.float8_e8m0fnu
 
 nvfp4_names = pytest.mark.parametrize("name", NVFP4_RECIPES)
-
-
-def layers_of(model: Any) -> list:
-    """Every linear layer of a model (plain, quantised or frozen), in tree order."""
-    kinds = eqx.nn.Linear | nvfp4x.QuantizedLinear | nvfp4x.FrozenLinear
-    leaves = jax.tree_util.tree_leaves(model, is_leaf=lambda v: isinstance(v, kinds))
-    return [leaf for leaf in leaves if isinstance(leaf, kinds)]
-
-
-def weight_nbytes(model: Any) -> int:
-    """Sum of `nbytes` of the arrays that hold the weights (packed once frozen)."""
-    return sum(
-        int(leaf.nbytes)
-        for layer in layers_of(model)
-        for leaf in jax.tree_util.tree_leaves(layer.weight)
-    )
-
-
-def to_bf16(model: Any) -> Any:
-    """The same Equinox model with every floating-point array cast to bfloat16."""
-
-    def cast(v):
-        if eqx.is_array(v) and jnp.issubdtype(v.dtype, jnp.floating):
-            return v.astype(jnp.bfloat16)
-        return v
-
-    return jax.tree_util.tree_map(cast, model)
 
 
 # ---------------------------------------------------------------------------------------
