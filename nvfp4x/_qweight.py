@@ -24,6 +24,7 @@ GEMM is never possible. `nvfp4x.quantized(fn)` makes any function interpreted.
 """
 
 import functools
+import itertools
 import math
 import operator
 import warnings
@@ -125,7 +126,11 @@ class QWeight(WeightValue):
     policy's recipe, and the path the policy matched, used by reports), `fast` (static:
     run GEMMs on the device's fast exact operand dtype), `scale_group` (static: the
     tensor scale group the policy's `tensor_scale_groups` put the weight in, or None;
-    [`nvfp4x.freeze`][] gives a group's NVFP4 weights one tensor scale).
+    [`nvfp4x.freeze`][] gives a group's NVFP4 weights one tensor scale), `kernel_axes`
+    and `groups` (static: for a convolution kernel, its axes' roles as
+    `lax.conv_general_dilated`'s kernel spec, (out channels, in channels, window...), and
+    its feature group count; the kernel's GEMM matrix is `gemm_matrix(array, ...)`; None
+    and 1 for a linear layer's weight).
     """
 
     array: Array
@@ -135,6 +140,21 @@ class QWeight(WeightValue):
     probe: Array | None = None
     enabled: Array | None = None
     scale_group: str | None = eqx.field(static=True, default=None)
+    kernel_axes: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    groups: int = eqx.field(static=True, default=1)
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        """The leading axes of a stack of layers (`eqx.filter_vmap`-made): the weight's
+        axes before its matrix `(out, in)` (or, for a convolution, before its kernel)."""
+        per_layer = 2 if self.kernel_axes is None else len(self.kernel_axes)
+        return tuple(self.array.shape[: self.array.ndim - per_layer])
+
+    @property
+    def problem_shape(self) -> tuple[int, ...]:
+        """`stack_shape`, then the feature groups of a grouped convolution: the leading
+        axes of the weight's independent GEMMs (each its own scales)."""
+        return self.stack_shape + ((self.groups,) if self.groups > 1 else ())
 
     def aval(self):
         return shaped(self.array.shape, self.array.dtype)
@@ -287,11 +307,67 @@ def _(lhs: QWeight, rhs: QWeight, **params):
     return _dot_rule(lhs, rhs, **params)
 
 
-@quax.register(lax.conv_general_dilated_p)
-def _(
+# --- convolutions: their GEMM ---
+
+
+def gemm_matrix(kernel: Array, kernel_axes: tuple[int, ...], groups: int) -> Array:
+    """A convolution kernel (possibly stacked) as its GEMM's weight: `(stack..., out,
+    in x window)`, or `(stack..., groups, out / groups, in / groups x window)` for a
+    grouped convolution (each group its own GEMM). `kernel_axes` gives the roles of the
+    kernel's trailing axes (out channels, in channels, window...), as
+    `lax.conv_general_dilated`'s kernel spec; the contraction is in channels major,
+    window minor (the order of `lax.conv_general_dilated_patches`)."""
+    lead = kernel.ndim - len(kernel_axes)
+    k = jnp.transpose(kernel, (*range(lead), *(lead + a for a in kernel_axes)))
+    out = k.shape[lead]
+    shape = k.shape[:lead] + ((groups,) if groups > 1 else ()) + (out // groups, -1)
+    return k.reshape(shape)
+
+
+def kernel_from_matrix(
+    m: Array, kernel_shape: tuple[int, ...], kernel_axes: tuple[int, ...], groups: int
+) -> Array:
+    """`gemm_matrix`'s inverse: the kernel of shape `kernel_shape` (per layer, in its
+    stored layout) from its GEMM matrix `m` (possibly stacked)."""
+    lead = m.ndim - 2 - (1 if groups > 1 else 0)
+    k = m.reshape(m.shape[:lead] + tuple(kernel_shape[a] for a in kernel_axes))
+    inverse = np.argsort(kernel_axes)
+    return jnp.transpose(k, (*range(lead), *(lead + int(i) for i in inverse)))
+
+
+def conv_patches(
+    x: Array, window: tuple[int, ...], strides, padding, lhs_dilation, rhs_dilation
+) -> Array:
+    """The patches of `x: (N, C, spatial...)` for a convolution with a kernel window
+    `window`: `(N, out spatial..., C, prod(window))`, the window row-major, as
+    `lax.conv_general_dilated_patches` orders them, by slicing (exact; no GEMM): one
+    strided slice of the padded, dilated input per window offset."""
+    config = [(0, 0, 0), (0, 0, 0)]
+    config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation, strict=True)]
+    x = lax.pad(x, jnp.zeros((), x.dtype), config)
+    spatial = x.shape[2:]
+    out = tuple(
+        max(0, (s - (w - 1) * d - 1) // st + 1)
+        for s, w, d, st in zip(spatial, window, rhs_dilation, strides, strict=True)
+    )
+    slices = []
+    for offset in itertools.product(*(range(w) for w in window)):
+        start = tuple(o * d for o, d in zip(offset, rhs_dilation, strict=True))
+        limit = tuple(
+            b + (max(n - 1, 0)) * st + (1 if n else 0)
+            for b, n, st in zip(start, out, strides, strict=True)
+        )
+        slices.append(lax.slice(x, (0, 0, *start), (*x.shape[:2], *limit), (1, 1, *strides)))
+    p = jnp.stack(slices, axis=2)  # (N, C, window, out spatial...)
+    return jnp.moveaxis(p, (1, 2), (-2, -1))
+
+
+def conv_gemm(
     lhs: ArrayLike,
-    rhs: QWeight,
+    kernel_shape: tuple[int, ...],
+    gemm: Callable,
     *,
+    path: str,
     window_strides,
     padding,
     lhs_dilation,
@@ -300,37 +376,78 @@ def _(
     feature_group_count,
     batch_group_count,
     preferred_element_type=None,
+    rhs_dtype=None,
     **_,
-):
-    """A convolution whose kernel is quantised, run as its GEMM: the input's patches
-    (input channels x kernel window, the contraction) times the kernel as
-    `(out channels, in channels x window)`. fprop, dgrad and wgrad are `qdot`'s, with
-    blocks along that contraction; extracting the patches is exact, and its transpose
-    (a convolution with a one-hot kernel) carries dgrad back to the input."""
-    if feature_group_count != 1 or batch_group_count != 1:
+) -> Array:
+    """`lax.conv_general_dilated` of `lhs` with a quantised kernel of shape
+    `kernel_shape`, as its GEMM `gemm(x, nbatch)` on the patches `x: (groups..., N,
+    out spatial..., in/groups x window)` (see `gemm_matrix` for the weight's side; a
+    grouped convolution is `groups` independent GEMMs, `nbatch=1`). The output is put
+    back in the convolution's layout."""
+    if batch_group_count != 1:
         raise NotImplementedError(
-            f"nvfp4x: the convolution of `{rhs.path}` is grouped (feature groups "
-            f"{feature_group_count}, batch groups {batch_group_count}); grouped convolutions "
-            "do not run in NVFP4 yet. Leave the layer out of the policy."
+            f"nvfp4x: the convolution of `{path}` has batch groups ({batch_group_count}); "
+            "only feature groups run in NVFP4. Leave the layer out of the policy."
         )
     lhs_spec, rhs_spec, out_spec = dimension_numbers
-    k = rhs.array
-    window = tuple(k.shape[i] for i in rhs_spec[2:])
-    patches = lax.conv_general_dilated_patches(
-        jnp.asarray(lhs),
-        window,
-        window_strides,
-        padding,
-        lhs_dilation,
-        rhs_dilation,
-        dimension_numbers,
-        precision=lax.Precision.HIGHEST,  # one-hot products: exact
-    )
-    x = jnp.moveaxis(patches, out_spec[1], -1)  # (batch, spatial..., in x window)
-    w = jnp.transpose(k, rhs_spec).reshape(k.shape[rhs_spec[0]], -1)  # (out, in x window)
-    y = _gemm(x, w, rhs.probe, rhs.enabled, recipe=rhs.recipe, fast=rhs.fast, name=rhs.path)
-    dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
-    return jnp.moveaxis(y, -1, out_spec[1]).astype(dtype)
+    g = feature_group_count
+    window = tuple(kernel_shape[i] for i in rhs_spec[2:])
+    x = jnp.transpose(jnp.asarray(lhs), lhs_spec)  # (N, C, spatial...)
+    p = conv_patches(x, window, window_strides, padding, lhs_dilation, rhs_dilation)
+    c, w = p.shape[-2:]
+    p = p.reshape(p.shape[:-2] + (g, (c // g) * w))  # (N, out..., groups, K)
+    p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
+    y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
+    if g > 1:
+        y = jnp.moveaxis(y, 0, -2)
+        y = y.reshape(y.shape[:-2] + (-1,))
+    y = jnp.moveaxis(y, -1, 1)  # (N, O, out spatial...)
+    inverse = tuple(int(i) for i in np.argsort(out_spec))
+    dtype = preferred_element_type or widest_float(jnp.result_type(lhs), rhs_dtype)
+    return jnp.transpose(y, inverse).astype(dtype)
+
+
+def check_conv_kernel(w: Any, rhs_spec: tuple, groups: int) -> tuple[int, ...]:
+    """`w.kernel_axes`; raises unless the convolution reads the quantised kernel `w` as
+    it was quantised (its kernel layout and feature groups): `freeze` packs the kernel's
+    GEMM matrix by them."""
+    if w.kernel_axes is None:
+        raise ValueError(
+            f"nvfp4x: `{w.path}` was selected as a linear layer's weight, but its module "
+            "runs it as a convolution kernel (nvfp4x could not trace the module's call on "
+            "a guessed input to tell). Leave it out of the policy, or call the convolution "
+            "from a module whose call takes one input array of shape `(channels, "
+            "spatial...)`, and quantise it with `nvfp4x.Policy(rules, convolutions=True)`."
+        )
+    if tuple(rhs_spec) != tuple(w.kernel_axes) or groups != w.groups:
+        raise ValueError(
+            f"nvfp4x: the convolution kernel `{w.path}` was quantised with kernel layout "
+            f"{w.kernel_axes} and {w.groups} feature group(s), but is used with layout "
+            f"{tuple(rhs_spec)} and {groups}; `freeze` would pack it wrongly. Quantise the "
+            "model again (`nvfp4x.quantize(nvfp4x.dequantize(model), policy)`)."
+        )
+    return w.kernel_axes
+
+
+@quax.register(lax.conv_general_dilated_p)
+def _(lhs: ArrayLike, rhs: QWeight, **params):
+    """A convolution whose kernel is quantised, run as its GEMM: the input's patches
+    (input channels x kernel window, the contraction) times the kernel as
+    `(out channels, in channels x window)` (`gemm_matrix`); a grouped convolution as one
+    such GEMM per group, each its own problem with its own scales. fprop, dgrad and
+    wgrad are `qdot`'s, with blocks along that contraction; the patches are strided
+    slices of the input (exact, and their transpose carries dgrad back to the input)."""
+    axes = check_conv_kernel(rhs, params["dimension_numbers"][1], params["feature_group_count"])
+    wm = gemm_matrix(rhs.array, axes, rhs.groups)
+
+    def gemm(x, nb):
+        fn = functools.partial(_gemm, recipe=rhs.recipe, fast=rhs.fast, name=rhs.path)
+        if nb:  # feature groups: the probe (if any) has one row per group
+            fn = jax.vmap(fn, in_axes=(0, 0, None if rhs.probe is None else 0, None))
+        return fn(x, wm, rhs.probe, rhs.enabled)
+
+    shape = tuple(rhs.array.shape)
+    return conv_gemm(lhs, shape, gemm, path=rhs.path, rhs_dtype=rhs.array.dtype, **params)
 
 
 # --- everything else ---
@@ -388,7 +505,14 @@ def default_rule(primitive, values, params):
     if not carried:
         return out
     probe, enabled = getattr(src, "probe", None), getattr(src, "enabled", None)
-    return QWeight(out, src.recipe, src.path, src.fast, probe, enabled)
+    # A convolution kernel laid out or scaled anew is still one (same axes' roles).
+    same = out.ndim == len(src.shape)
+    kernel_axes = getattr(src, "kernel_axes", None) if same else None
+    if kernel_axes is not None and primitive is lax.transpose_p:
+        perm = list(params["permutation"])
+        kernel_axes = tuple(perm.index(a) for a in kernel_axes)
+    groups = getattr(src, "groups", 1) if kernel_axes is not None else 1
+    return QWeight(out, src.recipe, src.path, src.fast, probe, enabled, None, kernel_axes, groups)
 
 
 def _holds_gemm(params: dict) -> bool:

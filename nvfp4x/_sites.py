@@ -12,8 +12,12 @@ A *linear-like layer* is
   (float, then an integer index); if that trace succeeds and contains no
   `dot_general` or convolution, its weight is not a linear map's (a norm's scale
   stacked by `eqx.filter_vmap` to `(layers, d)`, a positional table added to the
-  input, a user's embedding), and it is left alone. A call that cannot be traced that
-  way (extra arguments) keeps the module a layer.
+  input, a user's embedding), and it is left alone. A module whose call runs its weight
+  only in convolutions (`lax.conv_general_dilated`, no `dot_general`; tried also on the
+  inputs a convolution takes, for a weight of three or more dimensions) is a
+  *convolution*, like Equinox's (`is_conv`): quantised only under
+  `Policy(..., convolutions=True)`, however its class is written. A call that cannot be
+  traced on any of these inputs (extra arguments) keeps the module a layer.
 
 Its weight is what a policy selects (by the layer's path, or `path.weight`): the GEMMs
 that consume it run quantised wherever they happen (see `_qweight`).
@@ -21,13 +25,15 @@ that consume it run quantised wherever they happen (see `_qweight`).
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from ._qweight import QWeight, WeightValue, jaxpr_has_gemm
+from ._prims import jaxprs_in_params
+from ._qweight import QWeight, WeightValue
 
 #: Equinox layers with a `weight` that is not a linear layer's: never linear-like.
 _NOT_LINEAR = (
@@ -79,51 +85,125 @@ def is_layer(x: Any) -> bool:
     if weight is None or not _is_weight_array(weight) or not callable(x):
         return False
     if isinstance(weight, WeightValue):  # already chosen by `quantize`
+        return getattr(weight, "kernel_axes", None) is None
+    found = _call_gemms(x)
+    return found is None or found.dot
+
+
+def is_conv(x: Any) -> bool:
+    """Whether `x` is a convolution (selected only by a `Policy(..., convolutions=True)`):
+    one of Equinox's, or any module with a floating-point `weight` of three or more
+    dimensions whose call runs it as a convolution kernel (its GEMMs are
+    `lax.conv_general_dilated`, no `dot_general`: a user's depthwise short convolution)."""
+    if isinstance(x, eqx.nn.Conv | eqx.nn.ConvTranspose):
         return True
-    return _call_may_hold_gemm(x, jax.ShapeDtypeStruct((weight.shape[-1],), weight.dtype))
+    if not isinstance(x, eqx.Module) or isinstance(x, (*_NOT_LINEAR, WeightValue)):
+        return False
+    weight = getattr(x, "weight", None)
+    if weight is None or not _is_weight_array(weight) or not callable(x):
+        return False
+    if isinstance(weight, WeightValue):
+        return getattr(weight, "kernel_axes", None) is not None
+    found = _call_gemms(x)
+    return found is not None and found.conv is not None and not found.dot
+
+
+def conv_kernel(x: Any) -> tuple[tuple[int, ...], int]:
+    """`(kernel_axes, groups)` of the convolution `x` (`is_conv(x)`): the roles of its
+    kernel's axes as `lax.conv_general_dilated`'s kernel spec (out channels, in channels,
+    window...) and its feature group count."""
+    if isinstance(x, eqx.nn.Conv | eqx.nn.ConvTranspose):
+        return tuple(range(x.weight.ndim)), x.groups
+    found = _call_gemms(x)
+    if found is None or found.conv is None:
+        raise ValueError(f"{type(x).__name__} is not a convolution")  # callers check
+    return found.conv
+
+
+class _Gemms(NamedTuple):
+    """What a module's traced call holds: a `dot_general` (`dot`), and the kernel spec
+    and feature group count of its first convolution (`conv`, or None)."""
+
+    dot: bool
+    conv: tuple[tuple[int, ...], int] | None
+
+
+def _call_gemms(module: eqx.Module) -> "_Gemms | None":
+    """The GEMMs of `module`'s call, traced on abstract inputs (None if no input tried
+    traces): first one of the weight's last dimension (float, then an integer index),
+    then, for a weight of three or more dimensions, the inputs a convolution takes
+    (`_conv_inputs`). Cached by class, static fields and shapes. (Arrays and their
+    `ShapeDtypeStruct`s alike: a model made by `eqx.filter_eval_shape` answers as the
+    model does.)"""
+    weight = module.weight
+    inputs = (
+        jax.ShapeDtypeStruct((weight.shape[-1],), weight.dtype),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        *_conv_inputs(tuple(weight.shape), weight.dtype),
+    )
+    arrays, rest = eqx.partition(module, _is_array_like)
+    leaves, treedef = jax.tree_util.tree_flatten(arrays)
+    avals = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves)
+    try:
+        return _cached_traced_gemm(rest, treedef, avals, inputs)
+    except TypeError:  # an unhashable static field: trace without the cache
+        return _traced_gemm(rest, treedef, avals, inputs)
 
 
 def _is_array_like(v: Any) -> bool:
     return eqx.is_array(v) or isinstance(v, jax.ShapeDtypeStruct)
 
 
-def _call_may_hold_gemm(module: eqx.Module, x: jax.ShapeDtypeStruct) -> bool:
-    """False only when `module(x)` traces, for an abstract `x` of the weight's last
-    dimension and dtype (or else an integer index), without any GEMM. (Arrays and their
-    `ShapeDtypeStruct`s alike: a model made by `eqx.filter_eval_shape` answers as the
-    model does.)"""
-    arrays, rest = eqx.partition(module, _is_array_like)
-    leaves, treedef = jax.tree_util.tree_flatten(arrays)
-    avals = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves)
-    try:  # cached by class, static fields and shapes
-        return _cached_traced_gemm(rest, treedef, avals, x)
-    except TypeError:  # an unhashable static field: trace without the cache
-        return _traced_gemm(rest, treedef, avals, x)
-
-
-def _traced_gemm(rest, treedef, avals, x) -> bool:
+def _traced_gemm(rest, treedef, avals, inputs) -> "_Gemms | None":
     def call(leaves, x):
         return eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), rest)(x)
 
-    for arg in (x, jax.ShapeDtypeStruct((), jnp.int32)):
+    for arg in inputs:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 jaxpr = jax.make_jaxpr(call)(list(avals), arg)
         except Exception:  # noqa: BLE001 - any failure: this input is not the call's
             continue
-        return jaxpr_has_gemm(jaxpr.jaxpr)
-    return True
+        dot, convs = _gemm_eqns(jaxpr.jaxpr)
+        conv = None
+        if convs:
+            params = convs[0].params
+            conv = (tuple(params["dimension_numbers"].rhs_spec), params["feature_group_count"])
+        return _Gemms(dot, conv)
+    return None
 
 
 #: `_traced_gemm`, cached by class, static fields and shapes.
 _cached_traced_gemm = functools.lru_cache(maxsize=4096)(_traced_gemm)
 
 
-def is_conv(x: Any) -> bool:
-    """Whether `x` is one of Equinox's convolutions (selected only by a
-    `Policy(..., convolutions=True)`)."""
-    return isinstance(x, eqx.nn.Conv | eqx.nn.ConvTranspose)
+def _gemm_eqns(jaxpr) -> tuple[bool, list]:
+    """Whether `jaxpr` (or a jaxpr inside it) holds a `dot_general`, and its
+    convolutions."""
+    dot, convs = False, []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is lax.dot_general_p:
+            dot = True
+        elif eqn.primitive is lax.conv_general_dilated_p:
+            convs.append(eqn)
+        for sub in jaxprs_in_params(eqn.params):
+            d, c = _gemm_eqns(sub)
+            dot, convs = dot or d, convs + c
+    return dot, convs
+
+
+def _conv_inputs(shape: tuple[int, ...], dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Abstract inputs a convolution with a kernel of shape `shape` (out, in, window...)
+    might take: channels first or last, unbatched or a batch of one."""
+    if len(shape) < 3:
+        return ()
+    spatial = (16 + 2 * max(shape),) * (len(shape) - 2)
+    out = []
+    for c in dict.fromkeys((shape[1], shape[0])):
+        for s in ((c, *spatial), (*spatial, c), (1, c, *spatial), (1, *spatial, c)):
+            out.append(jax.ShapeDtypeStruct(s, dtype))
+    return tuple(out)
 
 
 def layers(model: Any) -> list[tuple[str, Any]]:

@@ -13,6 +13,7 @@ from ._policy import Policy, PolicyLike, Recipe, as_recipe
 from ._qweight import QWeight, base_class, interpreted_class, with_class
 from ._sites import (
     children,
+    conv_kernel,
     is_conv,
     is_layer,
     is_qweight,
@@ -60,9 +61,11 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     floating-point `weight` of two or more dimensions (a user's linear class) whose
     call holds a GEMM (see `nvfp4x/_sites.py`: a stacked norm's `(layers, d)` scale is
     not a linear layer's weight);
-    convolutions (`eqx.nn.Conv*`, `ConvTranspose*`) only under a
+    convolutions (`eqx.nn.Conv*`, `ConvTranspose*`, and any module whose call runs its
+    `weight` as a `lax.conv_general_dilated` kernel) only under a
     `Policy(..., convolutions=True)`, and then run as their GEMM (input patches times
-    the kernel, blocks along input channels x kernel window). A plain
+    the kernel, blocks along input channels x kernel window; a grouped convolution as
+    one GEMM per group). A plain
     `eqx.nn.Linear` becomes an [`nvfp4x.QuantizedLinear`][] (still an `eqx.nn.Linear`),
     every other layer keeps its class, fields and `__call__`, with its `weight` an
     [`nvfp4x.QWeight`][]. Modules that hold a quantised weight run their `__call__` so
@@ -102,6 +105,7 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
     matched: set[int] = set()
     grouped: set[int] = set()  # tensor_scale_groups patterns that matched a quantised layer
     found = 0
+    convs: list[str] = []  # convolutions the policy did not opt into
     tied: dict[int, tuple[str, Recipe]] = {}  # id(SharedNode) -> (path, recipe)
 
     def group(path: str) -> str | None:
@@ -135,14 +139,17 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                 )
             weight = QWeight(node.weight, recipe, p, fast, scale_group=group(p))
             return _interpreted(eqx.tree_at(lambda m: m.weight, node, weight))
-        if is_conv(node) and rules is not None and rules.convolutions:
+        if is_conv(node):
             p = path_str(path)
+            if rules is None or not rules.convolutions:
+                convs.append(p)
+                return node
             recipe = choose(p, node)
             if recipe is None:
                 return node
-            return _interpreted(
-                eqx.tree_at(lambda m: m.weight, node, QWeight(node.weight, recipe, p, fast))
-            )
+            axes, groups = conv_kernel(node)
+            weight = QWeight(node.weight, recipe, p, fast, kernel_axes=axes, groups=groups)
+            return _interpreted(eqx.tree_at(lambda m: m.weight, node, weight))
         if isinstance(node, eqx.nn.Shared):
             return _visit_shared(node, path)
         if eqx.is_array(node) or node is None:
@@ -179,10 +186,16 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
 
     out = visit(model, ())
     if found == 0:
+        hint = (
+            f" It holds convolutions (`{convs[0]}`...): `nvfp4x.Policy(rules, "
+            "convolutions=True)` quantises them."
+            if convs
+            else ""
+        )
         warnings.warn(
             "nvfp4x.quantize: the model holds no `eqx.nn.Linear` (nor a subclass of it, nor a "
             "module with a 2-D floating-point `weight` that its call reads in a GEMM); it is "
-            "returned unchanged.",
+            "returned unchanged." + hint,
             UserWarning,
             stacklevel=2,
         )
