@@ -14,6 +14,7 @@ from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import Literal, jaxprs_in_params
+from ._probe import layer_stats
 from ._qweight import LAYOUT, QWeight, record_unquantised
 from ._sites import is_qweight, path_str
 
@@ -201,6 +202,8 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
             if row.path in selected:
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
             continue
+        if eqn.params.get("name") == layer_stats.__name__:  # telemetry's, not the model's
+            continue
         if prim in LAYOUT and _origin(origin, eqn.invars[0]) is not None:
             origin[eqn.outvars[0]] = origin[eqn.invars[0]]
             continue
@@ -257,6 +260,8 @@ def coverage(fn: Callable, *args: Any, **kwargs: Any) -> CoverageReport:
     ]
     origin, selected = {}, set()
     for var, p in zip(closed.jaxpr.invars, _expand(arrays), strict=False):
+        if p is None:  # an input that is not a model's field: no name
+            continue
         origin[var] = p
         if p.startswith("!"):
             origin[var] = p[1:]
@@ -271,15 +276,19 @@ def coverage(fn: Callable, *args: Any, **kwargs: Any) -> CoverageReport:
 def _expand(arrays):
     """The traced inputs' paths in order, relative to their argument (`head.weight` of a
     model passed first), a layer's weight named by its layer (`head`): a `QWeight`
-    contributes its array (marked `!`, named by its policy path) and its probe."""
+    contributes its array (marked `!`, named by its policy path) and its probe. An input
+    that is no module's field (the batch `x`, `(x, y)`) has no path (None): a GEMM of
+    it with a layer's weight is named by the layer."""
     for p, x in arrays:
         name = path_str(p[2:])  # past `(args, kwargs)` and the argument
         if isinstance(x, QWeight):
             yield "!" + (x.path or _layer_of(name))
             if x.probe is not None:
                 yield name + ".probe"
-        else:
+        elif any(isinstance(k, jax.tree_util.GetAttrKey) for k in p[2:]):
             yield _layer_of(name)
+        else:
+            yield None
 
 
 def _layer_of(name: str) -> str:

@@ -14,8 +14,16 @@ from ._frozen import FrozenLinear, FrozenWeight, PackedWeight
 from ._linear import QuantizedLinear
 from ._policy import Recipe
 from ._prims import is_traced, vmapped
-from ._qweight import QWeight
+from ._qweight import QWeight, gemm_matrix
 from ._sites import qweights
+
+
+def weight_matrix(w: QWeight) -> Array:
+    """The weight as its GEMMs consume it: the master array, or a convolution kernel as
+    its GEMM matrix `(stack..., [groups,] out, in x window)` (`gemm_matrix`)."""
+    if w.kernel_axes is None:
+        return w.array
+    return gemm_matrix(w.array, w.kernel_axes, w.groups)
 
 
 def pack_weight(w: Array, recipe: Recipe, amax: Array | None = None) -> PackedWeight:
@@ -62,7 +70,7 @@ def _group_amaxes(model: Any) -> dict[str, Array]:
             members.setdefault(w.scale_group, []).append(w)
     amaxes = {}
     for key, ws in members.items():
-        stacks = {tuple(w.array.shape[:-2]) for w in ws}
+        stacks = {tuple(w.problem_shape) for w in ws}
         if len(stacks) > 1:
             listed = ", ".join(f"`{w.path}` {tuple(w.array.shape)}" for w in ws)
             raise ValueError(
@@ -70,7 +78,7 @@ def _group_amaxes(model: Any) -> dict[str, Array]:
                 f"differently ({listed}); one scale per slice needs the same stack. Change "
                 "the policy's `tensor_scale_groups`."
             )
-        amaxes[key] = functools.reduce(jnp.maximum, [_weight_amax(w.array) for w in ws])
+        amaxes[key] = functools.reduce(jnp.maximum, [_weight_amax(weight_matrix(w)) for w in ws])
     return amaxes
 
 
@@ -88,6 +96,9 @@ def freeze(model: Any) -> Any:
     policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
     the group's largest amax: the layer that holds it freezes as without the group, the
     others to a coarser grid than their training forward used (not bit-equal to it).
+    A convolution kernel is packed as trained, as its GEMM matrix `(out, in x window)`
+    (one per feature group of a grouped convolution, each with its own tensor scale),
+    and its frozen forward equals the unfrozen one bit for bit.
     A stack whose `QWeight.enabled` mask keeps slices unquantised is refused (a frozen
     stack holds every slice in one format); the mask is read when it is concrete, so
     freeze such a model outside `jax.jit`.
@@ -111,7 +122,7 @@ def freeze(model: Any) -> Any:
     def packed(w: QWeight) -> PackedWeight:
         _refuse_unquantised_slices(w)
         amax = None if w.scale_group is None else amaxes.get(w.scale_group)
-        return pack_weight(w.array, w.recipe, amax)
+        return pack_weight(weight_matrix(w), w.recipe, amax)
 
     def one(leaf):
         if isinstance(leaf, QuantizedLinear):
@@ -124,6 +135,16 @@ def freeze(model: Any) -> Any:
                 use_bias=leaf.use_bias,
                 recipe=w.recipe,
                 fast=w.fast,
+            )
+        if isinstance(leaf, QWeight) and leaf.kernel_axes is not None:
+            return FrozenWeight(
+                packed(leaf),
+                leaf.recipe,
+                leaf.path,
+                leaf.fast,
+                kernel_shape=tuple(leaf.array.shape[len(leaf.stack_shape) :]),
+                kernel_axes=leaf.kernel_axes,
+                groups=leaf.groups,
             )
         if isinstance(leaf, QWeight):
             return FrozenWeight(packed(leaf), leaf.recipe, leaf.path, leaf.fast)

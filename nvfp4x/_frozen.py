@@ -35,8 +35,11 @@ from ._qweight import (
     QWeight,
     WeightValue,
     as_qweight,
+    check_conv_kernel,
+    conv_gemm,
     default_rule,
     gemm_out_dtype,
+    kernel_from_matrix,
     weight_gemm,
 )
 
@@ -51,7 +54,10 @@ class FrozenWeight(WeightValue):
     used in its stored layout `x @ w.T` / `w @ x`); other uses see the decoded values.
 
     **Fields:** `packed` (an [`nvfp4x.NVFP4Array`][], [`nvfp4x.MXFP8Array`][],
-    [`nvfp4x.FP8Array`][] or array), `recipe`, `path`, `fast` (static).
+    [`nvfp4x.FP8Array`][] or array), `recipe`, `path`, `fast` (static); for a
+    convolution kernel, packed as its GEMM matrix `(out, in x window)` (per feature
+    group: `(groups, out / groups, in / groups x window)`), also `kernel_shape` (the
+    kernel's shape, per layer), `kernel_axes` and `groups` (as the `QWeight`'s).
     """
 
     packed: Any
@@ -59,6 +65,14 @@ class FrozenWeight(WeightValue):
     path: str = eqx.field(static=True)
     fast: bool = eqx.field(static=True, default=True)
     transposed: bool = eqx.field(static=True, default=False)
+    kernel_shape: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    kernel_axes: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    groups: int = eqx.field(static=True, default=1)
+
+    def _stack(self) -> tuple[int, ...]:
+        """The packed array's stack axes (before the matrix, or a conv's groups)."""
+        shape = tuple(self.packed.shape)
+        return shape[: len(shape) - 2 - (1 if self.groups > 1 else 0)]
 
     @property
     def probe(self) -> None:
@@ -70,6 +84,8 @@ class FrozenWeight(WeightValue):
 
     def aval(self):
         shape = tuple(self.packed.shape)
+        if self.kernel_shape is not None:
+            shape = self._stack() + self.kernel_shape
         return shaped(shape[::-1] if self.transposed else shape, self.packed.dtype)
 
     def materialise(self) -> Array:
@@ -77,6 +93,8 @@ class FrozenWeight(WeightValue):
         wv, ws = weight_operand(self.packed, self.recipe)
         out = wv.astype(jnp.float32) if ws is None else wv.astype(jnp.float32) * ws
         out = out.astype(self.packed.dtype)
+        if self.kernel_shape is not None and self.kernel_axes is not None:
+            out = kernel_from_matrix(out, self.kernel_shape, self.kernel_axes, self.groups)
         return out.T if self.transposed else out
 
     @staticmethod
@@ -315,3 +333,23 @@ def _(lhs: FrozenWeight, rhs: ArrayLike | quax.ArrayValue, **params):
 @quax.register(lax.dot_general_p)
 def _(lhs: ArrayLike | QWeight, rhs: FrozenWeight, **params):
     return _frozen_dot(lhs, rhs, **params)
+
+
+@quax.register(lax.conv_general_dilated_p)
+def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
+    """A convolution on a frozen kernel: the unfrozen convolution's GEMM (see `_qweight`)
+    on the packed kernel matrix, decoded inside the GEMM: bit for bit the unfrozen
+    forward. A weight packed as a linear layer's is decoded and run as a plain kernel."""
+    if rhs.kernel_axes is None:
+        return default_rule(lax.conv_general_dilated_p, (lhs, rhs), params)
+    check_conv_kernel(rhs, params["dimension_numbers"][1], params["feature_group_count"])
+    if isinstance(lhs, quax.ArrayValue):
+        lhs = type(lhs).materialise(lhs)
+    leaves, wdef = jax.tree_util.tree_flatten(rhs.packed)
+    matmul = functools.partial(_matmul, wdef=wdef, recipe=rhs.recipe, fast=rhs.fast)
+
+    def gemm(x, nb):
+        return (jax.vmap(matmul) if nb else matmul)(x, *leaves)
+
+    shape = tuple(rhs.shape)
+    return conv_gemm(lhs, shape, gemm, path=rhs.path, rhs_dtype=rhs.packed.dtype, **params)

@@ -172,7 +172,7 @@ def _switched(model: Any, paths: list[str], onehot: Array, recipe: Recipe) -> An
     def flag(w):
         if not isinstance(w, QWeight):
             return w
-        on = jnp.broadcast_to(onehot[index[w.path]], w.array.shape[:-2])
+        on = jnp.broadcast_to(onehot[index[w.path]], w.stack_shape)
         return eqx.tree_at(lambda v: v.enabled, w, on, is_leaf=lambda v: v is None)
 
     return jax.tree_util.tree_map(flag, qmodel, is_leaf=is_qweight)

@@ -76,7 +76,7 @@ def enable(model: Any, where: Callable[[str, Any], bool] | None = None) -> Any:
     def one(w):
         if not isinstance(w, QWeight) or (where is not None and not where(w.path, w)):
             return w
-        shape = w.array.shape[:-2] + PROBE_SHAPE
+        shape = w.problem_shape + PROBE_SHAPE  # a grouped convolution: one per group
         return eqx.tree_at(
             lambda m: m.probe, w, jnp.zeros(shape, jnp.float32), is_leaf=lambda v: v is None
         )
