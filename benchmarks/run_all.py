@@ -1,5 +1,5 @@
 """Run every benchmark (format, training, compile, inference, sensitivity, sharding,
-export); one table.
+export, convolutions); one table.
 
 ```
 python benchmarks/run_all.py [--quick] [--out benchmarks/results.md]
@@ -34,6 +34,7 @@ BENCHMARKS = (
     "bench_sensitivity",
     "bench_sharding",
     "bench_export",
+    "bench_conv",
 )
 QUICK_CANDIDATES = (["--quick"], ["--smoke"])
 

@@ -341,11 +341,13 @@ def conv_patches(
     """The patches of `x: (N, C, spatial...)` for a convolution with a kernel window
     `window`: `(N, out spatial..., C, prod(window))`, the window row-major, as
     `lax.conv_general_dilated_patches` orders them, by slicing (exact; no GEMM): one
-    strided slice of the padded, dilated input per window offset."""
-    config = [(0, 0, 0), (0, 0, 0)]
+    strided slice of the padded, dilated input per window offset, channels last so that
+    the slices stack into the GEMM's layout without a transpose of the patches."""
+    x = jnp.moveaxis(x, 1, -1)  # (N, spatial..., C)
+    config = [(0, 0, 0)]
     config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation, strict=True)]
-    x = lax.pad(x, jnp.zeros((), x.dtype), config)
-    spatial = x.shape[2:]
+    x = lax.pad(x, jnp.zeros((), x.dtype), [*config, (0, 0, 0)])
+    spatial = x.shape[1:-1]
     out = tuple(
         max(0, (s - (w - 1) * d - 1) // st + 1)
         for s, w, d, st in zip(spatial, window, rhs_dilation, strides, strict=True)
@@ -354,12 +356,12 @@ def conv_patches(
     for offset in itertools.product(*(range(w) for w in window)):
         start = tuple(o * d for o, d in zip(offset, rhs_dilation, strict=True))
         limit = tuple(
-            b + (max(n - 1, 0)) * st + (1 if n else 0)
-            for b, n, st in zip(start, out, strides, strict=True)
+            b + (n - 1) * st + 1 if n else b for b, n, st in zip(start, out, strides, strict=True)
         )
-        slices.append(lax.slice(x, (0, 0, *start), (*x.shape[:2], *limit), (1, 1, *strides)))
-    p = jnp.stack(slices, axis=2)  # (N, C, window, out spatial...)
-    return jnp.moveaxis(p, (1, 2), (-2, -1))
+        slices.append(
+            lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]), (1, *strides, 1))
+        )
+    return jnp.stack(slices, axis=-1)  # (N, out spatial..., C, window)
 
 
 def conv_gemm(

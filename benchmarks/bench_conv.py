@@ -1,0 +1,86 @@
+"""A quantised convolution's training step (forward and backward) against the float one.
+
+For each layer, `jax.value_and_grad` of a mean-square loss over a batch of images, with
+respect to the layer and the input (fprop, dgrad and wgrad), jitted; the NVFP4 layer
+(`nvfp4_training()` under `Policy(..., convolutions=True)`) against the same float32
+layer, timed interleaved in one process (median of `--repeats` rounds). Target: a
+ratio of at most 2 (a quantised convolution is a GEMM plus its quantisers, as a linear
+layer is).
+
+    python benchmarks/bench_conv.py [--quick] [--repeats 15]
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import nvfp4x
+
+# (label, layer, input shape of one batch)
+CASES: tuple[tuple[str, Callable, tuple[int, ...]], ...] = (
+    (
+        "Conv2d 64->64 3x3 pad 1, 8x64x32x32",
+        lambda k: eqx.nn.Conv2d(64, 64, 3, padding=1, key=k),
+        (8, 64, 32, 32),
+    ),
+    (
+        "ConvTranspose2d 64->32 k4 s4, 8x64x8x8",
+        lambda k: eqx.nn.ConvTranspose2d(64, 32, 4, stride=4, key=k),
+        (8, 64, 8, 8),
+    ),
+    (
+        "ConvTranspose2d 64->32 k4 s2 pad 1, 8x64x16x16",
+        lambda k: eqx.nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1, key=k),
+        (8, 64, 16, 16),
+    ),
+)
+QUICK_SHRINK = 4  # --quick: a quarter of the images
+
+
+def step_fn() -> Callable:
+    def loss(layer, x):
+        return jnp.mean(jax.vmap(layer)(x) ** 2)
+
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss))
+
+
+def timed(fn: Callable, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer images and rounds")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    repeats = 5 if args.quick else args.repeats
+    policy = nvfp4x.Policy([(".*", nvfp4x.recipes.nvfp4_training())], convolutions=True)
+    result = {}
+    for label, make, shape in CASES:
+        if args.quick:
+            shape = (max(1, shape[0] // QUICK_SHRINK), *shape[1:])
+        layer = make(jax.random.key(0))
+        qlayer = nvfp4x.quantize(layer, policy)
+        x = jax.random.normal(jax.random.key(1), shape)
+        step = step_fn()
+        for m in (layer, qlayer):  # compile both first
+            timed(step, m, x)
+        f32, q = [], []
+        for _ in range(repeats):  # interleaved: both see the same machine load
+            f32.append(timed(step, layer, x))
+            q.append(timed(step, qlayer, x))
+        t32, tq = statistics.median(f32), statistics.median(q)
+        result[label] = {"float32 ms": 1e3 * t32, "nvfp4 ms": 1e3 * tq, "ratio": tq / t32}
+        print(f"{label}: float32 {1e3 * t32:.2f} ms, nvfp4 {1e3 * tq:.2f} ms, x{tq / t32:.2f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
