@@ -200,7 +200,7 @@ def _conv_inputs(shape: tuple[int, ...], dtype) -> tuple[jax.ShapeDtypeStruct, .
         return ()
     spatial = (16 + 2 * max(shape),) * (len(shape) - 2)
     out = []
-    for c in dict.fromkeys((shape[1], shape[0])):
+    for c in dict.fromkeys((shape[0], shape[1])):  # a depthwise kernel: (C, 1, ...)
         for s in ((c, *spatial), (*spatial, c), (1, c, *spatial), (1, *spatial, c)):
             out.append(jax.ShapeDtypeStruct(s, dtype))
     return tuple(out)
