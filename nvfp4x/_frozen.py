@@ -343,8 +343,6 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
     if rhs.kernel_axes is None:
         return default_rule(lax.conv_general_dilated_p, (lhs, rhs), params)
     check_conv_kernel(rhs, params["dimension_numbers"][1], params["feature_group_count"])
-    if isinstance(lhs, quax.ArrayValue):
-        lhs = type(lhs).materialise(lhs)
     leaves, wdef = jax.tree_util.tree_flatten(rhs.packed)
     matmul = functools.partial(_matmul, wdef=wdef, recipe=rhs.recipe, fast=rhs.fast)
 

@@ -128,7 +128,7 @@ class _Gemms(NamedTuple):
     conv: tuple[tuple[int, ...], int] | None
 
 
-def _call_gemms(module: eqx.Module) -> "_Gemms | None":
+def _call_gemms(module: Any) -> "_Gemms | None":
     """The GEMMs of `module`'s call, traced on abstract inputs (None if no input tried
     traces): first one of the weight's last dimension (float, then an integer index),
     then, for a weight of three or more dimensions, the inputs a convolution takes
