@@ -43,10 +43,14 @@ QUICK_SHRINK = 4  # --quick: a quarter of the images
 
 
 def step_fn() -> Callable:
-    def loss(layer, x):
+    """`(layer, x) -> (loss, (d layer, d x))`: fprop, wgrad and dgrad."""
+
+    def loss(args):
+        layer, x = args
         return jnp.mean(jax.vmap(layer)(x) ** 2)
 
-    return eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    return lambda layer, x: grad((layer, x))
 
 
 def timed(fn: Callable, *args) -> float:
