@@ -1,0 +1,238 @@
+"""Issue 23: convolutions end to end, built as the Equinox U-Net and DCGAN examples and a
+Gated-DeltaNet LM's short convolution write them.
+
+Every selected convolution's GEMMs (fprop, dgrad, wgrad) run through nvfp4x (counted
+in the jaxprs of the forward and the gradient), `coverage` counts them as NVFP4 and
+nothing else, `freeze` packs each kernel as trained (frozen == unfrozen, bit for bit),
+telemetry runs, and what is a convolution does not depend on how the class is written.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TRAIN, assert_close, assert_same, normal
+from jax import lax
+from jaxtyping import Array
+
+import nvfp4x
+
+CONVS = nvfp4x.Policy([(".*", TRAIN)], convolutions=True)
+FLOAT_CONVS = nvfp4x.Policy([(".*", nvfp4x.recipes.float32())], convolutions=True)
+
+
+class ShortConv(eqx.Module):
+    """A causal depthwise short convolution over `(tokens, channels)`, its kernel held as
+    `weight` `(channels, 1, size)` (Gated DeltaNet's, as Equinox ports write it)."""
+
+    weight: Array
+
+    def __init__(self, channels: int, size: int, key):
+        self.weight = jax.random.normal(key, (channels, 1, size)) / size
+
+    def __call__(self, x):
+        size = self.weight.shape[-1]
+        y = lax.conv_general_dilated(
+            x.T[None], self.weight, (1,), [(size - 1, 0)], feature_group_count=x.shape[-1]
+        )
+        return y[0].T
+
+
+class TinyUNet(eqx.Module):
+    """Down, a grouped middle, up two ways (DCGAN's ConvTranspose2d k4 s2 p1, the
+    U-Net's k2 s2), with a skip connection."""
+
+    down: eqx.nn.Conv2d
+    mid: eqx.nn.Conv2d
+    up: eqx.nn.ConvTranspose2d
+    up2: eqx.nn.ConvTranspose2d
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.down = eqx.nn.Conv2d(3, 16, 3, stride=2, padding=1, key=k[0])
+        self.mid = eqx.nn.Conv2d(16, 16, 3, padding=1, groups=4, key=k[1])
+        self.up = eqx.nn.ConvTranspose2d(16, 3, 4, stride=2, padding=1, key=k[2])
+        self.up2 = eqx.nn.ConvTranspose2d(16, 3, 2, stride=2, key=k[3])
+
+    def __call__(self, x):  # (3, H, W)
+        h = jax.nn.relu(self.down(x))
+        h = jax.nn.relu(self.mid(h))
+        return self.up(h) + self.up2(h) + x
+
+
+class Mixer(eqx.Module):
+    """A Gated-DeltaNet-style block: projection, depthwise short conv, projection."""
+
+    proj_in: eqx.nn.Linear
+    conv: ShortConv
+    proj_out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.proj_in = eqx.nn.Linear(16, 32, key=k[0])
+        self.conv = ShortConv(32, 4, k[1])
+        self.proj_out = eqx.nn.Linear(32, 16, key=k[2])
+
+    def __call__(self, x):  # (tokens, 16)
+        return jax.vmap(self.proj_out)(jax.nn.silu(self.conv(jax.vmap(self.proj_in)(x))))
+
+
+UNET_CONVS = ("down", "mid", "up", "up2")
+X = normal(1, (2, 3, 8, 8))
+TOKENS = normal(2, (12, 16))
+
+
+def unet_loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def count(text: str, name: str) -> int:
+    return text.count(f"{name}[")
+
+
+def test_every_selected_convolution_gemm_runs_quantised_and_coverage_says_so():
+    qmodel = nvfp4x.quantize(TinyUNet(jax.random.key(0)), CONVS)
+    assert all(isinstance(getattr(qmodel, n).weight, nvfp4x.QWeight) for n in UNET_CONVS)
+    grad = jax.grad(unet_loss, argnums=(0, 1))
+    text = str(jax.make_jaxpr(grad)(qmodel, X))
+    # each convolution's fprop, dgrad (the input's gradient) and wgrad
+    assert count(text, "nvfp4x_qdot") == len(UNET_CONVS)
+    assert count(text, "nvfp4x_dgrad") == len(UNET_CONVS)
+    assert count(text, "nvfp4x_wgrad") == len(UNET_CONVS)
+    # the patches are slices, not a convolution, and no float GEMM is left
+    assert "conv_general_dilated" not in text and "dot_general" not in text
+    report = nvfp4x.coverage(grad, qmodel, X)
+    assert report.share("nvfp4") == 1.0, str(report)
+    assert sorted((r.path, r.pass_) for r in report.rows) == sorted(
+        (n, p) for n in UNET_CONVS for p in ("fprop", "dgrad", "wgrad")
+    )
+    assert not report.unquantised
+
+
+def test_plain_gemm_rows_are_named_by_their_layer_not_the_input():
+    model = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0))
+    qmodel = nvfp4x.quantize(model, nvfp4x.Policy([(r"layers\[0\]", TRAIN), (".*", None)]))
+    batch = (jnp.ones((4, 8)), jnp.ones((4, 4)))
+    report = nvfp4x.coverage(lambda m, b: jnp.sum(jax.vmap(m)(b[0])), qmodel, batch)
+    assert [r.path for r in report.rows] == ["layers[0]", "layers[1]", "layers[2]"]
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        pytest.param(
+            lambda k: eqx.nn.ConvTranspose2d(4, 3, 4, stride=2, padding=1, key=k),
+            (2, 4, 5, 5),
+            id="convT-k4s2p1",
+        ),
+        pytest.param(
+            lambda k: eqx.nn.Conv1d(8, 8, 3, stride=2, dilation=2, padding=3, groups=8, key=k),
+            (2, 8, 19),
+            id="depthwise-strided-dilated",
+        ),
+    ],
+)
+def test_the_gemm_is_the_convolution(make, shape):
+    """Unquantised operands (`float32()` recipe): the patch GEMM is the convolution, up
+    to float32 summation order, for every geometry (padding, dilation, stride, groups)."""
+    conv = make(jax.random.key(0))
+    f32 = nvfp4x.quantize(conv, FLOAT_CONVS)
+    x = normal(3, shape)
+    loss = lambda m, x: jnp.sum(jnp.sin(jax.vmap(m)(x)))
+    both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    (yq, (gq, gxq)), (y, (g, gx)) = both(f32, x), both(conv, x)
+    assert_close(yq, y, "forward")
+    assert_close(gq.weight.array, g.weight, "wgrad")
+    assert_close(gxq, gx, "dgrad")
+
+
+def test_a_grouped_convolution_is_one_problem_per_group():
+    conv = eqx.nn.Conv2d(8, 4, 3, groups=2, use_bias=False, key=jax.random.key(0))
+    x = normal(4, (2, 8, 6, 6))
+    alone = [  # each group quantised alone: its own tensor and block scales
+        eqx.tree_at(
+            lambda m: m.weight,
+            eqx.nn.Conv2d(4, 2, 3, use_bias=False, key=jax.random.key(0)),
+            conv.weight[2 * g : 2 * g + 2],
+        )
+        for g in range(2)
+    ]
+
+    @jax.jit
+    def run(grouped, alone, x):
+        y = jax.vmap(grouped)(x)
+        return y, [jax.vmap(a)(x[:, 4 * g : 4 * g + 4]) for g, a in enumerate(alone)]
+
+    y, want = run(nvfp4x.quantize(conv, CONVS), nvfp4x.quantize(alone, CONVS), x)
+    for g in range(2):
+        assert_close(y[:, 2 * g : 2 * g + 2], want[g], f"group {g}", rtol=1e-6)
+
+
+def test_freeze_packs_kernels_as_trained_and_equals_the_unfrozen_forward():
+    qmodel = nvfp4x.quantize(TinyUNet(jax.random.key(0)), CONVS)
+    frozen = nvfp4x.freeze(qmodel)
+    assert frozen.down.weight.packed.shape == (16, 27)  # (out, in x window)
+    assert frozen.mid.weight.packed.shape == (4, 4, 36)  # one matrix per group
+    assert frozen.up.weight.shape == qmodel.up.weight.array.shape
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    assert_same(run(frozen, X), run(qmodel, X), "frozen U-Net")
+    # the decoded kernel is the trained kernel's quantised values, in the kernel's shape
+    decoded = np.asarray(frozen.down.weight)
+    assert decoded.shape == (16, 3, 3, 3)
+    assert_close(decoded, qmodel.down.weight.array, "decoded kernel", rtol=0.2)
+
+
+def test_telemetry_runs_on_convolutions():
+    k = jax.random.split(jax.random.key(0), 2)
+    model = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(3, 8, 3, padding=1, groups=1, key=k[0]),
+            eqx.nn.ConvTranspose2d(8, 4, 2, stride=2, groups=2, key=k[1]),
+        ]
+    )
+    qmodel = nvfp4x.telemetry.enable(nvfp4x.quantize(model, CONVS))
+    assert qmodel.layers[0].weight.probe.shape == (5, 4)
+    assert qmodel.layers[1].weight.probe.shape == (2, 5, 4)  # one per feature group
+    grads = eqx.filter_jit(eqx.filter_grad(unet_loss))(qmodel, X)
+    stats = nvfp4x.telemetry.collect(grads)
+    assert set(stats) == {"layers[0]", "layers[1]"}
+    assert stats["layers[1]"]["fprop_x"]["amax"].shape == (2,)
+    for path, table in stats.items():
+        for op, row in table.items():
+            assert np.all(np.asarray(row["amax"]) > 0), (path, op)
+            assert np.all(np.isfinite(np.asarray(row["sqnr_db"]))), (path, op)
+
+
+def test_a_user_conv_module_is_a_convolution_however_it_is_written():
+    model = Mixer(jax.random.key(0))
+    qmodel = nvfp4x.quantize(model, TRAIN)  # the default: convolutions left alone
+    assert isinstance(qmodel.conv.weight, jax.Array)
+    assert isinstance(qmodel.proj_in.weight, nvfp4x.QWeight)
+    jax.eval_shape(qmodel, TOKENS)  # no refusal
+    with pytest.warns(UserWarning, match=r"convolutions \(`\[0\]`.*convolutions=True"):
+        nvfp4x.quantize([ShortConv(8, 4, jax.random.key(1))], TRAIN)
+    qmodel = nvfp4x.quantize(model, nvfp4x.Policy([("conv", TRAIN)], convolutions=True))
+    assert qmodel.conv.weight.kernel_axes == (0, 1, 2) and qmodel.conv.weight.groups == 32
+    text = str(jax.make_jaxpr(jax.grad(lambda m: jnp.sum(m(TOKENS) ** 2)))(qmodel))
+    assert count(text, "nvfp4x_qdot") == 1 and count(text, "nvfp4x_wgrad") == 1
+    assert "conv_general_dilated" not in text
+    frozen = nvfp4x.freeze(qmodel)
+    assert frozen.conv.weight.packed.shape == (32, 1, 4)  # depthwise: 32 groups of (1, 4)
+    run = eqx.filter_jit(lambda m, x: m(x))
+    assert_same(run(frozen, TOKENS), run(qmodel, TOKENS), "frozen mixer")
+
+
+class Untraceable(eqx.Module):
+    """A conv module whose call takes two arguments: nvfp4x cannot trace it to tell."""
+
+    weight: Array
+
+    def __call__(self, x, scale):
+        return scale * lax.conv_general_dilated(x[None], self.weight, (1,), "SAME")[0]
+
+
+def test_a_kernel_selected_as_a_linear_weight_is_refused_by_name():
+    qmodel = nvfp4x.quantize([Untraceable(normal(5, (4, 4, 3)))], TRAIN)
+    with pytest.raises(ValueError, match=r"`\[0\]` was selected as a linear layer's weight"):
+        qmodel[0](normal(6, (4, 10)), 2.0)
