@@ -294,9 +294,10 @@ class Policy:
       wins; `None` leaves the layer as it is; a layer no rule matches is left as it is.
     - `strict`: if True (default), `quantize` raises a `ValueError` naming any rule that
       matched no layer (a typo in a path usually).
-    - `convolutions`: if True, the rules also select Equinox's convolutions
-      (`eqx.nn.Conv1d/2d/3d`, `ConvTranspose*`, by their paths), which then run as their
-      GEMM in the rule's recipe. The NVFP4 recipe covers linear layers; by default
+    - `convolutions`: if True, the rules also select convolutions by their paths
+      (Equinox's `eqx.nn.Conv1d/2d/3d`, `ConvTranspose*`, and any module whose call
+      runs its `weight` as a `lax.conv_general_dilated` kernel), which then run as their
+      GEMM in the rule's recipe (a grouped one as one GEMM per group). By default
       convolutions stay as they are.
     - `tensor_scale_groups`: regexes on layer paths. Quantised layers whose paths match
       the same pattern (`re.fullmatch`, first matching pattern) and agree on its first
