@@ -1,0 +1,140 @@
+"""The NVFP4 quantiser (1x16 blocks along the last axis) as one Pallas kernel for GPUs.
+
+Two passes over the input, the memory floor of a quantiser whose tensor scale depends
+on the whole tensor: the tensor amax (an XLA reduction over the bits of `|x|`, ignoring
+NaN), then one kernel that reads each tile of `x` once and writes, per tile, the packed
+codes (two per byte, element `2i` in the low nibble), the E4M3 block scales (as their
+bits) and, for the GEMM operand path, the block-scaled values `e2m1 * scale_b` in
+bfloat16 (exact there), with no intermediate array in memory.
+
+Same bits as the reference (`nvfp4x._format._nvfp4`): the per-block and per-element
+steps are the reference's, through `nvfp4x._format._ieee` where they lower on every
+backend and through `_exact` where the reference uses an operation Triton lacks (see
+there). Runs on the CPU with `interpret=True`, which the tests use.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, UInt8
+
+from .._format._constants import BLOCK, E4M3_MAX, INV_E2M1_MAX
+from .._format._ieee import INF_BITS, abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
+from .._format._nvfp4 import Rounding, tensor_scales
+from . import _exact
+
+#: Columns of one tile (a power of two, as Triton's blocks are, and a multiple of 16).
+TILE_COLS = 256
+#: Elements of one tile: the rows of a tile are `TILE_ELEMENTS // TILE_COLS`.
+TILE_ELEMENTS = 8192
+#: Warps per tile's program (Triton).
+NUM_WARPS = 4
+#: Slots of the float32 parameter vector (a power of two).
+_NPARAMS = 8
+
+
+def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
+    """`max(|x|)` ignoring NaN, on the bits (exact for subnormals on any device): the
+    reference's tensor amax (`_amax_of_block_maxima` of the NaN-free block maxima)."""
+    b = abs_bits(x)
+    return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
+
+
+def _tile(rows: int, cols: int) -> tuple[int, int]:
+    tc = max(2 * BLOCK, min(TILE_COLS, pl.next_power_of_2(cols)))
+    tr = max(1, min(TILE_ELEMENTS // tc, pl.next_power_of_2(rows)))
+    return tr, tc
+
+
+def _kernel(params_ref, seed_ref, x_ref, *out_refs, rounding: Rounding, values: bool, cols: int):
+    """One tile: block maxima, block scales and their inverses, codes, and the outputs."""
+    tr, tc = x_ref.shape
+    x = x_ref[...].astype(jnp.float32)
+    c, c_sub, s_dec, tiny = (params_ref[i] for i in range(4))
+    # Block maxima over the bits of |x| (NaN above inf, subnormals exact).
+    bits = abs_bits(x).reshape(tr, tc // BLOCK, BLOCK)
+    bamax = from_bits(jnp.max(bits, axis=-1))
+    # The reference's `_block_scales_exact`, block by block.
+    t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
+    scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
+    inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
+    inv_sub = _exact.scale_down_149(inv_b)
+    xb = x.reshape(tr, tc // BLOCK, BLOCK)
+    v = mul_normal(xb, inv_b[..., None], inv_sub[..., None])
+    if rounding == "nearest":
+        codes = _exact.encode_nearest(v)
+    else:
+        codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
+    codes = codes.reshape(tr, tc)
+    lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
+    out_refs[0][...] = (lo | (hi << 4)).astype(jnp.uint8)
+    out_refs[1][...] = _exact.e4m3_bits(scale_b).astype(jnp.uint8)
+    if values:
+        q = _exact.decode(codes.reshape(tr, tc // BLOCK, BLOCK)) * scale_b[..., None]
+        out_refs[2][...] = q.reshape(tr, tc).astype(jnp.bfloat16)
+
+
+def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
+    """Codes of `_e2m1.round_stochastic(v, _e2m1.uniform(key, shape))`: the hash of each
+    element's flat index in the padded array, as `uniform` computes it."""
+    raise NotImplementedError("stochastic rounding is not in the Pallas kernel yet")
+
+
+@functools.partial(jax.jit, static_argnames=("rounding", "values", "interpret"))
+def quantize_rows(
+    x: Float[Array, "rows cols"],
+    amax: Float[Array, ""] | None = None,
+    seed: Array | None = None,
+    *,
+    rounding: Rounding = "nearest",
+    values: bool = False,
+    interpret: bool = False,
+) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "rows cols//16"], Float[Array, ""], Array]:
+    """Quantise a 2-D array whose columns are a multiple of 16, 1x16 blocks along them.
+
+    **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes, the E4M3 block
+    scales' bit patterns, the tensor decode scale, and the bfloat16 block-scaled values
+    `e2m1 * scale_b` (`None` unless `values`).
+    """
+    rows, cols = x.shape
+    if cols % BLOCK:
+        raise ValueError(f"`quantize_rows` needs columns in multiples of 16, got {cols}.")
+    if amax is None:
+        amax = tensor_amax(x)
+    s_enc, s_dec = tensor_scales(amax)
+    c = s_enc * INV_E2M1_MAX
+    params = jnp.zeros((_NPARAMS,), jnp.float32)
+    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
+    params = params.at[:4].set(jnp.stack([c, scale_down_149(c), s_dec, tiny]))
+    if seed is None:
+        seed = jnp.zeros((2,), jnp.uint32)
+    seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
+    tr, tc = _tile(rows, cols)
+    grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
+    whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))
+    out_shape = [
+        jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((rows, cols // BLOCK), jnp.uint8),
+    ]
+    out_specs = [
+        pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
+        pl.BlockSpec((tr, tc // BLOCK), lambda i, j: (i, j)),
+    ]
+    if values:
+        out_shape.append(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16))
+        out_specs.append(pl.BlockSpec((tr, tc), lambda i, j: (i, j)))
+    kernel = functools.partial(_kernel, rounding=rounding, values=values, cols=cols)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[whole, whole, pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+        out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name="nvfp4_quantize_rows",
+    )(params, seeds, x)
+    return outs[0], outs[1], s_dec, outs[2] if values else None
