@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
 from .._format._constants import BLOCK, E2M1_MAX, ROW_BLOCK, TILE
 from .._format._nvfp4 import (
@@ -52,6 +53,8 @@ class NVFP4Spec(FormatSpec):
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
+        if (fast := _operand_kernel(a, fmt, axis, key)) is not None:
+            return fast
         q, sb, s_dec, blk, _, unblock = self._blocks(a, fmt, axis, key)
         return unblock(q * expand(sb, blk)).astype(jnp.bfloat16), s_dec
 
@@ -109,6 +112,20 @@ class NVFP4Spec(FormatSpec):
         inf = bits(jnp.float32(jnp.inf))
         sat = (mag > expand(top, blk)) & (mag <= inf) & expand(top >= 0, blk)
         return vals, s_dec, unblock(sat)
+
+
+def _operand_kernel(a: Array, fmt: Format, axis: int, key: jax.Array | None):
+    """`NVFP4Spec.quantize` by the backend's kernel where `_kernels` picks one (blocks
+    along the last axis), else `None`."""
+    block, rounding, scale_rounding = _layout(fmt)
+    if a.ndim == 0 or axis % a.ndim != a.ndim - 1:
+        return None
+    xp = pad_to_blocks(a, block)
+    kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, None, key)
+    if kernel is None:
+        return None
+    _, _, s_dec, values = kernel(True)
+    return values[..., : a.shape[-1]], s_dec
 
 
 NVFP4 = NVFP4Spec()

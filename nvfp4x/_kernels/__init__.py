@@ -1,0 +1,129 @@
+"""Per-backend implementations of nvfp4x's quantisers, and the one place that picks them.
+
+Each operation has a reference implementation, `"xla"` (plain `jax.numpy`, in
+`nvfp4x._format`), and may have faster ones for some backends: `"pallas"`, a Pallas
+Triton kernel for GPUs (`_pallas_nvfp4`; on a CPU it runs interpreted, for the tests).
+Every one gives the reference's bits. Callers ask `nvfp4x_quantizer(...)` when they
+trace; no flag is stored on the data. `use(...)` overrides the choice for the code
+traced inside it (tests, benchmarks): a function jitted before, outside it, keeps the
+implementation it was traced with.
+
+Operations:
+
+- `"nvfp4_quantize"`: NVFP4 quantisation, 1x16 blocks along the last axis, round to
+  nearest or stochastic, `scale_rounding="nearest"`, float32 or bfloat16 input: what
+  `nvfp4x.to_nvfp4` and the GEMM operand quantiser (`NVFP4Spec.quantize`, along the
+  last axis) compute. Other layouts and dtypes always take the reference.
+
+The defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
+reference under `interpret=True` on the CPU and lowers for CUDA, but has not yet been
+run on a GPU; it is opt-in until it has (`with nvfp4x._kernels.use("nvfp4_quantize",
+"pallas"): ...`).
+"""
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._format._constants import ROW_BLOCK
+
+#: The implementations of each operation, the reference (`"xla"`) first.
+IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}
+#: The implementation each backend uses by default (backends not listed: `"xla"`).
+DEFAULTS: dict[tuple[str, str], str] = {}
+#: The input dtypes the Pallas NVFP4 kernel takes.
+PALLAS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+_overrides: dict[str, str] = {}
+
+
+def backend() -> str:
+    """The backend code is traced for: `"cpu"`, `"gpu"` (CUDA or ROCm) or `"tpu"`."""
+    name = jax.default_backend()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+def pick(op: str, on: str | None = None) -> str:
+    """The implementation of `op` for backend `on` (default: `backend()`): an override
+    from `use`, else `DEFAULTS`, else the reference `"xla"`."""
+    if op not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"`{op}` is not an operation with implementations: {list(IMPLEMENTATIONS)}."
+        )
+    if op in _overrides:
+        return _overrides[op]
+    return DEFAULTS.get((op, on or backend()), "xla")
+
+
+@contextlib.contextmanager
+def use(op: str, implementation: str) -> Iterator[None]:
+    """Use `implementation` for `op` in code traced inside the `with` block (on a CPU the
+    Pallas kernels run interpreted: slow, for tests)."""
+    if implementation not in IMPLEMENTATIONS.get(op, ()):
+        raise ValueError(
+            f"`{implementation}` is not an implementation of `{op}`; "
+            f"use one of {IMPLEMENTATIONS.get(op)}."
+        )
+    before = _overrides.get(op)
+    _overrides[op] = implementation
+    try:
+        yield
+    finally:
+        if before is None:
+            del _overrides[op]
+        else:
+            _overrides[op] = before
+
+
+class Quantized(NamedTuple):
+    """A kernel's NVFP4 result in the reference's padded layout (`to_blocks` grid):
+    packed codes, E4M3 block scales, tensor decode scale, and the bfloat16 block values
+    `e2m1 * scale_b` (`None` unless asked for)."""
+
+    codes: Array
+    scales: Array
+    tensor_scale: Array
+    values: Array | None
+
+
+def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, key):
+    """A function `values: bool -> Quantized` quantising the padded array `xp` (blocked
+    axes multiples of 16) with the picked implementation, or `None` where the reference
+    is picked or the case is one the kernel does not cover (the caller runs the
+    reference)."""
+    if pick("nvfp4_quantize") != "pallas":
+        return None
+    if (
+        tuple(block) != ROW_BLOCK
+        or scale_rounding != "nearest"
+        or xp.dtype not in PALLAS_DTYPES
+        or xp.size == 0
+        or (rounding == "stochastic" and key is None)  # the reference raises
+    ):
+        return None
+    from . import _pallas_nvfp4  # Pallas is imported only where a kernel is picked
+
+    def run(values: bool) -> Quantized:
+        lead, cols = xp.shape[:-1], xp.shape[-1]
+        seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
+        codes, scale_bits, s_dec, vals = _pallas_nvfp4.quantize_rows(
+            xp.reshape(-1, cols),
+            None if amax is None else jnp.asarray(amax, jnp.float32),
+            seed,
+            rounding="stochastic" if rounding == "stochastic" else "nearest",
+            values=values,
+            interpret=backend() != "gpu",
+        )
+        scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn)
+        return Quantized(
+            codes.reshape(*lead, cols // 2),
+            scales.reshape(*lead, cols // 16),
+            s_dec,
+            None if vals is None else vals.reshape(xp.shape),
+        )
+
+    return run

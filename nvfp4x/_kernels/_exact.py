@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._format._constants import E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
+from .._format._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
 from .._format._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
@@ -21,7 +21,6 @@ from .._format._ieee import (
     ldexp_normal,
     scale_up_149,
 )
-
 
 #: The bits of 2^23.
 _BITS_2_23 = int(np.float32(2.0**23).view(np.int32))
@@ -65,6 +64,18 @@ def encode_nearest(v: Float[Array, "*s"]) -> Array:
     mag = jnp.where(a < 1.0, low, high)
     mag = jnp.where(jnp.isnan(v), 0, mag)
     return mag | ((b >> 28) & 8)
+
+
+def encode_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Array:
+    """`_format._e2m1.encode(_e2m1.round_stochastic(v, u))` as int32 codes (NaN: 0)."""
+    b = _bits(v)
+    a = jnp.minimum(from_bits(b & 0x7FFFFFFF), E2M1_MAX)
+    step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
+    inv_step = jnp.where(a < 2.0, 2.0, jnp.where(a < 4.0, 1.0, 0.5))
+    lo = jnp.floor(a * inv_step) * step
+    q = jnp.where(u < (a - lo) * inv_step, lo + step, lo)
+    mag = jnp.where(q <= 2.0, 2.0 * q, jnp.minimum(q + 2.0, 7.0)).astype(jnp.int32)
+    return jnp.where(jnp.isnan(v), 0, mag | ((b >> 28) & 8))
 
 
 def decode(code: Array) -> Float[Array, "*s"]:
@@ -129,7 +140,7 @@ def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where(bits >= INF_BITS, c, out)
 
 
-def mul_exact(p: Float[Array, "*s"], s: Float[Array, "*s"], tiny: Array) -> Float[Array, "*s"]:
+def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Float[Array, "..."]:
     """`_format._ieee.mul_exact(p, s)` (see there for the method and preconditions), with
     `round_half_even` in place of `jnp.round`, and `tiny = is_tiny_scale(s)` given
     (Triton does not bitcast the constant it compares with)."""
@@ -150,4 +161,3 @@ def mul_exact(p: Float[Array, "*s"], s: Float[Array, "*s"], tiny: Array) -> Floa
     mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)
     y = from_bits(_bits(mag) | (_bits(p) & jnp.int32(-(2**31))))
     return jnp.where(tiny & ~jnp.isnan(p), y, p * s)
-

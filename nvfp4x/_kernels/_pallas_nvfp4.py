@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, UInt8
 
-from .._format._constants import BLOCK, E4M3_MAX, INV_E2M1_MAX
+from .._format._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX
+from .._format._e2m1 import _fmix32
 from .._format._ieee import INF_BITS, abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
 from .._format._nvfp4 import Rounding, tensor_scales
 from . import _exact
@@ -78,9 +79,18 @@ def _kernel(params_ref, seed_ref, x_ref, *out_refs, rounding: Rounding, values: 
 
 
 def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
-    """Codes of `_e2m1.round_stochastic(v, _e2m1.uniform(key, shape))`: the hash of each
-    element's flat index in the padded array, as `uniform` computes it."""
-    raise NotImplementedError("stochastic rounding is not in the Pallas kernel yet")
+    """The codes of `_e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, shape)))`
+    (`seed_ref` holds `jax.random.bits(key, (2,), uint32)`): the thresholds hash each
+    element's flat index in the padded array, as `uniform` does, so the bits do not
+    depend on the tiling."""
+    shape = (tr, tc)
+    row = pl.program_id(0) * tr + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    col = pl.program_id(1) * tc + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    index = row.astype(jnp.uint32) * jnp.uint32(cols) + col.astype(jnp.uint32)
+    h = _fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed_ref[0])
+    h = _fmix32(h ^ seed_ref[1])
+    u = ((h >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
+    return _exact.encode_stochastic(v, u.reshape(v.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("rounding", "values", "interpret"))
@@ -92,7 +102,9 @@ def quantize_rows(
     rounding: Rounding = "nearest",
     values: bool = False,
     interpret: bool = False,
-) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "rows cols//16"], Float[Array, ""], Array]:
+) -> tuple[
+    UInt8[Array, "rows cols//2"], UInt8[Array, "rows cols//16"], Float[Array, ""], Array | None
+]:
     """Quantise a 2-D array whose columns are a multiple of 16, 1x16 blocks along them.
 
     **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes, the E4M3 block
