@@ -127,9 +127,9 @@ def test_chooser_defaults_and_override():
             assert _kernels.pick("nvfp4_quantize") == "xla"
         assert _kernels.pick("nvfp4_quantize") == "pallas"
     assert _kernels.pick("nvfp4_quantize") == "xla"
-    with pytest.raises(ValueError, match="`cuda` is not an implementation of `nvfp4_quantize`"):
-        with _kernels.use("nvfp4_quantize", "cuda"):
-            pass
+    unknown = "`cuda` is not an implementation of `nvfp4_quantize`"
+    with pytest.raises(ValueError, match=unknown), _kernels.use("nvfp4_quantize", "cuda"):
+        pass
     with pytest.raises(ValueError, match="`gemm` is not an operation"):
         _kernels.pick("gemm")
 
