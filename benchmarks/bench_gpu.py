@@ -190,7 +190,7 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
 
         def to_nvfp4(block=(1, 16), rounding="nearest"):
             k = key if rounding == "stochastic" else None
-            return lambda x: nvfp4x.to_nvfp4(x, block=block, rounding=rounding, key=k)
+            return lambda a: nvfp4x.to_nvfp4(a, block=block, rounding=rounding, key=k)
 
         cases: dict[str, tuple[Callable, float]] = {
             "to_nvfp4 1x16 xla": (to_nvfp4(), floor_codes),
