@@ -49,11 +49,13 @@ def same_nvfp4(a: nvfp4x.NVFP4Array, b: nvfp4x.NVFP4Array) -> None:
     assert (a.shape, a.dtype, a.block) == (b.shape, b.dtype, b.block)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "rounding", "vmapped"))
-def to_nvfp4(x, key=None, amax=None, *, impl: str, rounding="nearest", vmapped=False):
+@functools.partial(jax.jit, static_argnames=("impl", "block", "rounding", "vmapped"))
+def to_nvfp4(
+    x, key=None, amax=None, *, impl: str, block=(1, 16), rounding="nearest", vmapped=False
+):
     """`nvfp4x.to_nvfp4` jitted, traced with implementation `impl` (one compilation per
     shape and case, shared by the tests)."""
-    fn = functools.partial(nvfp4x.to_nvfp4, rounding=rounding, key=key, amax=amax)
+    fn = functools.partial(nvfp4x.to_nvfp4, block=block, rounding=rounding, key=key, amax=amax)
     with _kernels.use("nvfp4_quantize", impl):
         return jax.vmap(fn)(x) if vmapped else fn(x)
 
@@ -73,13 +75,18 @@ def check_kernel(x, **kwargs) -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype,rounding",
-    [(jnp.float32, "nearest"), (jnp.bfloat16, "nearest"), (jnp.bfloat16, "stochastic")],
-    ids=["float32", "bfloat16", "bfloat16_sr"],
+    "dtype,block,rounding",
+    [
+        (jnp.float32, (1, 16), "nearest"),
+        (jnp.bfloat16, (1, 16), "nearest"),
+        (jnp.bfloat16, (1, 16), "stochastic"),
+        (jnp.float32, (16, 16), "stochastic"),
+    ],
+    ids=["float32", "bfloat16", "bfloat16_sr", "float32_16x16_sr"],
 )
-def test_pallas_to_nvfp4_equals_reference(dtype, rounding):
+def test_pallas_to_nvfp4_equals_reference(dtype, block, rounding):
     key = jax.random.key(7) if rounding == "stochastic" else None
-    check_kernel(edge_array(dtype), key=key, rounding=rounding)
+    check_kernel(edge_array(dtype), key=key, block=block, rounding=rounding)
 
 
 @pytest.mark.parametrize(
@@ -98,15 +105,22 @@ def test_pallas_to_nvfp4_given_amax_batched_and_vmapped():
     check_kernel(x, vmapped=True)
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_pallas_operand_equals_reference(rounding):
-    """The GEMM operand path: bfloat16 block values `e2m1 * scale_b` and the tensor scale."""
-    fmt = Format("nvfp4", block=(1, 16), rounding=rounding)
-    x = edge_array(jnp.bfloat16, rows=9, cols=40)
+@pytest.mark.parametrize(
+    "block,rounding,axis",
+    [((1, 16), "nearest", -1), ((1, 16), "stochastic", 0), ((16, 16), "nearest", -1)],
+    ids=["1x16", "16x1_sr_leading_axis", "16x16"],
+)
+def test_pallas_operand_equals_reference(block, rounding, axis):
+    """The GEMM operand path: bfloat16 block values `e2m1 * scale_b` and the tensor
+    scale, along the last axis (fprop's x, dgrad's dy), the leading one (wgrad's tokens)
+    and in 16x16 tiles (weights)."""
+    fmt = Format("nvfp4", block=block, rounding=rounding)
+    x = edge_array(jnp.bfloat16, rows=41, cols=40)
     key = jax.random.key(3)
-    want = jax.jit(lambda x, key: quantize_operand(x, fmt, -1, key))(*on_cpu((x, key)))
+    quantize = jax.jit(lambda x, key: quantize_operand(x, fmt, axis, key))
+    want = quantize(*on_cpu((x, key)))
     with _kernels.use("nvfp4_quantize", "pallas"):
-        got = jax.jit(lambda x: quantize_operand(x, fmt, -1, key))(x)
+        got = jax.jit(lambda x, key: quantize_operand(x, fmt, axis, key))(x, key)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
@@ -116,11 +130,12 @@ def test_pallas_operand_equals_reference(rounding):
 
 
 def test_uncovered_cases_take_the_reference():
-    """16x16 tiles, float16 input, `scale_rounding="up"` and SR without a key: no kernel."""
+    """float16 input, `scale_rounding="up"` and SR without a key: no kernel."""
     x = jnp.ones((16, 32), jnp.float32)
     with _kernels.use("nvfp4_quantize", "pallas"):
         assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "nearest", None, None)
-        assert _kernels.nvfp4_quantizer(x, (16, 16), "nearest", "nearest", None, None) is None
+        assert _kernels.nvfp4_quantizer(x, (16, 16), "nearest", "nearest", None, None)
+        assert _kernels.nvfp4_quantizer(x[0], (16, 16), "nearest", "nearest", None, None) is None
         assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "up", None, None) is None
         assert _kernels.nvfp4_quantizer(x, (1, 16), "stochastic", "nearest", None, None) is None
         half = x.astype(jnp.float16)
@@ -145,19 +160,24 @@ def test_chooser_defaults_and_override():
 
 
 @pytest.mark.parametrize(
-    "dtype,rounding,values",
-    [(jnp.float32, "nearest", False), (jnp.bfloat16, "stochastic", True)],
-    ids=["float32_codes", "bfloat16_sr_values"],
+    "dtype,block,rounding,values",
+    [
+        (jnp.float32, (1, 16), "nearest", False),
+        (jnp.bfloat16, (1, 16), "stochastic", True),
+        (jnp.float32, (16, 16), "nearest", False),
+        (jnp.bfloat16, (16, 1), "stochastic", True),
+    ],
+    ids=["float32_codes", "bfloat16_sr_values", "float32_16x16", "bfloat16_16x1_sr_values"],
 )
-def test_pallas_kernel_lowers_for_cuda(dtype, rounding, values):
+def test_pallas_kernel_lowers_for_cuda(dtype, block, rounding, values):
     x = jax.ShapeDtypeStruct((8192, 16384), dtype)
     fn = jax.jit(
-        lambda x: _pallas_nvfp4.quantize_rows(
-            x, None, jnp.zeros((2,), jnp.uint32), rounding=rounding, values=values
+        lambda x: _pallas_nvfp4.quantize_2d(
+            x, None, jnp.zeros((2,), jnp.uint32), block=block, rounding=rounding, values=values
         )
     )
     text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "nvfp4_quantize_rows" in text
+    assert "nvfp4_quantize_2d" in text
 
 
 # The exact helpers against the reference's steps, on values that decide bits.

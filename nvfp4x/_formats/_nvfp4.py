@@ -115,17 +115,24 @@ class NVFP4Spec(FormatSpec):
 
 
 def _operand_kernel(a: Array, fmt: Format, axis: int, key: jax.Array | None):
-    """`NVFP4Spec.quantize` by the backend's kernel where `_kernels` picks one (blocks
-    along the last axis), else `None`."""
+    """`NVFP4Spec.quantize` by the backend's kernel where `_kernels` picks one (the
+    block layouts of `NVFP4Spec._blocks`), else `None`."""
     block, rounding, scale_rounding = _layout(fmt)
-    if a.ndim == 0 or axis % a.ndim != a.ndim - 1:
-        return None
-    xp = pad_to_blocks(a, block)
-    kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, None, key)
+    if a.ndim == 0 or (block == TILE and a.ndim != 2):
+        return None  # the reference raises
+    moved, blk = a, block
+    if block != TILE and a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
+        blk = (BLOCK, 1)
+    elif block != TILE:
+        moved = jnp.moveaxis(a, axis, -1)
+    kernel = _kernels.nvfp4_quantizer(
+        pad_to_blocks(moved, blk), blk, rounding, scale_rounding, None, key
+    )
     if kernel is None:
         return None
     _, _, s_dec, values = kernel(True)
-    return values[..., : a.shape[-1]], s_dec
+    values = values[tuple(slice(0, n) for n in moved.shape)]
+    return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec
 
 
 NVFP4 = NVFP4Spec()

@@ -10,10 +10,11 @@ implementation it was traced with.
 
 Operations:
 
-- `"nvfp4_quantize"`: NVFP4 quantisation, 1x16 blocks along the last axis, round to
-  nearest or stochastic, `scale_rounding="nearest"`, float32 or bfloat16 input: what
-  `nvfp4x.to_nvfp4` and the GEMM operand quantiser (`NVFP4Spec.quantize`, along the
-  last axis) compute. Other layouts and dtypes always take the reference.
+- `"nvfp4_quantize"`: NVFP4 quantisation, 1x16 blocks, 16x16 tiles and 16x1 blocks
+  (an operand along its leading axis), round to nearest or stochastic,
+  `scale_rounding="nearest"`, float32 or bfloat16 input: what `nvfp4x.to_nvfp4` and the
+  GEMM operand quantiser (`NVFP4Spec.quantize`) compute, without the RHT (the GEMM
+  applies it before). Other cases (float16, `scale_rounding="up"`) take the reference.
 
 The defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
 reference under `interpret=True` on the CPU and lowers for CUDA, but has not yet been
@@ -29,12 +30,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._format._constants import ROW_BLOCK
+from .._format._constants import BLOCK, ROW_BLOCK, TILE
 
 #: The implementations of each operation, the reference (`"xla"`) first.
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {}
+#: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
+#: operand quantised along its leading axis).
+KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
 #: The input dtypes the Pallas NVFP4 kernel takes.
 PALLAS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -92,13 +96,15 @@ class Quantized(NamedTuple):
 
 def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, key):
     """A function `values: bool -> Quantized` quantising the padded array `xp` (blocked
-    axes multiples of 16) with the picked implementation, or `None` where the reference
-    is picked or the case is one the kernel does not cover (the caller runs the
-    reference)."""
+    axes multiples of 16) in blocks `block` (`(1, 16)`, `(16, 16)`, or `(16, 1)`: 16 rows
+    of a column) with the picked implementation, or `None` where the reference is picked
+    or the case is one the kernel does not cover (the caller runs the reference)."""
     if pick("nvfp4_quantize") != "pallas":
         return None
+    block = tuple(block)
     if (
-        tuple(block) != ROW_BLOCK
+        block not in KERNEL_BLOCKS
+        or xp.ndim < (1 if block == ROW_BLOCK else 2)
         or scale_rounding != "nearest"
         or xp.dtype not in PALLAS_DTYPES
         or xp.size == 0
@@ -108,20 +114,23 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
     from . import _pallas_nvfp4  # Pallas is imported only where a kernel is picked
 
     def run(values: bool) -> Quantized:
-        lead, cols = xp.shape[:-1], xp.shape[-1]
+        rows, cols = xp.shape[:-1], xp.shape[-1]
+        grid = (*rows, cols // BLOCK) if block == ROW_BLOCK else (*rows[:-1], rows[-1] // 16)
+        if block != ROW_BLOCK:
+            grid = (*grid, cols // block[1])
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
-        codes, scale_bits, s_dec, vals = _pallas_nvfp4.quantize_rows(
+        codes, scale_bits, s_dec, vals = _pallas_nvfp4.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),
             seed,
+            block=block,
             rounding="stochastic" if rounding == "stochastic" else "nearest",
             values=values,
             interpret=backend() != "gpu",
         )
-        scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn)
         return Quantized(
-            codes.reshape(*lead, cols // 2),
-            scales.reshape(*lead, cols // 16),
+            codes.reshape(*rows, cols // 2),
+            jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).reshape(grid),
             s_dec,
             None if vals is None else vals.reshape(xp.shape),
         )

@@ -21,16 +21,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, UInt8
 
-from .._format._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX
+from .._format._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
 from .._format._e2m1 import _fmix32
 from .._format._ieee import INF_BITS, abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
-from .._format._nvfp4 import Rounding, tensor_scales
+from .._format._nvfp4 import Block, Rounding, tensor_scales
 from . import _exact
 
 #: Columns of one tile (a power of two, as Triton's blocks are, and a multiple of 16).
 TILE_COLS = 256
 #: Elements of one tile: the rows of a tile are `TILE_ELEMENTS // TILE_COLS`.
 TILE_ELEMENTS = 8192
+#: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
+BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
 #: Warps per tile's program (Triton).
 NUM_WARPS = 4
 #: Slots of the float32 parameter vector (a power of two).
@@ -44,38 +46,50 @@ def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
     return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
 
 
-def _tile(rows: int, cols: int) -> tuple[int, int]:
+def _tile(rows: int, cols: int, block: Block) -> tuple[int, int]:
+    """Tile shape: powers of two (as Triton's blocks are), whole blocks."""
     tc = max(2 * BLOCK, min(TILE_COLS, pl.next_power_of_2(cols)))
-    tr = max(1, min(TILE_ELEMENTS // tc, pl.next_power_of_2(rows)))
+    tr = max(block[0], min(TILE_ELEMENTS // tc, pl.next_power_of_2(rows)))
     return tr, tc
 
 
-def _kernel(params_ref, seed_ref, x_ref, *out_refs, rounding: Rounding, values: bool, cols: int):
-    """One tile: block maxima, block scales and their inverses, codes, and the outputs."""
+def _kernel(
+    params_ref,
+    seed_ref,
+    x_ref,
+    *out_refs,
+    block: Block,
+    rounding: Rounding,
+    values: bool,
+    cols: int,
+):
+    """One tile: block maxima, block scales and their inverses, codes, and the outputs.
+    The tile is viewed as `(tr / br, br, tc / bc, bc)` for blocks `(br, bc)`."""
     tr, tc = x_ref.shape
+    br, bc = block
+    view = (tr // br, br, tc // bc, bc)
     x = x_ref[...].astype(jnp.float32)
     c, c_sub, s_dec, tiny = (params_ref[i] for i in range(4))
     # Block maxima over the bits of |x| (NaN above inf, subnormals exact).
-    bits = abs_bits(x).reshape(tr, tc // BLOCK, BLOCK)
-    bamax = from_bits(jnp.max(bits, axis=-1))
+    bits = abs_bits(x).reshape(view)
+    bamax = from_bits(jnp.max(jnp.max(bits, axis=3), axis=1))  # (tr / br, tc / bc)
     # The reference's `_block_scales_exact`, block by block.
     t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
     scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
     inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
     inv_sub = _exact.scale_down_149(inv_b)
-    xb = x.reshape(tr, tc // BLOCK, BLOCK)
-    v = mul_normal(xb, inv_b[..., None], inv_sub[..., None])
+    per_element = lambda b: b[:, None, :, None]
+    v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
     if rounding == "nearest":
         codes = _exact.encode_nearest(v)
     else:
         codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
-    codes = codes.reshape(tr, tc)
-    lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
-    out_refs[0][...] = (lo | (hi << 4)).astype(jnp.uint8)
     out_refs[1][...] = _exact.e4m3_bits(scale_b).astype(jnp.uint8)
     if values:
-        q = _exact.decode(codes.reshape(tr, tc // BLOCK, BLOCK)) * scale_b[..., None]
+        q = _exact.decode(codes) * per_element(scale_b)
         out_refs[2][...] = q.reshape(tr, tc).astype(jnp.bfloat16)
+    lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
+    out_refs[0][...] = (lo | (hi << 4)).astype(jnp.uint8)
 
 
 def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
@@ -93,27 +107,32 @@ def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
     return _exact.encode_stochastic(v, u.reshape(v.shape))
 
 
-@functools.partial(jax.jit, static_argnames=("rounding", "values", "interpret"))
-def quantize_rows(
+@functools.partial(jax.jit, static_argnames=("block", "rounding", "values", "interpret"))
+def quantize_2d(
     x: Float[Array, "rows cols"],
     amax: Float[Array, ""] | None = None,
     seed: Array | None = None,
     *,
+    block: Block = ROW_BLOCK,
     rounding: Rounding = "nearest",
     values: bool = False,
     interpret: bool = False,
-) -> tuple[
-    UInt8[Array, "rows cols//2"], UInt8[Array, "rows cols//16"], Float[Array, ""], Array | None
-]:
-    """Quantise a 2-D array whose columns are a multiple of 16, 1x16 blocks along them.
+) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "_ _"], Float[Array, ""], Array | None]:
+    """Quantise a 2-D array whose blocked axes are multiples of 16 (padded), in blocks
+    `(1, 16)`, `(16, 16)` or `(16, 1)` (16 rows of one column: an operand quantised
+    along its leading axis, wgrad's tokens).
 
-    **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes, the E4M3 block
-    scales' bit patterns, the tensor decode scale, and the bfloat16 block-scaled values
-    `e2m1 * scale_b` (`None` unless `values`).
+    **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes (pairs along the
+    rows), the E4M3 block scales' bit patterns on the block grid `(rows / br, cols / bc)`,
+    the tensor decode scale, and the bfloat16 block-scaled values `e2m1 * scale_b`
+    (`None` unless `values`).
     """
     rows, cols = x.shape
-    if cols % BLOCK:
-        raise ValueError(f"`quantize_rows` needs columns in multiples of 16, got {cols}.")
+    br, bc = block
+    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2:
+        raise ValueError(
+            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes, got {block} on {x.shape}."
+        )
     if amax is None:
         amax = tensor_amax(x)
     s_enc, s_dec = tensor_scales(amax)
@@ -124,21 +143,21 @@ def quantize_rows(
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
-    tr, tc = _tile(rows, cols)
+    tr, tc = _tile(rows, cols, block)
     grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
     whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))
     out_shape = [
         jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((rows, cols // BLOCK), jnp.uint8),
+        jax.ShapeDtypeStruct((rows // br, cols // bc), jnp.uint8),
     ]
     out_specs = [
         pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
-        pl.BlockSpec((tr, tc // BLOCK), lambda i, j: (i, j)),
+        pl.BlockSpec((tr // br, tc // bc), lambda i, j: (i, j)),
     ]
     if values:
         out_shape.append(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16))
         out_specs.append(pl.BlockSpec((tr, tc), lambda i, j: (i, j)))
-    kernel = functools.partial(_kernel, rounding=rounding, values=values, cols=cols)
+    kernel = functools.partial(_kernel, block=block, rounding=rounding, values=values, cols=cols)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -147,6 +166,6 @@ def quantize_rows(
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        name="nvfp4_quantize_rows",
+        name="nvfp4_quantize_2d",
     )(params, seeds, x)
     return outs[0], outs[1], s_dec, outs[2] if values else None
