@@ -175,6 +175,7 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
     bw = _copy_bw(s, state)
     key = jax.random.key(0)
     fmt = Format("nvfp4", block=(1, 16))
+    sr = Format("nvfp4", block=(1, 16), rounding="stochastic")
     jax_q = None
     try:
         jax_q = jax_nvfp4_quantizer()
@@ -201,9 +202,16 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
                 floor_codes,
             ),
             "to_nvfp4 16x16 xla": (to_nvfp4((16, 16)), floor_codes),
+            "to_nvfp4 16x16 pallas": (pallas_traced(to_nvfp4((16, 16))), floor_codes),
             "operand 1x16 xla": (lambda x: quantize_operand(x, fmt, -1, None), floor_operand),
             "operand 1x16 pallas": (
                 pallas_traced(lambda x: quantize_operand(x, fmt, -1, None)),
+                floor_operand,
+            ),
+            # along the leading axis (wgrad's tokens), stochastic, as dy there
+            "operand 16x1 SR xla": (lambda x: quantize_operand(x, sr, 0, key), floor_operand),
+            "operand 16x1 SR pallas": (
+                pallas_traced(lambda x: quantize_operand(x, sr, 0, key)),
                 floor_operand,
             ),
         }
@@ -226,7 +234,13 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
 
 def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str) -> None:
     """Rows saying whether the Pallas kernel gave the reference's bits on this array."""
-    for what in ("to_nvfp4 1x16", "to_nvfp4 1x16 SR", "operand 1x16"):
+    for what in (
+        "to_nvfp4 1x16",
+        "to_nvfp4 1x16 SR",
+        "to_nvfp4 16x16",
+        "operand 1x16",
+        "operand 16x1 SR",
+    ):
         try:
             a, b = jitted[f"{what} xla"](x), jitted[f"{what} pallas"](x)
             leaves = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
