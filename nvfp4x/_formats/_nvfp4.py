@@ -53,8 +53,8 @@ class NVFP4Spec(FormatSpec):
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        if (fast := _operand_kernel(a, fmt, axis, key)) is not None:
-            return fast
+        if (fast := _kernels.nvfp4_operand(a, *_layout(fmt), axis, key)) is not None:
+            return fast  # the backend's kernel, where `_kernels` picks one
         q, sb, s_dec, blk, _, unblock = self._blocks(a, fmt, axis, key)
         return unblock(q * expand(sb, blk)).astype(jnp.bfloat16), s_dec
 
@@ -112,27 +112,6 @@ class NVFP4Spec(FormatSpec):
         inf = bits(jnp.float32(jnp.inf))
         sat = (mag > expand(top, blk)) & (mag <= inf) & expand(top >= 0, blk)
         return vals, s_dec, unblock(sat)
-
-
-def _operand_kernel(a: Array, fmt: Format, axis: int, key: jax.Array | None):
-    """`NVFP4Spec.quantize` by the backend's kernel where `_kernels` picks one (the
-    block layouts of `NVFP4Spec._blocks`), else `None`."""
-    block, rounding, scale_rounding = _layout(fmt)
-    if a.ndim == 0 or (block == TILE and a.ndim != 2):
-        return None  # the reference raises
-    moved, blk = a, block
-    if block != TILE and a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
-        blk = (BLOCK, 1)
-    elif block != TILE:
-        moved = jnp.moveaxis(a, axis, -1)
-    kernel = _kernels.nvfp4_quantizer(
-        pad_to_blocks(moved, blk), blk, rounding, scale_rounding, None, key
-    )
-    if kernel is None:
-        return None
-    _, _, s_dec, values = kernel(True)
-    values = values[tuple(slice(0, n) for n in moved.shape)]
-    return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec
 
 
 NVFP4 = NVFP4Spec()

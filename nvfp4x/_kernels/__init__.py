@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._format._constants import BLOCK, ROW_BLOCK, TILE
+from .._format._nvfp4 import pad_to_blocks
 
 #: The implementations of each operation, the reference (`"xla"`) first.
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}
@@ -136,3 +137,25 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         )
 
     return run
+
+
+def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int, key):
+    """`NVFP4Spec.quantize(a, ...)` (`(bfloat16 block values, s_dec)`) by the picked
+    kernel, in the block layouts of `NVFP4Spec._blocks` (16x16 tiles of a 2-D weight;
+    16x1 blocks along the second-to-last axis; else 1x16 along `axis`), or `None` where
+    the reference runs (it also raises the errors for bad arguments)."""
+    block = tuple(block)
+    if pick("nvfp4_quantize") != "pallas" or a.ndim == 0 or (block == TILE and a.ndim != 2):
+        return None  # (before any work: the reference path traces nothing more)
+    moved, blk = a, block
+    if block != TILE and a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
+        blk = (BLOCK, 1)
+    elif block != TILE:
+        moved = jnp.moveaxis(a, axis, -1)
+    kernel = nvfp4_quantizer(pad_to_blocks(moved, blk), blk, rounding, scale_rounding, None, key)
+    if kernel is None:
+        return None
+    _, _, s_dec, values = kernel(True)
+    assert values is not None  # `kernel(True)` returns them
+    values = values[tuple(slice(0, n) for n in moved.shape)]
+    return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec
