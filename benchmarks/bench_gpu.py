@@ -230,6 +230,7 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
             if base and not k.startswith("JAX"):
                 note.append(f"{secs / base:.2f}x JAX's")
             table.add("quantize", f"{k}, {name} {s.rows}x{s.cols}", ms(secs), ", ".join(note))
+    pallas_tilings(s, table, bw)
 
 
 def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str) -> None:
@@ -250,6 +251,35 @@ def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str
             table.add("quantize", f"{what} pallas == xla bit for bit, {name}", str(same))
         except Exception as e:  # noqa: BLE001
             table.add("quantize", f"{what} pallas == xla", "**error**", f"{type(e).__name__}: {e}")
+
+
+#: Pallas tilings swept (`(most columns, most elements, warps)` per program).
+TILINGS = ((256, 4096, 4), (256, 8192, 4), (256, 8192, 8), (512, 8192, 8), (128, 2048, 4))
+
+
+def pallas_tilings(s: Sizes, table: Table, bw: float) -> None:
+    """`to_nvfp4`'s kernel (1x16, float32, codes only) at several tilings."""
+    from nvfp4x._kernels import _pallas_nvfp4
+
+    x = jax.random.normal(jax.random.key(5), (s.rows, s.cols), jnp.float32)
+    floor = (x.nbytes + x.size * 4.5 / 8) / bw
+    interpret = jax.default_backend() != "gpu"
+    fns = {
+        tiling: jax.jit(
+            functools.partial(_pallas_nvfp4.quantize_2d, tiling=tiling, interpret=interpret)
+        )
+        for tiling in TILINGS
+    }
+    t = interleaved(
+        {str(k): functools.partial(f, x) for k, f in fns.items()}, s.repeats, table, "quantize"
+    )
+    for k, secs in t.items():
+        table.add(
+            "quantize",
+            f"pallas kernel 1x16 float32, tiling (cols, elements, warps) {k}",
+            ms(secs),
+            f"{secs / floor:.2f}x floor",
+        )
 
 
 def _qwix_quantizer(table: Table) -> Callable | None:

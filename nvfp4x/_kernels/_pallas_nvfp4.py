@@ -30,7 +30,7 @@ from . import _exact
 #: Columns of one tile (a power of two, as Triton's blocks are, and a multiple of 16).
 TILE_COLS = 256
 #: Elements of one tile: the rows of a tile are `TILE_ELEMENTS // TILE_COLS`.
-TILE_ELEMENTS = 8192
+TILE_ELEMENTS = 4096
 #: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
 BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
 #: Warps per tile's program (Triton).
@@ -46,10 +46,13 @@ def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
     return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
 
 
-def _tile(rows: int, cols: int, block: Block) -> tuple[int, int]:
-    """Tile shape: powers of two (as Triton's blocks are), whole blocks."""
-    tc = max(2 * BLOCK, min(TILE_COLS, pl.next_power_of_2(cols)))
-    tr = max(block[0], min(TILE_ELEMENTS // tc, pl.next_power_of_2(rows)))
+def _tile(
+    rows: int, cols: int, block: Block, cols_max: int = TILE_COLS, elements: int = TILE_ELEMENTS
+) -> tuple[int, int]:
+    """Tile shape, at most `cols_max` columns and `elements` elements: powers of two (as
+    Triton's blocks are), whole blocks."""
+    tc = max(2 * BLOCK, min(cols_max, pl.next_power_of_2(cols)))
+    tr = max(block[0], min(elements // tc, pl.next_power_of_2(rows)))
     return tr, tc
 
 
@@ -107,7 +110,7 @@ def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
     return _exact.encode_stochastic(v, u.reshape(v.shape))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "rounding", "values", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "rounding", "values", "interpret", "tiling"))
 def quantize_2d(
     x: Float[Array, "rows cols"],
     amax: Float[Array, ""] | None = None,
@@ -117,6 +120,7 @@ def quantize_2d(
     rounding: Rounding = "nearest",
     values: bool = False,
     interpret: bool = False,
+    tiling: tuple[int, int, int] = (TILE_COLS, TILE_ELEMENTS, NUM_WARPS),
 ) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "_ _"], Float[Array, ""], Array | None]:
     """Quantise a 2-D array whose blocked axes are multiples of 16 (padded), in blocks
     `(1, 16)`, `(16, 16)` or `(16, 1)` (16 rows of one column: an operand quantised
@@ -125,7 +129,8 @@ def quantize_2d(
     **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes (pairs along the
     rows), the E4M3 block scales' bit patterns on the block grid `(rows / br, cols / bc)`,
     the tensor decode scale, and the bfloat16 block-scaled values `e2m1 * scale_b`
-    (`None` unless `values`).
+    (`None` unless `values`). `tiling`: `(most columns, most elements, warps)` of a
+    tile's program (benchmarks sweep it).
     """
     rows, cols = x.shape
     br, bc = block
@@ -143,7 +148,8 @@ def quantize_2d(
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
-    tr, tc = _tile(rows, cols, block)
+    cols_max, elements, num_warps = tiling
+    tr, tc = _tile(rows, cols, block, cols_max, elements)
     grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
     whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))
     out_shape = [
@@ -165,7 +171,7 @@ def quantize_2d(
         in_specs=[whole, whole, pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
         out_specs=out_specs,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="nvfp4_quantize_2d",
     )(params, seeds, x)
     return outs[0], outs[1], s_dec, outs[2] if values else None
