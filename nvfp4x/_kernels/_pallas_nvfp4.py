@@ -56,6 +56,19 @@ def _tile(
     return tr, tc
 
 
+def _views(tr: int, cols: int, block: Block):
+    """`(view, block_max, per_element)` of a `(tr, cols)` tile in blocks `block`: the
+    shape that puts each block on its own axes, the max over them (to the block grid),
+    and the broadcast of a block-grid array back against the view. No axis of size 1
+    (16x1 blocks are `(tr / 16, 16, cols)`, 1x16 `(tr, cols / 16, 16)`)."""
+    if block == ROW_BLOCK:
+        return (tr, cols // BLOCK, BLOCK), lambda b: jnp.max(b, axis=2), lambda g: g[:, :, None]
+    if block == TILE:
+        view = (tr // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+        return view, lambda b: jnp.max(jnp.max(b, axis=3), axis=1), lambda g: g[:, None, :, None]
+    return (tr // BLOCK, BLOCK, cols), lambda b: jnp.max(b, axis=1), lambda g: g[:, None, :]
+
+
 def _kernel(
     params_ref,
     seed_ref,
@@ -66,22 +79,18 @@ def _kernel(
     values: bool,
     cols: int,
 ):
-    """One tile: block maxima, block scales and their inverses, codes, and the outputs.
-    The tile is viewed as `(tr / br, br, tc / bc, bc)` for blocks `(br, bc)`."""
+    """One tile: block maxima, block scales and their inverses, codes, and the outputs."""
     tr, tc = x_ref.shape
-    br, bc = block
-    view = (tr // br, br, tc // bc, bc)
+    view, block_max, per_element = _views(tr, tc, block)
     x = x_ref[...].astype(jnp.float32)
     c, c_sub, s_dec, tiny = (params_ref[i] for i in range(4))
     # Block maxima over the bits of |x| (NaN above inf, subnormals exact).
-    bits = abs_bits(x).reshape(view)
-    bamax = from_bits(jnp.max(jnp.max(bits, axis=3), axis=1))  # (tr / br, tc / bc)
+    bamax = from_bits(block_max(abs_bits(x).reshape(view)))
     # The reference's `_block_scales_exact`, block by block.
     t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
     scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
     inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
     inv_sub = _exact.scale_down_149(inv_b)
-    per_element = lambda b: b[:, None, :, None]
     v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
     if rounding == "nearest":
         codes = _exact.encode_nearest(v)
