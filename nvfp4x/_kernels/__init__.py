@@ -3,8 +3,9 @@
 Each operation has a reference implementation, `"xla"` (plain `jax.numpy`, in
 `nvfp4x._format`), and may have faster ones for some backends: `"pallas"`, a Pallas
 Triton kernel for GPUs (`_pallas_nvfp4`; on a CPU it runs interpreted, for the tests).
-Every one gives the reference's bits. Callers ask `nvfp4x_quantizer(...)` when they
-trace; no flag is stored on the data. `use(...)` overrides the choice for the code
+Every one gives the reference's bits. Callers ask `nvfp4_quantizer(...)` (`to_nvfp4`)
+and `nvfp4_operand(...)` (`NVFP4Spec.quantize`) when they trace; no flag is stored on
+the data. `use(...)` overrides the choice for the code
 traced inside it (tests, benchmarks): a function jitted before, outside it, keeps the
 implementation it was traced with.
 
@@ -19,7 +20,10 @@ Operations:
 The defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
 reference under `interpret=True` on the CPU and lowers for CUDA, but has not yet been
 run on a GPU; it is opt-in until it has (`with nvfp4x._kernels.use("nvfp4_quantize",
-"pallas"): ...`).
+"pallas"): ...`). Making it the GPU default is one entry in `DEFAULTS`,
+`{("nvfp4_quantize", "gpu"): "pallas"}`. The operand path's tensor scale comes from
+`_format._nvfp4.tensor_scales`, whose divisions are exact on every backend only once
+the reference's are (on an H200 XLA's float32 `/` was measured an ULP off).
 """
 
 import contextlib
