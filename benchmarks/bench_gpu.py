@@ -11,9 +11,10 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
 - `quantize`: `nvfp4x.to_nvfp4` on an 8192x16384 array, float32 and bfloat16 input, 1x16
   and 16x16 blocks, round to nearest (and 1x16 stochastic), with the reference XLA path
   and the Pallas kernel (`nvfp4x._kernels`, 1x16 only); the GEMM operand path (bfloat16
-  block values, what `qdot` feeds its GEMMs); against the memory floor (input bytes read
-  + output bytes written, at the measured copy bandwidth: 4.5 bits per element for
-  `to_nvfp4`, 2 bytes for the operand path) and against JAX's own nvfp4 quantiser
+  block values, what `qdot` feeds its GEMMs) and `fake_quantize`; against the memory
+  floor (input bytes read + output bytes written, at the measured copy bandwidth: 4.5
+  bits per element for `to_nvfp4`, 2 bytes for the operand path, the input's dtype for
+  `fake_quantize`) and against JAX's own nvfp4 quantiser
   (`jax._src.cudnn.scaled_matmul_stablehlo.quantize`) and qwix's where installed.
 - `gemm`: the 8192^3 GEMM, bfloat16 operands: `jnp.dot` in bfloat16, `nvfp4x.qdot`
   forward (nvfp4_training recipe, XLA and Pallas quantisers),
@@ -208,6 +209,8 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
                 pallas_traced(lambda x: quantize_operand(x, fmt, -1, None)),
                 floor_operand,
             ),
+            "fake_quantize 1x16 xla": (nvfp4x.fake_quantize, 2 * x.nbytes / bw),
+            "fake_quantize 1x16 pallas": (pallas_traced(nvfp4x.fake_quantize), 2 * x.nbytes / bw),
             # along the leading axis (wgrad's tokens), stochastic, as dy there
             "operand 16x1 SR xla": (lambda x: quantize_operand(x, sr, 0, key), floor_operand),
             "operand 16x1 SR pallas": (
@@ -239,6 +242,7 @@ def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str
         "to_nvfp4 1x16",
         "to_nvfp4 1x16 SR",
         "to_nvfp4 16x16",
+        "fake_quantize 1x16",
         "operand 1x16",
         "operand 16x1 SR",
     ):

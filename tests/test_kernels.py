@@ -105,6 +105,28 @@ def test_pallas_to_nvfp4_tiny_tensors(scale):
     check_kernel(jnp.where(jnp.isfinite(x), x, 1.0) * scale)  # parts below 2^-126
 
 
+@pytest.mark.parametrize(
+    "dtype,scale", [(jnp.float32, 1.0), (jnp.bfloat16, 1e-33)], ids=["float32", "bfloat16_tiny"]
+)
+def test_pallas_fake_quantize_equals_reference(dtype, scale):
+    """`fake_quantize`: the dequantised values in the input's dtype, a tiny tensor's
+    subnormal products (`s_dec < 2^-64`) included."""
+    x = edge_array(jnp.float32, rows=7, cols=48)
+    x = (jnp.where(jnp.isinf(x), 2.0, x) * scale).astype(dtype)  # an inf amax: s_dec = 1
+    key = jax.random.key(2)
+
+    def fq(x, key):
+        return nvfp4x.fake_quantize(x, rounding="stochastic", key=key)
+
+    want = np.asarray(jax.jit(fq)(*on_cpu((x, key))), np.float32)
+    with _kernels.use("nvfp4_quantize", "pallas"):
+        got = np.asarray(jax.jit(fq)(x, key), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(
+        np.nan_to_num(got).view(np.uint32), np.nan_to_num(want).view(np.uint32)
+    )
+
+
 def test_pallas_to_nvfp4_given_amax_batched_and_vmapped():
     x = edge_array(jnp.float32, rows=8, cols=32).reshape(2, 4, 32)
     check_kernel(x, amax=jnp.float32(2.0))  # below max|x|: block scales clamp at 448

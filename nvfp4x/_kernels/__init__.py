@@ -3,7 +3,8 @@
 Each operation has a reference implementation, `"xla"` (plain `jax.numpy`, in
 `nvfp4x._format`), and may have faster ones for some backends: `"pallas"`, a Pallas
 Triton kernel for GPUs (`_pallas_nvfp4`; on a CPU it runs interpreted, for the tests).
-Every one gives the reference's bits. Callers ask `nvfp4_quantizer(...)` (`to_nvfp4`)
+Every one gives the reference's bits. Callers ask `nvfp4_quantizer(...)` (`to_nvfp4`,
+`fake_quantize`)
 and `nvfp4_operand(...)` (`NVFP4Spec.quantize`) when they trace; no flag is stored on
 the data. `use(...)` overrides the choice for the code
 traced inside it (tests, benchmarks): a function jitted before, outside it, keeps the
@@ -91,7 +92,8 @@ def use(op: str, implementation: str) -> Iterator[None]:
 class Quantized(NamedTuple):
     """A kernel's NVFP4 result in the reference's padded layout (`to_blocks` grid):
     packed codes, E4M3 block scales, tensor decode scale, and the bfloat16 block values
-    `e2m1 * scale_b` (`None` unless asked for)."""
+    `e2m1 * scale_b` (`None` unless asked for; with `dequantize`, the dequantised values
+    in the input's dtype)."""
 
     codes: Array
     scales: Array
@@ -100,7 +102,8 @@ class Quantized(NamedTuple):
 
 
 def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, key):
-    """A function `values: bool -> Quantized` quantising the padded array `xp` (blocked
+    """A function `(values: bool, dequantize=False) -> Quantized` quantising the padded
+    array `xp` (blocked
     axes multiples of 16) in blocks `block` (`(1, 16)`, `(16, 16)`, or `(16, 1)`: 16 rows
     of a column) with the picked implementation, or `None` where the reference is picked
     or the case is one the kernel does not cover (the caller runs the reference)."""
@@ -118,7 +121,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         return None
     from . import _pallas_nvfp4  # Pallas is imported only where a kernel is picked
 
-    def run(values: bool) -> Quantized:
+    def run(values: bool, dequantize: bool = False) -> Quantized:
         rows, cols = xp.shape[:-1], xp.shape[-1]
         grid = (*rows, cols // BLOCK) if block == ROW_BLOCK else (*rows[:-1], rows[-1] // 16)
         if block != ROW_BLOCK:
@@ -131,6 +134,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
             block=block,
             rounding="stochastic" if rounding == "stochastic" else "nearest",
             values=values,
+            dequantize=dequantize,
             interpret=backend() != "gpu",
         )
         return Quantized(

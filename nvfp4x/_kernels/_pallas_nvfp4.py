@@ -77,6 +77,7 @@ def _kernel(
     block: Block,
     rounding: Rounding,
     values: bool,
+    dequantize: bool,
     cols: int,
 ):
     """One tile: block maxima, block scales and their inverses, codes, and the outputs."""
@@ -98,8 +99,10 @@ def _kernel(
         codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
     out_refs[1][...] = _exact.e4m3_bits(scale_b).astype(jnp.uint8)
     if values:
-        q = _exact.decode(codes) * per_element(scale_b)
-        out_refs[2][...] = q.reshape(tr, tc).astype(jnp.bfloat16)
+        q = _exact.decode(codes) * per_element(scale_b)  # exact
+        if dequantize:
+            q = _exact.mul_exact(q, s_dec, tiny != 0.0)
+        out_refs[2][...] = q.reshape(tr, tc).astype(out_refs[2].dtype)
     lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
     out_refs[0][...] = (lo | (hi << 4)).astype(jnp.uint8)
 
@@ -119,7 +122,9 @@ def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
     return _exact.encode_stochastic(v, u.reshape(v.shape))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "rounding", "values", "interpret", "tiling"))
+@functools.partial(
+    jax.jit, static_argnames=("block", "rounding", "values", "dequantize", "interpret", "tiling")
+)
 def quantize_2d(
     x: Float[Array, "rows cols"],
     amax: Float[Array, ""] | None = None,
@@ -128,6 +133,7 @@ def quantize_2d(
     block: Block = ROW_BLOCK,
     rounding: Rounding = "nearest",
     values: bool = False,
+    dequantize: bool = False,
     interpret: bool = False,
     tiling: tuple[int, int, int] = (TILE_COLS, TILE_ELEMENTS, NUM_WARPS),
 ) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "_ _"], Float[Array, ""], Array | None]:
@@ -138,8 +144,10 @@ def quantize_2d(
     **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes (pairs along the
     rows), the E4M3 block scales' bit patterns on the block grid `(rows / br, cols / bc)`,
     the tensor decode scale, and the bfloat16 block-scaled values `e2m1 * scale_b`
-    (`None` unless `values`). `tiling`: `(most columns, most elements, warps)` of a
-    tile's program (benchmarks sweep it).
+    (`None` unless `values`; with `dequantize`, the dequantised values
+    `(e2m1 * scale_b) * s_dec` in `x`'s dtype, as `fake_quantize` gives them).
+    `tiling`: `(most columns, most elements, warps)` of a tile's program (benchmarks
+    sweep it).
     """
     rows, cols = x.shape
     br, bc = block
@@ -170,9 +178,12 @@ def quantize_2d(
         pl.BlockSpec((tr // br, tc // bc), lambda i, j: (i, j)),
     ]
     if values:
-        out_shape.append(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16))
+        dtype = x.dtype if dequantize else jnp.bfloat16
+        out_shape.append(jax.ShapeDtypeStruct((rows, cols), dtype))
         out_specs.append(pl.BlockSpec((tr, tc), lambda i, j: (i, j)))
-    kernel = functools.partial(_kernel, block=block, rounding=rounding, values=values, cols=cols)
+    kernel = functools.partial(
+        _kernel, block=block, rounding=rounding, values=values, dequantize=dequantize, cols=cols
+    )
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
