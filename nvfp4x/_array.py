@@ -1,6 +1,6 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import equinox as eqx
 import jax
@@ -278,7 +278,7 @@ def fake_quantize(
     xp = pad_to_blocks(x, block)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
-        y = kernel(True, dequantize=True).values
+        y = cast(Array, kernel(True, dequantize=True).values)  # asked for: not None
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
