@@ -1,6 +1,6 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import equinox as eqx
 import jax
@@ -9,6 +9,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, PRNGKeyArray, Shaped, UInt8
 
+from . import _kernels
 from ._axes import follows_input_sharding
 from ._checks import (
     check_amax,
@@ -212,16 +213,20 @@ def to_nvfp4(
         x, block, rounding, key, amax, scale_rounding
     )
     xp = pad_to_blocks(x, block)
-    v, scale_b, s_dec = scale_blocks(xp, block, amax, scale_rounding)
-    if rounding == "stochastic" and key is not None:  # `_prepare`: SR always has a key
-        codes = _e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape)))
+    kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
+    if kernel is not None:  # the backend's kernel, where `_kernels` picks one
+        packed, scales, s_dec, _ = kernel(False)
     else:
-        codes = _e2m1.encode_nearest(v)
-    codes = codes.reshape(xp.shape)
+        v, scale_b, s_dec = scale_blocks(xp, block, amax, scale_rounding)
+        if rounding == "stochastic" and key is not None:  # `_prepare`: SR always has a key
+            codes = _e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape)))
+        else:
+            codes = _e2m1.encode_nearest(v)
+        packed, scales = pack(codes.reshape(xp.shape)), scale_b.astype(jnp.float8_e4m3fn)
     tail = x.shape[-1:] if block[0] == 1 else x.shape[-2:]
     return NVFP4Array(
-        codes=pack(codes),
-        scales=scale_b.astype(jnp.float8_e4m3fn),
+        codes=packed,
+        scales=scales,
         tensor_scale=s_dec,
         block=block,
         logical_tail=tuple(tail),
@@ -271,6 +276,10 @@ def fake_quantize(
         x, block, rounding, key, amax, scale_rounding
     )
     xp = pad_to_blocks(x, block)
-    y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
+    kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
+    if kernel is not None:  # the backend's kernel, where `_kernels` picks one
+        y = cast(Array, kernel(True, dequantize=True).values)  # asked for: not None
+    else:
+        y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
     return y[index].astype(x.dtype)

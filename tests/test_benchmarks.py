@@ -4,6 +4,7 @@ The benchmarks themselves are timed runs, not tests; `--smoke` of the convergenc
 runs here (slow) so that the script the docs' fidelity page relies on keeps working.
 """
 
+import jax
 import numpy as np
 import pytest
 from helpers import ROOT, run_script
@@ -54,3 +55,16 @@ def test_convergence_smoke(tmp_path, subprocess_env):
     header = (out / "losses.csv").read_text().splitlines()[0]
     assert header == "step,float32,nvfp4"
     assert "| nvfp4 |" in (out / "results.md").read_text()
+
+
+def test_bench_gpu_skips_without_a_gpu_and_writes_its_table(tmp_path):
+    from benchmarks import bench_gpu
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is at hand: the benchmark would run in full")
+    assert bench_gpu.main([]) == {"skipped": "no GPU"}
+    out = tmp_path / "gpu.md"
+    bench_gpu.main(["--cpu-smoke", "--only", "bandwidth", "--out", str(out)])
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("## bench_gpu (cpu smoke) on ")
+    assert any(line.startswith("| bandwidth | copy (x + 1, float32) | ") for line in lines)

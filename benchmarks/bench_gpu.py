@@ -1,0 +1,520 @@
+"""GPU benchmark (issues 26 and 27): every figure as a ratio measured in this one process.
+
+```
+python benchmarks/bench_gpu.py [--quick] [--only SECTION ...] [--out PATH] [--repeats N]
+python benchmarks/bench_gpu.py --cpu-smoke     # every section at toy sizes, on the CPU
+```
+
+Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
+
+- `bandwidth`: plain read (`jnp.max` of an array) and copy (`x + 1`) bandwidth.
+- `quantize`: `nvfp4x.to_nvfp4` on an 8192x16384 array, float32 and bfloat16 input, 1x16
+  and 16x16 blocks, round to nearest (and 1x16 stochastic), with the reference XLA path
+  and the Pallas kernel (`nvfp4x._kernels`, 1x16 only); the GEMM operand path (bfloat16
+  block values, what `qdot` feeds its GEMMs) and `fake_quantize`; against the memory
+  floor (input bytes read + output bytes written, at the measured copy bandwidth: 4.5
+  bits per element for `to_nvfp4`, 2 bytes for the operand path, the input's dtype for
+  `fake_quantize`) and against JAX's own nvfp4 quantiser
+  (`jax._src.cudnn.scaled_matmul_stablehlo.quantize`) and qwix's where installed.
+- `gemm`: the 8192^3 GEMM, bfloat16 operands: `jnp.dot` in bfloat16, `nvfp4x.qdot`
+  forward (nvfp4_training recipe, XLA and Pallas quantisers),
+  `jax.nn.scaled_dot_general` with nvfp4 configs.
+- `train`: one jitted adam step of 4 MLP blocks (d=2048, hidden 8192, 8192 tokens,
+  layers vmapped over tokens): float32; mixed bf16 (weights and activations cast to
+  bfloat16 in the step, float32 master weights); nvfp4x's `bf16`, `fp8`, `mxfp8` and
+  `nvfp4_training` recipes (with and without SR and RHT, unrolled and scanned, and with
+  the Pallas quantiser), ratios against mixed bf16.
+- `compile`: the compile times of those steps (lowering + XLA), NVFP4 against float32.
+- `frozen`: a frozen model of 16 layers 8192x8192 (1.07 B weights), W4A16
+  (`nvfp4_weight_only`) and W4A4 (`nvfp4_inference`), forward at 1, 16 and 4096 tokens
+  against bfloat16 and float32, with the weight bytes and the GB/s they are read at.
+
+Each timed function is compiled and run once first (warm-up); the variants of a section
+are then called in turn, `--repeats` rounds (interleaved), each call followed by
+`block_until_ready`, and the median is reported. A failing row or section prints its
+error and the rest go on. The table is printed as Markdown and written to `--out`.
+"""
+
+import argparse
+import dataclasses
+import functools
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import nvfp4x
+from nvfp4x import _kernels
+from nvfp4x._formats import Format, quantize_operand
+
+try:
+    from benchmarks.bench_compile import Scanned
+    from benchmarks.bench_format import jax_nvfp4_quantizer
+    from benchmarks.bench_inference import to_bf16, weight_bytes
+    from benchmarks.bench_training import Stack
+except ImportError:  # run as a script from inside benchmarks/
+    from bench_compile import Scanned
+    from bench_format import jax_nvfp4_quantizer
+    from bench_inference import to_bf16, weight_bytes
+    from bench_training import Stack
+
+SECTIONS = ("bandwidth", "quantize", "gemm", "train", "compile", "frozen")
+#: Arguments `benchmarks/run_all.py --quick` would pass (it skips without a GPU).
+QUICK_ARGV = ["--quick"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    rows: int = 8192  # quantised array: rows x cols
+    cols: int = 16384
+    gemm: int = 8192  # m = n = k
+    d: int = 2048  # training model
+    hidden: int = 8192
+    tokens: int = 8192
+    blocks: int = 4
+    frozen_d: int = 8192
+    frozen_layers: int = 16
+    frozen_tokens: tuple[int, ...] = (1, 16, 4096)
+    repeats: int = 5
+    full_train: bool = True  # every NVFP4 training variant (else the recipe alone)
+
+
+FULL = Sizes()
+QUICK = Sizes(4096, 8192, 4096, 1024, 4096, 4096, 2, 4096, 4, (1, 16, 1024), 3, False)
+SMOKE = Sizes(64, 256, 128, 32, 64, 64, 2, 64, 2, (1, 16, 64), 1, True)
+
+
+class Table:
+    """Rows `(section, what, value, note)`, printed as they come."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, str, str]] = []
+
+    def add(self, section: str, what: str, value: str, note: str = "") -> None:
+        self.rows.append((section, what, value, note))
+        print(f"  {what}: {value}  {note}", flush=True)
+
+    def markdown(self, header: str) -> str:
+        esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
+        lines = [header, "", "| section | what | value | note |", "|---|---|---|---|"]
+        lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+def ready(out: Any) -> Any:
+    return jax.block_until_ready(out)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, table: Table, section: str
+) -> dict[str, float]:
+    """Median seconds of each `fn()` (run to completion), warm-up call first, the
+    functions called in turn `repeats` times. A function that fails is dropped, its
+    error a row of `table`."""
+    live = {}
+    for name, fn in fns.items():
+        try:
+            ready(fn())
+            live[name] = fn
+        except Exception as e:  # noqa: BLE001 - one failing variant must not stop the rest
+            table.add(section, name, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(repeats):
+        for name, fn in live.items():
+            t0 = time.perf_counter()
+            ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def ms(t: float) -> str:
+    return f"{t * 1e3:.3f} ms"
+
+
+def pallas_traced(fn: Callable) -> Callable:
+    """`fn` with the Pallas quantiser picked while it is traced."""
+
+    def wrapped(*args, **kwargs):
+        with _kernels.use("nvfp4_quantize", "pallas"):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def bandwidth(s: Sizes, table: Table, state: dict) -> None:
+    x = jnp.ones((s.rows, s.cols), jnp.float32)
+    read = jax.jit(jnp.max)
+    copy = jax.jit(lambda x: x + 1.0)
+    fns = {"read": lambda: read(x), "copy": lambda: copy(x)}
+    t = interleaved(fns, s.repeats, table, "bandwidth")
+    n = x.size * 4
+    state["read_bw"] = n / t["read"]
+    state["copy_bw"] = 2 * n / t["copy"]
+    table.add("bandwidth", "read (jnp.max, float32)", f"{state['read_bw'] / 1e9:.0f} GB/s")
+    table.add("bandwidth", "copy (x + 1, float32)", f"{state['copy_bw'] / 1e9:.0f} GB/s")
+
+
+def _copy_bw(s: Sizes, state: dict) -> float:
+    if "copy_bw" not in state:
+        bandwidth(s, Table(), state)
+    return state["copy_bw"]
+
+
+def quantize(s: Sizes, table: Table, state: dict) -> None:
+    bw = _copy_bw(s, state)
+    key = jax.random.key(0)
+    fmt = Format("nvfp4", block=(1, 16))
+    sr = Format("nvfp4", block=(1, 16), rounding="stochastic")
+    jax_q = None
+    try:
+        jax_q = jax_nvfp4_quantizer()
+    except Exception as e:  # noqa: BLE001
+        table.add("quantize", "JAX nvfp4 quantiser", "n/a", f"{type(e).__name__}: {e}")
+    qwix_q = _qwix_quantizer(table)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        x = jax.random.normal(key, (s.rows, s.cols), jnp.float32).astype(dtype)
+        n = x.size
+        floor_codes = (x.nbytes + n * 4.5 / 8) / bw
+        floor_operand = (x.nbytes + 2 * n) / bw
+
+        def to_nvfp4(block=(1, 16), rounding="nearest"):
+            k = key if rounding == "stochastic" else None
+            return lambda a: nvfp4x.to_nvfp4(a, block=block, rounding=rounding, key=k)
+
+        cases: dict[str, tuple[Callable, float]] = {
+            "to_nvfp4 1x16 xla": (to_nvfp4(), floor_codes),
+            "to_nvfp4 1x16 pallas": (pallas_traced(to_nvfp4()), floor_codes),
+            "to_nvfp4 1x16 SR xla": (to_nvfp4(rounding="stochastic"), floor_codes),
+            "to_nvfp4 1x16 SR pallas": (
+                pallas_traced(to_nvfp4(rounding="stochastic")),
+                floor_codes,
+            ),
+            "to_nvfp4 16x16 xla": (to_nvfp4((16, 16)), floor_codes),
+            "to_nvfp4 16x16 pallas": (pallas_traced(to_nvfp4((16, 16))), floor_codes),
+            "operand 1x16 xla": (lambda x: quantize_operand(x, fmt, -1, None), floor_operand),
+            "operand 1x16 pallas": (
+                pallas_traced(lambda x: quantize_operand(x, fmt, -1, None)),
+                floor_operand,
+            ),
+            "fake_quantize 1x16 xla": (nvfp4x.fake_quantize, 2 * x.nbytes / bw),
+            "fake_quantize 1x16 pallas": (pallas_traced(nvfp4x.fake_quantize), 2 * x.nbytes / bw),
+            # along the leading axis (wgrad's tokens), stochastic, as dy there
+            "operand 16x1 SR xla": (lambda x: quantize_operand(x, sr, 0, key), floor_operand),
+            "operand 16x1 SR pallas": (
+                pallas_traced(lambda x: quantize_operand(x, sr, 0, key)),
+                floor_operand,
+            ),
+        }
+        if jax_q is not None:
+            cases["JAX nvfp4 quantiser 1x16"] = (jax_q, None)
+        if qwix_q is not None:
+            cases["qwix nvfp4 quantiser 1x16"] = (qwix_q, None)
+        jitted = {k: jax.jit(fn) for k, (fn, _) in cases.items()}
+        same_bits(table, jitted, x, name)
+        fns = {k: functools.partial(f, x) for k, f in jitted.items()}
+        t = interleaved(fns, s.repeats, table, "quantize")
+        base = t.get("JAX nvfp4 quantiser 1x16")
+        for k, secs in t.items():
+            floor = cases[k][1]
+            note = [f"{floor and secs / floor:.2f}x floor" if floor else ""]
+            if base and not k.startswith("JAX"):
+                note.append(f"{secs / base:.2f}x JAX's")
+            table.add("quantize", f"{k}, {name} {s.rows}x{s.cols}", ms(secs), ", ".join(note))
+    pallas_tilings(s, table, bw)
+
+
+def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str) -> None:
+    """Rows saying whether the Pallas kernel gave the reference's bits on this array."""
+    for what in (
+        "to_nvfp4 1x16",
+        "to_nvfp4 1x16 SR",
+        "to_nvfp4 16x16",
+        "fake_quantize 1x16",
+        "operand 1x16",
+        "operand 16x1 SR",
+    ):
+        try:
+            a, b = jitted[f"{what} xla"](x), jitted[f"{what} pallas"](x)
+            leaves = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+            same = all(
+                np.array_equal(np.asarray(u), np.asarray(v), equal_nan=True) for u, v in leaves
+            )
+            table.add("quantize", f"{what} pallas == xla bit for bit, {name}", str(same))
+        except Exception as e:  # noqa: BLE001
+            table.add("quantize", f"{what} pallas == xla", "**error**", f"{type(e).__name__}: {e}")
+
+
+#: Pallas tilings swept (`(most columns, most elements, warps)` per program).
+TILINGS = ((256, 4096, 4), (256, 8192, 4), (256, 8192, 8), (512, 8192, 8), (128, 2048, 4))
+
+
+def pallas_tilings(s: Sizes, table: Table, bw: float) -> None:
+    """`to_nvfp4`'s kernel (1x16, float32, codes only) at several tilings."""
+    from nvfp4x._kernels import _pallas_nvfp4
+
+    x = jax.random.normal(jax.random.key(5), (s.rows, s.cols), jnp.float32)
+    floor = (x.nbytes + x.size * 4.5 / 8) / bw
+    interpret = jax.default_backend() != "gpu"
+    fns = {
+        tiling: jax.jit(
+            functools.partial(_pallas_nvfp4.quantize_2d, tiling=tiling, interpret=interpret)
+        )
+        for tiling in TILINGS
+    }
+    t = interleaved(
+        {str(k): functools.partial(f, x) for k, f in fns.items()}, s.repeats, table, "quantize"
+    )
+    for k, secs in t.items():
+        table.add(
+            "quantize",
+            f"pallas kernel 1x16 float32, tiling (cols, elements, warps) {k}",
+            ms(secs),
+            f"{secs / floor:.2f}x floor",
+        )
+
+
+def _qwix_quantizer(table: Table) -> Callable | None:
+    try:
+        import qwix  # noqa: F401  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        table.add("quantize", "qwix nvfp4 quantiser", "skipped", "qwix is not installed")
+        return None
+    try:
+        from qwix._src.core import qarray  # pyright: ignore[reportMissingImports]
+
+        how = qarray.HowToQuantize(qtype="nvfp4", channelwise_axes=[], tiled_axes={1: 16})
+        return lambda x: qarray.quantize(x, how)
+    except Exception as e:  # noqa: BLE001 - its private API moves
+        table.add("quantize", "qwix nvfp4 quantiser", "skipped", f"{type(e).__name__}: {e}")
+        return None
+
+
+def gemm(s: Sizes, table: Table, state: dict) -> None:
+    m = s.gemm
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (m, m), jnp.bfloat16)
+    w = jax.random.normal(kw, (m, m), jnp.bfloat16)
+    recipe = nvfp4x.recipes.nvfp4_training()
+    configs = [jax.nn.get_scaled_dot_general_config("nvfp4")] * 3
+    dims = (((1,), (1,)), ((), ()))
+
+    def qdot(x, w):
+        return nvfp4x.qdot(x, w, recipe=recipe)
+
+    fns = {
+        "bf16 dot": jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32)),
+        "nvfp4x qdot forward (xla quantisers)": jax.jit(qdot),
+        "nvfp4x qdot forward (pallas quantiser)": jax.jit(pallas_traced(qdot)),
+        "jax.nn.scaled_dot_general nvfp4": jax.jit(
+            lambda x, w: jax.nn.scaled_dot_general(x, w, dims, configs=configs)
+        ),
+    }
+    t = interleaved(
+        {k: functools.partial(f, x, w) for k, f in fns.items()}, s.repeats, table, "gemm"
+    )
+    base = t.get("bf16 dot")
+    for k, secs in t.items():
+        tflops = 2 * m**3 / secs / 1e12
+        note = f"{tflops:.0f} TFLOP/s" + (f", {secs / base:.2f}x bf16" if base else "")
+        table.add("gemm", f"{k}, {m}^3 bf16 inputs", ms(secs), note)
+
+
+class Step:
+    """A model's jitted adam step, compiled ahead (the compile time kept), then timed."""
+
+    def __init__(self, model, x, y, *, cast: bool = False, pallas: bool = False):
+        arrays, static = eqx.partition(model, eqx.is_array)
+        arrays = jax.tree_util.tree_map(jnp.copy, arrays)  # donated: not shared with others
+        optimizer = optax.adam(1e-4)
+
+        def loss_fn(model, x, y):
+            if cast:  # mixed bf16: bf16 copies of weights and activations in the step
+                model, x = to_bf16(model), x.astype(jnp.bfloat16)
+            return jnp.mean((jax.vmap(model)(x).astype(jnp.float32) - y) ** 2)
+
+        def step(arrays, opt_state, x, y):
+            model = eqx.combine(arrays, static)
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+            updates, opt_state = optimizer.update(grads, opt_state, arrays)
+            return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state, loss
+
+        self.state = (arrays, optimizer.init(arrays))
+        self.x, self.y = x, y
+        t0 = time.perf_counter()
+        fn = jax.jit(pallas_traced(step) if pallas else step, donate_argnums=(0, 1))
+        lowered = fn.lower(*self.state, x, y)
+        self.compiled = lowered.compile()
+        self.compile_s = time.perf_counter() - t0
+
+    def __call__(self):
+        arrays, opt_state, loss = self.compiled(*self.state, self.x, self.y)
+        self.state = (arrays, opt_state)
+        return loss, arrays
+
+
+def train(s: Sizes, table: Table, state: dict) -> None:
+    kx, ky, km = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (s.tokens, s.d), jnp.float32)
+    y = jax.random.normal(ky, (s.tokens, s.d), jnp.float32)
+    model = Stack(s.d, s.hidden, s.blocks, km)
+    scanned = Scanned(s.d, s.hidden, s.blocks, km)
+    R = nvfp4x.recipes
+    variants: dict[str, Callable[[], Step]] = {
+        "float32": lambda: Step(model, x, y),
+        "mixed bf16": lambda: Step(model, x, y, cast=True),
+        "bf16 recipe": lambda: Step(nvfp4x.quantize(model, R.bf16()), x, y),
+        "fp8 recipe": lambda: Step(nvfp4x.quantize(model, R.fp8()), x, y),
+        "mxfp8 recipe": lambda: Step(nvfp4x.quantize(model, R.mxfp8()), x, y),
+        "nvfp4": lambda: Step(nvfp4x.quantize(model, R.nvfp4_training()), x, y),
+        "nvfp4 (pallas quantiser)": lambda: Step(
+            nvfp4x.quantize(model, R.nvfp4_training()), x, y, pallas=True
+        ),
+    }
+    if s.full_train:
+        nv = R.nvfp4_training
+        variants |= {
+            "nvfp4 no SR": lambda: Step(
+                nvfp4x.quantize(model, nv(stochastic_rounding=False)), x, y
+            ),
+            "nvfp4 no RHT": lambda: Step(nvfp4x.quantize(model, nv(rht=False)), x, y),
+            "nvfp4 no SR, no RHT": lambda: Step(
+                nvfp4x.quantize(model, nv(rht=False, stochastic_rounding=False)), x, y
+            ),
+            "float32 scanned": lambda: Step(scanned, x, y),
+            "nvfp4 scanned": lambda: Step(nvfp4x.quantize(scanned, nv()), x, y),
+        }
+    steps: dict[str, Step] = {}
+    for name, make in variants.items():
+        try:
+            steps[name] = make()
+            print(f"  compiled {name} in {steps[name].compile_s:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            table.add("train", name, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
+    state["compile_s"] = {name: st.compile_s for name, st in steps.items()}
+    t = interleaved(dict(steps), s.repeats, table, "train")
+    base = t.get("mixed bf16")
+    shape = f"{s.blocks} blocks d={s.d} hidden={s.hidden}, {s.tokens} tokens, adam"
+    for name, secs in t.items():
+        note = f"{secs / base:.2f}x mixed bf16" if base else ""
+        table.add("train", f"{name} step ({shape})", ms(secs), note)
+
+
+def compile_times(s: Sizes, table: Table, state: dict) -> None:
+    if "compile_s" not in state:
+        train(s, Table(), state)
+    c = state["compile_s"]
+    for name, secs in c.items():
+        ref = "float32 scanned" if "scanned" in name else "float32"
+        note = f"{secs / c[ref]:.2f}x {ref}" if ref in c else ""
+        table.add("compile", f"{name} step: lower + compile", f"{secs:.2f} s", note)
+
+
+class Chain(eqx.Module):
+    layers: list
+
+    def __init__(self, d: int, n: int, key):
+        self.layers = [eqx.nn.Linear(d, d, use_bias=False, key=k) for k in jax.random.split(key, n)]
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x).astype(x.dtype)
+        return x
+
+
+def frozen(s: Sizes, table: Table, state: dict) -> None:
+    model = Chain(s.frozen_d, s.frozen_layers, jax.random.key(3))
+    models = {
+        "float32": model,
+        "bf16": to_bf16(model),
+        "W4A16": nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_weight_only())),
+        "W4A4": nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_inference())),
+    }
+    nbytes = {k: weight_bytes(m) for k, m in models.items()}
+    forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    what = f"{s.frozen_layers} layers {s.frozen_d}x{s.frozen_d}"
+    for tokens in s.frozen_tokens:
+        x = jax.random.normal(jax.random.key(4), (tokens, s.frozen_d), jnp.float32)
+        xs = {k: x.astype(jnp.bfloat16) if k == "bf16" else x for k in models}
+        fns = {k: functools.partial(forward, m, xs[k]) for k, m in models.items()}
+        t = interleaved(fns, s.repeats, table, "frozen")
+        base = t.get("bf16")
+        for k, secs in t.items():
+            note = f"{nbytes[k] / 1e9:.3f} GB weights read at {nbytes[k] / secs / 1e9:.0f} GB/s"
+            if base:
+                note += f", {secs / base:.2f}x bf16"
+            table.add("frozen", f"{k} forward, {tokens} tokens, {what}", ms(secs), note)
+
+
+RUN = {
+    "bandwidth": bandwidth,
+    "quantize": quantize,
+    "gemm": gemm,
+    "train": train,
+    "compile": compile_times,
+    "frozen": frozen,
+}
+
+
+def device_line() -> str:
+    d = jax.devices()[0]
+    return (
+        f"{d.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s)), "
+        f"jax {jax.__version__}, Python {platform.python_version()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer variants")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="every section at toy sizes, on any device"
+    )
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--out", default=None, help="also write the Markdown table here")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu" and not args.cpu_smoke:
+        print(f"bench_gpu: no GPU at hand (backend {jax.default_backend()}): skipped.")
+        return {"skipped": "no GPU"}
+    sizes = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
+    if args.repeats:
+        sizes = dataclasses.replace(sizes, repeats=args.repeats)
+    print(f"bench_gpu on {device_line()}, sizes {sizes}", flush=True)
+    table, state = Table(), {}
+    table.add("device", "device", device_line())
+    start = time.perf_counter()
+    for section in args.only:
+        print(f"== {section}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            RUN[section](sizes, table, state)
+        except Exception as e:  # noqa: BLE001 - one failing section must not stop the rest
+            traceback.print_exc()
+            table.add(section, "**section failed**", type(e).__name__, str(e)[:300])
+        table.add(section, "section wall time", f"{time.perf_counter() - t0:.1f} s")
+    mode = "cpu smoke" if args.cpu_smoke else "quick" if args.quick else "full"
+    header = f"## bench_gpu ({mode}) on {device_line()}; total {time.perf_counter() - start:.0f} s"
+    text = table.markdown(header)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return {"rows": table.rows}
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,163 @@
+"""Bit-deciding float32 steps of the NVFP4 quantiser in operations every Pallas backend
+lowers (Triton has no `round`, no `reduce_precision`, and its float32 `/` is not the
+IEEE one): integer operations on bit patterns, `floor`, and float products and sums
+whose results are exact, so that a fused multiply-add gives the same bits.
+
+Each function equals, bit for bit, the `nvfp4x._format` step it names (tested in
+`tests/test_kernels.py`), on every backend and in any subnormal mode.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from .._format._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
+from .._format._ieee import (
+    INF_BITS,
+    MIN_NORMAL_BITS,
+    abs_bits,
+    from_bits,
+    ldexp_normal,
+    scale_up_149,
+)
+
+#: The bits of 2^23.
+_BITS_2_23 = int(np.float32(2.0**23).view(np.int32))
+
+
+def _bits(x: Array) -> Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def round_half_even(t: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`jnp.round(t)` (half to even) for `0 <= t < 2^24`, by `floor` and exact steps."""
+    r = jnp.floor(t)
+    d = t - r  # exact
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return r + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+def round_mantissa(a: Float[Array, "*s"], mantissa_bits: int) -> Float[Array, "*s"]:
+    """`lax.reduce_precision(a, exponent_bits=8, mantissa_bits=...)` for a finite `a >= 0`
+    (round half to even on the bits; NaN and inf give garbage: mask them)."""
+    drop = 23 - mantissa_bits
+    b = _bits(a)
+    b = b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)
+    return from_bits(b & ~((1 << drop) - 1))
+
+
+def round_e4m3_nonneg(a: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`_format._e4m3.round_e4m3(a)` for `0 <= a <= 448` (NaN gives garbage: mask it)."""
+    normal = round_mantissa(a, 3)
+    sub = round_half_even(a * 512.0) * (1.0 / 512.0)
+    return jnp.where(a < E4M3_MIN_NORMAL, sub, jnp.minimum(normal, E4M3_MAX))
+
+
+def encode_nearest(v: Float[Array, "*s"]) -> Array:
+    """`_format._e2m1.encode_nearest(v)` as int32 codes (0..15)."""
+    b = _bits(v)
+    a = from_bits(b & 0x7FFFFFFF)
+    big = round_mantissa(jnp.minimum(a, 7.0), 1)
+    high = jnp.minimum((_bits(big) >> 22) - 252, 7)
+    low = round_half_even(a * 2.0).astype(jnp.int32)
+    mag = jnp.where(a < 1.0, low, high)
+    mag = jnp.where(jnp.isnan(v), 0, mag)
+    return mag | ((b >> 28) & 8)
+
+
+def encode_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Array:
+    """`_format._e2m1.encode(_e2m1.round_stochastic(v, u))` as int32 codes (NaN: 0)."""
+    b = _bits(v)
+    a = jnp.minimum(from_bits(b & 0x7FFFFFFF), E2M1_MAX)
+    step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
+    inv_step = jnp.where(a < 2.0, 2.0, jnp.where(a < 4.0, 1.0, 0.5))
+    lo = jnp.floor(a * inv_step) * step
+    q = jnp.where(u < (a - lo) * inv_step, lo + step, lo)
+    mag = jnp.where(q <= 2.0, 2.0 * q, jnp.minimum(q + 2.0, 7.0)).astype(jnp.int32)
+    return jnp.where(jnp.isnan(v), 0, mag | ((b >> 28) & 8))
+
+
+def decode(code: Array) -> Float[Array, "*s"]:
+    """`_format._e2m1.decode` of int32 codes: the float32 E2M1 values."""
+    m = (code & 7).astype(jnp.float32)
+    mag = jnp.where(m <= 4.0, 0.5 * m, jnp.where(m == 7.0, 6.0, m - 2.0))
+    return jnp.where((code & 8) != 0, -mag, mag)
+
+
+def e4m3_bits(scale: Float[Array, "*s"]) -> Array:
+    """The `float8_e4m3fn` bit pattern (int32, 0..127) of a float32 E4M3 value `>= 0`, or
+    `0x7F` for NaN: what `scale.astype(jnp.float8_e4m3fn)` stores."""
+    b = _bits(scale)
+    normal = (((b >> 23) - 120) << 3) | ((b >> 20) & 7)
+    sub = (scale * 512.0).astype(jnp.int32)
+    out = jnp.where(scale < E4M3_MIN_NORMAL, sub, normal)
+    return jnp.where(jnp.isnan(scale), 0x7F, out)
+
+
+def _reciprocal_normal(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """The IEEE float32 `1 / p` for a normal `0 < p < 2^126` (a normal result), in
+    integer arithmetic: with `p = M * 2^(E - 150)` (`M` the 24-bit significand), `1 / p`
+    has the significand `RNE(2^47 / M)` (for `M > 2^23`), found by long division in
+    three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`."""
+    b = _bits(p)
+    e = b >> 23
+    m = ((b & 0x007FFFFF) | MIN_NORMAL_BITS).astype(jnp.uint32)
+    q = jnp.zeros_like(m)
+    r = jnp.full_like(m, 1 << 31)  # 2^47 / M = 2^16 (2^31 / M)
+    for shift in (16, 8, 0):
+        d = r // m
+        q = q | (d << shift)
+        r = r - d * m
+        if shift:
+            r = r << 8
+    up = (2 * r > m) | ((2 * r == m) & ((q & 1) == 1))
+    q = (q + up.astype(jnp.uint32)).astype(jnp.int32)
+    power_of_two = (b & 0x007FFFFF) == 0
+    out = jnp.where(power_of_two, (254 - e) << 23, ((253 - e) << 23) + (q - MIN_NORMAL_BITS))
+    return from_bits(out)
+
+
+def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`_format._ieee.reciprocal_capped(p)` (`min(1 / p, FLT_MAX)`, IEEE, a subnormal `p`
+    read exactly; 0 gives FLT_MAX, NaN stays NaN) for `0 <= p < 2^126` or NaN."""
+    bits = abs_bits(p)
+    sub = bits < MIN_NORMAL_BITS
+    # A subnormal p = m 2^-149 gives (1 / m) 2^149, or inf (then FLT_MAX).
+    r_m = _reciprocal_normal(jnp.where(sub & (bits > 0), bits, 1).astype(jnp.float32))
+    overflow = (_bits(r_m) >> 23) + 149 >= 255
+    r_sub = jnp.where(overflow | (bits == 0), FLT_MAX, ldexp_normal(r_m, 149))
+    r = jnp.where(sub, r_sub, _reciprocal_normal(jnp.where(sub, 1.0, p)))
+    return jnp.where(bits > INF_BITS, p, jnp.minimum(r, FLT_MAX))
+
+
+def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`_format._ieee.scale_down_149(c)`, its threshold as an integer constant (Triton
+    does not bitcast constants)."""
+    bits = abs_bits(c)
+    ok = bits >= _BITS_2_23
+    out = jnp.where(ok, ldexp_normal(jnp.where(ok, c, 1.0), -149), 0.0)
+    return jnp.where(bits >= INF_BITS, c, out)
+
+
+def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Float[Array, "..."]:
+    """`_format._ieee.mul_exact(p, s)` (see there for the method and preconditions), with
+    `round_half_even` in place of `jnp.round`, and `tiny = is_tiny_scale(s)` given
+    (Triton does not bitcast the constant it compares with)."""
+    sigma = jnp.where(tiny, scale_up_149(s), 1.0)
+    hi = from_bits(_bits(sigma) & ~0xFFF)
+    lo = sigma - hi
+    a = jnp.abs(p)
+    big_a, small_b = a * hi, a * lo
+    total = big_a + small_b
+    err = small_b - (total - big_a)
+    t = jnp.where(total < 2.0**23, total, 0.0)
+    r = round_half_even(t)
+    frac = t - r
+    n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
+    n = n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
+    sub = from_bits(n.astype(jnp.int32))
+    normal = total >= 2.0**23
+    mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)
+    y = from_bits(_bits(mag) | (_bits(p) & jnp.int32(-(2**31))))
+    return jnp.where(tiny & ~jnp.isnan(p), y, p * s)

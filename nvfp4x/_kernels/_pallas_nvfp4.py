@@ -1,0 +1,197 @@
+"""The NVFP4 quantiser (1x16 blocks along the last axis) as one Pallas kernel for GPUs.
+
+Two passes over the input, the memory floor of a quantiser whose tensor scale depends
+on the whole tensor: the tensor amax (an XLA reduction over the bits of `|x|`, ignoring
+NaN), then one kernel that reads each tile of `x` once and writes, per tile, the packed
+codes (two per byte, element `2i` in the low nibble), the E4M3 block scales (as their
+bits) and, for the GEMM operand path, the block-scaled values `e2m1 * scale_b` in
+bfloat16 (exact there), with no intermediate array in memory.
+
+Same bits as the reference (`nvfp4x._format._nvfp4`): the per-block and per-element
+steps are the reference's, through `nvfp4x._format._ieee` where they lower on every
+backend and through `_exact` where the reference uses an operation Triton lacks (see
+there). Runs on the CPU with `interpret=True`, which the tests use.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, UInt8
+
+from .._format._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
+from .._format._e2m1 import _fmix32
+from .._format._ieee import INF_BITS, abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
+from .._format._nvfp4 import Block, Rounding, tensor_scales
+from . import _exact
+
+#: Columns of one tile (a power of two, as Triton's blocks are, and a multiple of 16).
+TILE_COLS = 256
+#: Elements of one tile: the rows of a tile are `TILE_ELEMENTS // TILE_COLS`.
+TILE_ELEMENTS = 4096
+#: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
+BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
+#: Warps per tile's program (Triton).
+NUM_WARPS = 4
+#: Slots of the float32 parameter vector (a power of two).
+_NPARAMS = 8
+
+
+def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
+    """`max(|x|)` ignoring NaN, on the bits (exact for subnormals on any device): the
+    reference's tensor amax (`_amax_of_block_maxima` of the NaN-free block maxima)."""
+    b = abs_bits(x)
+    return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
+
+
+def _tile(
+    rows: int, cols: int, block: Block, cols_max: int = TILE_COLS, elements: int = TILE_ELEMENTS
+) -> tuple[int, int]:
+    """Tile shape, at most `cols_max` columns and `elements` elements: powers of two (as
+    Triton's blocks are), whole blocks."""
+    tc = max(2 * BLOCK, min(cols_max, pl.next_power_of_2(cols)))
+    tr = max(block[0], min(elements // tc, pl.next_power_of_2(rows)))
+    return tr, tc
+
+
+def _views(tr: int, cols: int, block: Block):
+    """`(view, block_max, per_element)` of a `(tr, cols)` tile in blocks `block`: the
+    shape that puts each block on its own axes, the max over them (to the block grid),
+    and the broadcast of a block-grid array back against the view. No axis of size 1
+    (16x1 blocks are `(tr / 16, 16, cols)`, 1x16 `(tr, cols / 16, 16)`)."""
+    if block == ROW_BLOCK:
+        return (tr, cols // BLOCK, BLOCK), lambda b: jnp.max(b, axis=2), lambda g: g[:, :, None]
+    if block == TILE:
+        view = (tr // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+        return view, lambda b: jnp.max(jnp.max(b, axis=3), axis=1), lambda g: g[:, None, :, None]
+    return (tr // BLOCK, BLOCK, cols), lambda b: jnp.max(b, axis=1), lambda g: g[:, None, :]
+
+
+def _kernel(
+    params_ref,
+    seed_ref,
+    x_ref,
+    *out_refs,
+    block: Block,
+    rounding: Rounding,
+    values: bool,
+    dequantize: bool,
+    cols: int,
+):
+    """One tile: block maxima, block scales and their inverses, codes, and the outputs."""
+    tr, tc = x_ref.shape
+    view, block_max, per_element = _views(tr, tc, block)
+    x = x_ref[...].astype(jnp.float32)
+    c, c_sub, s_dec, tiny = (params_ref[i] for i in range(4))
+    # Block maxima over the bits of |x| (NaN above inf, subnormals exact).
+    bamax = from_bits(block_max(abs_bits(x).reshape(view)))
+    # The reference's `_block_scales_exact`, block by block.
+    t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
+    scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
+    inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
+    inv_sub = _exact.scale_down_149(inv_b)
+    v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
+    if rounding == "nearest":
+        codes = _exact.encode_nearest(v)
+    else:
+        codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
+    out_refs[1][...] = _exact.e4m3_bits(scale_b).astype(jnp.uint8)
+    if values:
+        q = _exact.decode(codes) * per_element(scale_b)  # exact
+        if dequantize:
+            q = _exact.mul_exact(q, s_dec, tiny != 0.0)
+        out_refs[2][...] = q.reshape(tr, tc).astype(out_refs[2].dtype)
+    lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
+    out_refs[0][...] = (lo | (hi << 4)).astype(jnp.uint8)
+
+
+def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
+    """The codes of `_e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, shape)))`
+    (`seed_ref` holds `jax.random.bits(key, (2,), uint32)`): the thresholds hash each
+    element's flat index in the padded array, as `uniform` does, so the bits do not
+    depend on the tiling."""
+    shape = (tr, tc)
+    row = pl.program_id(0) * tr + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    col = pl.program_id(1) * tc + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    index = row.astype(jnp.uint32) * jnp.uint32(cols) + col.astype(jnp.uint32)
+    h = _fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed_ref[0])
+    h = _fmix32(h ^ seed_ref[1])
+    u = ((h >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
+    return _exact.encode_stochastic(v, u.reshape(v.shape))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block", "rounding", "values", "dequantize", "interpret", "tiling")
+)
+def quantize_2d(
+    x: Float[Array, "rows cols"],
+    amax: Float[Array, ""] | None = None,
+    seed: Array | None = None,
+    *,
+    block: Block = ROW_BLOCK,
+    rounding: Rounding = "nearest",
+    values: bool = False,
+    dequantize: bool = False,
+    interpret: bool = False,
+    tiling: tuple[int, int, int] = (TILE_COLS, TILE_ELEMENTS, NUM_WARPS),
+) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "_ _"], Float[Array, ""], Array | None]:
+    """Quantise a 2-D array whose blocked axes are multiples of 16 (padded), in blocks
+    `(1, 16)`, `(16, 16)` or `(16, 1)` (16 rows of one column: an operand quantised
+    along its leading axis, wgrad's tokens).
+
+    **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes (pairs along the
+    rows), the E4M3 block scales' bit patterns on the block grid `(rows / br, cols / bc)`,
+    the tensor decode scale, and the bfloat16 block-scaled values `e2m1 * scale_b`
+    (`None` unless `values`; with `dequantize`, the dequantised values
+    `(e2m1 * scale_b) * s_dec` in `x`'s dtype, as `fake_quantize` gives them).
+    `tiling`: `(most columns, most elements, warps)` of a tile's program (benchmarks
+    sweep it).
+    """
+    rows, cols = x.shape
+    br, bc = block
+    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2:
+        raise ValueError(
+            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes, got {block} on {x.shape}."
+        )
+    if amax is None:
+        amax = tensor_amax(x)
+    s_enc, s_dec = tensor_scales(amax)
+    c = s_enc * INV_E2M1_MAX
+    params = jnp.zeros((_NPARAMS,), jnp.float32)
+    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
+    params = params.at[:4].set(jnp.stack([c, scale_down_149(c), s_dec, tiny]))
+    if seed is None:
+        seed = jnp.zeros((2,), jnp.uint32)
+    seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
+    cols_max, elements, num_warps = tiling
+    tr, tc = _tile(rows, cols, block, cols_max, elements)
+    grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
+    whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))
+    out_shape = [
+        jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((rows // br, cols // bc), jnp.uint8),
+    ]
+    out_specs = [
+        pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
+        pl.BlockSpec((tr // br, tc // bc), lambda i, j: (i, j)),
+    ]
+    if values:
+        dtype = x.dtype if dequantize else jnp.bfloat16
+        out_shape.append(jax.ShapeDtypeStruct((rows, cols), dtype))
+        out_specs.append(pl.BlockSpec((tr, tc), lambda i, j: (i, j)))
+    kernel = functools.partial(
+        _kernel, block=block, rounding=rounding, values=values, dequantize=dequantize, cols=cols
+    )
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[whole, whole, pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+        out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="nvfp4_quantize_2d",
+    )(params, seeds, x)
+    return outs[0], outs[1], s_dec, outs[2] if values else None

@@ -1,0 +1,310 @@
+"""The per-backend quantiser kernels equal the reference bit for bit, and one place picks them.
+
+The Pallas NVFP4 kernel runs interpreted on a CPU (compiled on a GPU, where the same
+tests then run it natively), on shapes with edges: rows and columns that are not
+multiples of the tile or of 16, NaN and inf blocks, all-zero blocks, subnormal inputs,
+tiny tensors (subnormal amax, subnormal tensor scale), given amax, stochastic rounding.
+It also lowers for CUDA here (Triton lowering and shape rules checked without a GPU).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4x
+from nvfp4x import _kernels
+from nvfp4x._format import _e2m1
+from nvfp4x._format._e4m3 import round_e4m3
+from nvfp4x._format._ieee import mul_exact, reciprocal_capped, scale_down_149
+from nvfp4x._formats import Format, quantize_operand
+from nvfp4x._kernels import _exact, _pallas_nvfp4
+
+# jax 0.11 warns at every lowering of a Pallas Triton kernel that the backend is
+# deprecated (it will need a Mosaic GPU form before JAX drops Triton); only that warning.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+DTYPE_IDS = ["float32", "bfloat16"]
+
+
+def edge_array(dtype, rows: int = 37, cols: int = 100) -> jax.Array:
+    """Normal values over a wide range, with a NaN block, an inf block, a -inf element,
+    an all-zero row, a block of subnormals and a block far below the tensor's amax."""
+    x = np.array(jax.random.normal(jax.random.key(0), (rows, cols)), np.float32)
+    x *= np.exp2(np.asarray(jax.random.randint(jax.random.key(1), (rows, 1), -20, 20)))
+    x[1, 3] = np.nan
+    x[2, 20] = np.inf
+    x[3, cols - 1] = -np.inf
+    x[4] = 0.0
+    x[5, :16] = np.float32(3e-39) * np.arange(16)  # subnormal (float32 and bfloat16)
+    x[6, 16:32] = 1e-30
+    return jnp.asarray(x).astype(dtype)
+
+
+def same_nvfp4(a: nvfp4x.NVFP4Array, b: nvfp4x.NVFP4Array) -> None:
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(np.asarray(a.scale_bits), np.asarray(b.scale_bits))
+    np.testing.assert_array_equal(
+        np.asarray(a.tensor_scale).view(np.uint32), np.asarray(b.tensor_scale).view(np.uint32)
+    )
+    assert (a.shape, a.dtype, a.block) == (b.shape, b.dtype, b.block)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "block", "rounding", "vmapped"))
+def to_nvfp4(
+    x, key=None, amax=None, *, impl: str, block=(1, 16), rounding="nearest", vmapped=False
+):
+    """`nvfp4x.to_nvfp4` jitted, traced with implementation `impl` (one compilation per
+    shape and case, shared by the tests)."""
+    fn = functools.partial(nvfp4x.to_nvfp4, block=block, rounding=rounding, key=key, amax=amax)
+    with _kernels.use("nvfp4_quantize", impl):
+        return jax.vmap(fn)(x) if vmapped else fn(x)
+
+
+def on_cpu(tree):
+    """`tree` on the CPU, where the reference is computed: there its float32 `/` is
+    IEEE (on a GPU XLA's may be an ULP off), so a kernel on a GPU is compared with the
+    spec's bits."""
+    cpu = jax.devices("cpu")[0]
+    put = lambda v: jax.device_put(v, cpu) if isinstance(v, jax.Array) else v
+    return jax.tree_util.tree_map(put, tree)
+
+
+def check_kernel(x, **kwargs) -> None:
+    want = to_nvfp4(on_cpu(x), **on_cpu(kwargs), impl="xla")
+    same_nvfp4(to_nvfp4(x, impl="pallas", **kwargs), want)
+
+
+@pytest.mark.parametrize(
+    "dtype,block,rounding",
+    [
+        (jnp.float32, (1, 16), "nearest"),
+        (jnp.bfloat16, (1, 16), "nearest"),
+        (jnp.bfloat16, (1, 16), "stochastic"),
+        (jnp.float32, (16, 16), "stochastic"),
+    ],
+    ids=["float32", "bfloat16", "bfloat16_sr", "float32_16x16_sr"],
+)
+def test_pallas_to_nvfp4_equals_reference(dtype, block, rounding):
+    key = jax.random.key(7) if rounding == "stochastic" else None
+    check_kernel(edge_array(dtype), key=key, block=block, rounding=rounding)
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [1e-42, 1e-25],
+    ids=["subnormal_amax", "tiny_tensor"],
+)
+def test_pallas_to_nvfp4_tiny_tensors(scale):
+    x = edge_array(jnp.float32, rows=7, cols=48)
+    check_kernel(jnp.where(jnp.isfinite(x), x, 1.0) * scale)  # parts below 2^-126
+
+
+@pytest.mark.parametrize(
+    "dtype,scale", [(jnp.float32, 1.0), (jnp.bfloat16, 1e-33)], ids=["float32", "bfloat16_tiny"]
+)
+def test_pallas_fake_quantize_equals_reference(dtype, scale):
+    """`fake_quantize`: the dequantised values in the input's dtype, a tiny tensor's
+    subnormal products (`s_dec < 2^-64`) included."""
+    x = edge_array(jnp.float32, rows=7, cols=48)
+    x = (jnp.where(jnp.isinf(x), 2.0, x) * scale).astype(dtype)  # an inf amax: s_dec = 1
+    key = jax.random.key(2)
+
+    def fq(x, key):
+        return nvfp4x.fake_quantize(x, rounding="stochastic", key=key)
+
+    want = np.asarray(jax.jit(fq)(*on_cpu((x, key))), np.float32)
+    with _kernels.use("nvfp4_quantize", "pallas"):
+        got = np.asarray(jax.jit(fq)(x, key), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(
+        np.nan_to_num(got).view(np.uint32), np.nan_to_num(want).view(np.uint32)
+    )
+
+
+def test_pallas_to_nvfp4_given_amax_batched_and_vmapped():
+    x = edge_array(jnp.float32, rows=8, cols=32).reshape(2, 4, 32)
+    check_kernel(x, amax=jnp.float32(2.0))  # below max|x|: block scales clamp at 448
+    check_kernel(x, vmapped=True)
+
+
+@pytest.mark.parametrize(
+    "block,rounding,axis",
+    [((1, 16), "stochastic", 0)],
+    ids=["16x1_sr_leading_axis"],  # the other layouts: through qdot below
+)
+def test_pallas_operand_equals_reference(block, rounding, axis):
+    """The GEMM operand path: bfloat16 block values `e2m1 * scale_b` and the tensor
+    scale, along the last axis (fprop's x, dgrad's dy), the leading one (wgrad's tokens)
+    and in 16x16 tiles (weights)."""
+    fmt = Format("nvfp4", block=block, rounding=rounding)
+    x = edge_array(jnp.bfloat16, rows=41, cols=40)
+    key = jax.random.key(3)
+    quantize = jax.jit(lambda x, key: quantize_operand(x, fmt, axis, key))
+    want = quantize(*on_cpu((x, key)))
+    with _kernels.use("nvfp4_quantize", "pallas"):
+        got = jax.jit(lambda x, key: quantize_operand(x, fmt, axis, key))(x, key)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(
+        np.nan_to_num(g).view(np.uint32), np.nan_to_num(w).view(np.uint32)
+    )
+
+
+def test_qdot_with_the_pallas_quantisers_equals_reference():
+    """All three GEMMs of the NVFP4 training recipe (16x16 weight, 1x16 x and dy, SR, RHT
+    on wgrad's operands along the tokens) with every operand quantised by the kernel:
+    the same outputs and gradients (bit for bit on the CPU; on a GPU up to the
+    reference's float32 division, which the exactness work fixes)."""
+    recipe = nvfp4x.recipes.nvfp4_training()
+    x = jax.random.normal(jax.random.key(0), (40, 48))
+    w = jax.random.normal(jax.random.key(1), (32, 48))
+
+    def loss(x, w):
+        return jnp.sum(nvfp4x.qdot(x, w, recipe=recipe) ** 2)
+
+    def run(impl):
+        with _kernels.use("nvfp4_quantize", impl):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+    got, want = run("pallas"), run("xla")
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-2, atol=1e-3)
+
+
+def test_uncovered_cases_take_the_reference():
+    """float16 input, `scale_rounding="up"` and SR without a key: no kernel."""
+    x = jnp.ones((16, 32), jnp.float32)
+    with _kernels.use("nvfp4_quantize", "pallas"):
+        assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "nearest", None, None)
+        assert _kernels.nvfp4_quantizer(x, (16, 16), "nearest", "nearest", None, None)
+        assert _kernels.nvfp4_quantizer(x[0], (16, 16), "nearest", "nearest", None, None) is None
+        assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "up", None, None) is None
+        assert _kernels.nvfp4_quantizer(x, (1, 16), "stochastic", "nearest", None, None) is None
+        half = x.astype(jnp.float16)
+        assert _kernels.nvfp4_quantizer(half, (1, 16), "nearest", "nearest", None, None) is None
+    assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "nearest", None, None) is None
+
+
+def test_chooser_defaults_and_override():
+    assert _kernels.pick("nvfp4_quantize", "cpu") == "xla"
+    assert _kernels.pick("nvfp4_quantize", "gpu") == "xla"  # opt-in until run on a GPU
+    with _kernels.use("nvfp4_quantize", "pallas"):
+        assert _kernels.pick("nvfp4_quantize", "cpu") == "pallas"
+        with _kernels.use("nvfp4_quantize", "xla"):
+            assert _kernels.pick("nvfp4_quantize") == "xla"
+        assert _kernels.pick("nvfp4_quantize") == "pallas"
+    assert _kernels.pick("nvfp4_quantize") == "xla"
+    unknown = "`cuda` is not an implementation of `nvfp4_quantize`"
+    with pytest.raises(ValueError, match=unknown), _kernels.use("nvfp4_quantize", "cuda"):
+        pass
+    with pytest.raises(ValueError, match="`gemm` is not an operation"):
+        _kernels.pick("gemm")
+
+
+@pytest.mark.parametrize(
+    "dtype,block,rounding,values",
+    [
+        (jnp.float32, (1, 16), "nearest", False),
+        (jnp.bfloat16, (1, 16), "stochastic", True),
+        (jnp.float32, (16, 16), "nearest", False),
+        (jnp.bfloat16, (16, 1), "stochastic", True),
+    ],
+    ids=["float32_codes", "bfloat16_sr_values", "float32_16x16", "bfloat16_16x1_sr_values"],
+)
+def test_pallas_kernel_lowers_for_cuda(dtype, block, rounding, values):
+    x = jax.ShapeDtypeStruct((8192, 16384), dtype)
+    fn = jax.jit(
+        lambda x: _pallas_nvfp4.quantize_2d(
+            x, None, jnp.zeros((2,), jnp.uint32), block=block, rounding=rounding, values=values
+        )
+    )
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "nvfp4_quantize_2d" in text
+
+
+# The exact helpers against the reference's steps, on values that decide bits.
+
+
+def special_floats() -> np.ndarray:
+    """Every float32 exponent with a few significands, both signs, zeros, subnormals,
+    inf and NaN."""
+    exps = np.arange(-149, 128, dtype=np.float64)
+    sig = np.array([1.0, 1.0 + 2.0**-23, 1.25, 1.5, 1.75 - 2.0**-22, 1.999999])
+    v = (np.exp2(exps)[:, None] * sig[None, :]).ravel()
+    v = v[np.isfinite(v.astype(np.float32))].astype(np.float32)
+    rng = np.random.default_rng(0).standard_normal(4000).astype(np.float32)
+    extra = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
+    return np.concatenate([v, -v, rng, rng * 1e-38, extra])
+
+
+def bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+def jitted(fn, *args):
+    """`fn(*args)` under `jax.jit` (one compilation instead of one per operation)."""
+    return jax.jit(fn)(*args)
+
+
+def reference(fn, *args):
+    """`fn(*args)` jitted on the CPU (see `on_cpu`)."""
+    return jax.jit(fn)(*on_cpu(args))
+
+
+def test_reciprocal_capped_is_exact():
+    p = special_floats()
+    p = np.abs(p[(np.abs(p) < 2.0**126) | np.isnan(p)])
+    np.testing.assert_array_equal(
+        bits(jitted(_exact.reciprocal_capped, p)), bits(reference(reciprocal_capped, p))
+    )
+    # every significand against numpy's IEEE division, for one exponent
+    m = np.arange(2**23, 2**24, 97, dtype=np.float32)
+    np.testing.assert_array_equal(bits(jitted(_exact.reciprocal_capped, m)), bits(1.0 / m))
+
+
+def test_block_steps_are_exact():
+    v = special_floats()
+    a = np.clip(np.abs(v[~np.isnan(v)]), 0, 448).astype(np.float32)
+    e4m3 = np.asarray(reference(round_e4m3, a))
+    np.testing.assert_array_equal(bits(jitted(_exact.round_e4m3_nonneg, a)), bits(e4m3))
+    s = np.array([1e-3, 3e-30, 2e-39], np.float32)[:, None]
+    np.testing.assert_array_equal(
+        bits(jitted(lambda p, s: _exact.mul_exact(p, s, s < 2.0**-64), e4m3, s)),
+        bits(reference(mul_exact, e4m3, s)),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(jitted(_exact.e4m3_bits, e4m3)),
+        np.asarray(jnp.asarray(e4m3).astype(jnp.float8_e4m3fn)).view(np.uint8),
+    )
+    np.testing.assert_array_equal(
+        bits(jitted(_exact.scale_down_149, v)), bits(reference(scale_down_149, v))
+    )
+
+
+def test_element_steps_are_exact():
+    v = special_floats()
+    grid = np.linspace(-7.0, 7.0, 4097, dtype=np.float32)
+    u = _e2m1.uniform(jax.random.key(0), grid.shape)
+    for x in (v, grid):
+        np.testing.assert_array_equal(
+            np.asarray(jitted(_exact.encode_nearest, x)),
+            np.asarray(reference(_e2m1.encode_nearest, x)),
+        )
+    np.testing.assert_array_equal(
+        np.asarray(jitted(_exact.encode_stochastic, grid, u)),
+        np.asarray(reference(lambda g, u: _e2m1.encode(_e2m1.round_stochastic(g, u)), grid, u)),
+    )
+    codes = np.arange(16, dtype=np.int32)
+    np.testing.assert_array_equal(
+        bits(jitted(_exact.decode, codes)), bits(_e2m1.decode(jnp.asarray(codes, jnp.uint8)))
+    )
