@@ -140,7 +140,7 @@ class NVFP4Array(PackedArray):
         q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
         scale = self.scales.astype(jnp.float32)
         expanded = scale[..., None] if self.block[0] == 1 else scale[..., :, None, :, None]
-        vals = (q * expanded).reshape(self.codes.shape[:-1] + (-1,))
+        vals = (q * expanded).reshape(self.codes.shape[:-1] + (2 * self.codes.shape[-1],))
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return vals[index].astype(jnp.bfloat16), self.tensor_scale
 

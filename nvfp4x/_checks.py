@@ -66,6 +66,27 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """Return `value` as a Python bool, or raise `TypeError` unless it is a `bool` or a
+    NumPy `bool_` (a string such as `"False"` is truthy: taking it as true would be
+    silently wrong)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"`{name}` must be True or False, got {type(value).__name__} {value!r:.40}."
+        )
+    return bool(value)
+
+
+def check_str(value: Any, name: str, example: str) -> str:
+    """Return `value`, or raise `TypeError` unless it is a string (`example` shows one)."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"`{name}` must be a string such as {example}, got {type(value).__name__} "
+            f"{value!r:.40}."
+        )
+    return value
+
+
 def check_block(block: Any, ndim: int) -> tuple[int, int]:
     """Return `block` as a tuple of two Python ints, or raise `ValueError`.
 
