@@ -1,5 +1,6 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
+import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -259,18 +260,46 @@ def fake_quantize(
 
     **Returns:** an array of `x`'s shape and dtype holding the NVFP4-representable values.
 
+    **Derivative:** straight-through (spec §5, the convention of quantisation-aware
+    training): the quantiser's Jacobian is taken as the identity, so `jax.grad` passes
+    the incoming gradient through unchanged, for every element, saturated (clamped at
+    its block's largest value) or not, NaN or not; nothing flows to `amax` or `key`.
+    `jax.grad(lambda x: fake_quantize(x).sum())(x)` is all ones. The derivative of that
+    (a Hessian) is zero.
+
     **Raises:** the errors of [`nvfp4x.to_nvfp4`][], for the same arguments.
 
     ```python
     x = jnp.linspace(-1, 1, 64)
     y = nvfp4x.fake_quantize(x)
     jnp.array_equal(y, nvfp4x.to_nvfp4(x).dequantize())   # True
+    jax.grad(lambda x: nvfp4x.fake_quantize(x).sum())(x)   # ones: straight-through
     ```
     """
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
+    return _straight_through(block, rounding, scale_rounding, x, key, amax)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _straight_through(
+    block: tuple[int, int],
+    rounding: str,
+    scale_rounding: str,
+    x: Array,
+    key: Array | None,
+    amax: Array | None,
+) -> Array:
+    """`fake_quantize` of checked arguments, with the straight-through derivative."""
     xp = pad_to_blocks(x, block)
     y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
     return y[index].astype(x.dtype)
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(block, rounding, scale_rounding, primals, tangents):
+    x, key, amax = primals
+    y = _straight_through(block, rounding, scale_rounding, x, key, amax)
+    return y, tangents[0].astype(y.dtype)

@@ -136,6 +136,16 @@ class QWeight(WeightValue):
     enabled: Array | None = None
     scale_group: str | None = eqx.field(static=True, default=None)
 
+    def __check_init__(self):
+        dtype = getattr(self.array, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+            where = f"layer `{self.path}`" if self.path else "the layer"
+            raise TypeError(
+                f"The weight of {where} is complex ({dtype}); nvfp4x's recipes compute real "
+                "products and would drop its imaginary part. Leave the layer out of the "
+                "policy (a rule `(path, None)`)."
+            )
+
     def aval(self):
         return shaped(self.array.shape, self.array.dtype)
 
