@@ -635,3 +635,37 @@ def test_rht_near_float32_max(mode):
     # A column not in the scaled range has the bits it has on its own.
     alone = np.asarray(call(nvfp4x.rht, mode, np.ascontiguousarray(x[:, 8:9])))
     assert_bits(y[:, 8:9].astype(F32), alone, "unscaled column")
+
+
+@MODES
+def test_mxfp8_subnormal_blocks(mode):
+    # Blocks of subnormals (and a normal block): the elements, scales and dequantised
+    # values (subnormal products of an E4M3 value and the 2^-126 scale) are the spec's
+    # IEEE float32 ones, on a device that flushes subnormals too.
+    x = np.zeros((2, 40), F32)
+    x[0, :6] = [1e-40, -3e-41, 2e-39, 1e-45, 1.5e-38, -1.1e-38]
+    x[0, 32:] = np.linspace(-1, 1, 8, dtype=F32)
+    x[1] = np.random.default_rng(8).standard_normal(40).astype(F32) * F32(2.0**-120)
+    m = call(nvfp4x.to_mxfp8, mode, x)
+    ref = ref_mxfp8(x)
+    assert_bits(m.data, ref.data, "elements")
+    assert_bits(np.asarray(m.scales).astype(F32), ref.scales, "scales")
+    deq = call(lambda m: m.dequantize(), mode, m)
+    assert_bits(deq, ref.deq, "dequantize")
+    assert np.count_nonzero(np.asarray(deq)[0, :6]) == 5  # 1e-45 rounds to 0
+
+
+@MODES
+def test_rht_subnormals(mode):
+    # Columns of subnormals and of tiny normals are transformed, not flushed to zero:
+    # within one unit of the smallest subnormal (2^-149), plus float32's summation error
+    # (relative to the column's amax), of the exact transform.
+    rng = np.random.default_rng(9)
+    fields = rng.integers(1, 2**23, SHAPE).astype(np.uint32)
+    x = fields.view(F32) * rng.choice([-1, 1], SHAPE).astype(F32)
+    x[:, 30:] = (rng.standard_normal((20, 10)) * 2.0**-120).astype(F32)
+    y = np.asarray(call(nvfp4x.rht, mode, x)).astype(np.float64)
+    exact = _exact_rht(x)
+    amax = np.abs(x).max(axis=0).astype(np.float64)
+    assert (np.abs(y - exact) <= 2.0**-149 + 2.0**-22 * amax).all()
+    assert np.count_nonzero(y[:16, :30]) == np.count_nonzero(exact[:16, :30])
