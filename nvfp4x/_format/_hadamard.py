@@ -2,7 +2,6 @@
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -10,7 +9,8 @@ from jaxtyping import Array, Float
 
 from .._checks import check_axis, check_float, check_ndim
 from ._constants import BLOCK, RHT_SIGNS
-from ._ieee import MIN_NORMAL_BITS, abs_bits, from_bits, ldexp_normal
+from ._ieee import abs_bits
+from ._subnormal import tiny_down, tiny_up
 
 #: Chunk columns whose largest magnitude reaches this (2^124) are transformed scaled by
 #: `_RANGE_SHIFT`: otherwise a float32 partial sum of 16 terms of up to `max/4` each may
@@ -19,10 +19,9 @@ _BIG_BITS = (127 + 124) << 23
 #: The power of two by which such columns are scaled down, then their results up again.
 _RANGE_SHIFT = 2.0**-4
 #: Chunk columns whose largest magnitude is below this (2^-100) are transformed scaled up
-#: by 2^`_TINY_SHIFT`, reading subnormals through their bits: otherwise a device that
-#: flushes subnormals (XLA:CPU) reads them, and the results below 2^-126, as zero.
+#: by 2^`TINY_SHIFT` (`_subnormal`): otherwise a device that flushes subnormals
+#: (XLA:CPU) reads them, and the results below 2^-126, as zero.
 _TINY_BITS = (127 - 100) << 23
-_TINY_SHIFT = 64
 
 
 def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
@@ -107,14 +106,14 @@ def _scaled_into_range(
     power of two applied to values far above the subnormal range, the column's small
     elements, below the precision of its large ones, aside), so that no partial sum of
     the transform overflows where the result is finite; columns below 2^-100 scaled up
-    by 2^64 (`_tiny_up`), so that none of their values is read or made as a subnormal.
+    by 2^64 (`tiny_up`), so that none of their values is read or made as a subnormal.
     Every other column is returned as it is, so their bits do not change.
     **Returns:** `(chunks, (big, tiny))`, the masks of scaled columns `(c, 1, m)` for
     `_scaled_back`. Inf and NaN count as big: scaling keeps them as they are."""
     amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
     big, tiny = amax_bits >= _BIG_BITS, amax_bits < _TINY_BITS
     scaled = jnp.where(big, chunks * _RANGE_SHIFT, chunks)
-    return jnp.where(tiny, _tiny_up(chunks), scaled), (big, tiny)
+    return jnp.where(tiny, tiny_up(chunks), scaled), (big, tiny)
 
 
 def _scaled_back(y: Float[Array, "c 16 m"], masks: tuple[Array, Array]) -> Float[Array, "c 16 m"]:
@@ -122,33 +121,4 @@ def _scaled_back(y: Float[Array, "c 16 m"], masks: tuple[Array, Array]) -> Float
     two on values of at least 2^-10 times the column's amax), or ±inf where the result
     exceeds float32's range; tiny ones rounded once to float32, subnormals included."""
     big, tiny = masks
-    return jnp.where(tiny, _tiny_down(y), jnp.where(big, y * (1.0 / _RANGE_SHIFT), y))
-
-
-def _tiny_up(x: Float[Array, "..."]) -> Float[Array, "..."]:
-    """`x * 2^64` exactly for finite `|x| < 2^-100`, a subnormal `x = m * 2^-149` read
-    from its bits (as `m * 2^-85`), so that no operand of the transform is subnormal."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    sign = bits & jnp.int32(-(2**31))
-    mag = bits & 0x7FFFFFFF
-    sub = mag < MIN_NORMAL_BITS
-    m = mag.astype(jnp.float32)  # the 23-bit field of a subnormal, exactly
-    up_sub = jnp.where(mag == 0, 0.0, ldexp_normal(jnp.where(mag == 0, 1.0, m), _TINY_SHIFT - 149))
-    up = jnp.where(sub, up_sub, ldexp_normal(jnp.where(sub, 1.0, x), _TINY_SHIFT))
-    return from_bits(jax.lax.bitcast_convert_type(up, jnp.int32) | sign)
-
-
-def _tiny_down(y: Float[Array, "..."]) -> Float[Array, "..."]:
-    """`y * 2^-64` rounded once to float32 (to nearest, ties to even), a subnormal result
-    built from its bits, for the transformed tiny columns (`|y| < 2^-34`, finite)."""
-    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
-    sign = bits & jnp.int32(-(2**31))
-    a = from_bits(bits & 0x7FFFFFFF)
-    normal = abs_bits(a) >= MIN_NORMAL_BITS + (_TINY_SHIFT << 23)  # a * 2^-64 >= 2^-126
-    down = ldexp_normal(jnp.where(normal, a, 1.0), -_TINY_SHIFT)
-    # Below: the subnormal's 23-bit field, a * 2^85 (< 2^23, exact) rounded half to even.
-    zero = abs_bits(a) < MIN_NORMAL_BITS  # 0 (the scaled domain holds no subnormal)
-    field = jnp.round(ldexp_normal(jnp.where(zero, 1.0, a), 149 - _TINY_SHIFT))
-    sub = from_bits(jnp.where(zero, 0, field.astype(jnp.int32)))
-    mag = jnp.where(normal, down, sub)
-    return from_bits(jax.lax.bitcast_convert_type(mag, jnp.int32) | sign)
+    return jnp.where(tiny, tiny_down(y), jnp.where(big, y * (1.0 / _RANGE_SHIFT), y))
