@@ -2,7 +2,7 @@
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ._checks import check_bool, check_str
@@ -361,7 +361,7 @@ class Policy:
         convolutions: bool = False,
         tensor_scale_groups: Sequence[str] = (),
     ):
-        if isinstance(rules, str | Recipe) or not isinstance(rules, Sequence):
+        if isinstance(rules, str | bytes | Recipe | Mapping) or not isinstance(rules, Iterable):
             raise TypeError(
                 f"`Policy(rules)` must be a list of `(regex, recipe)` pairs, got "
                 f"{type(rules).__name__} `{rules!r:.60}`. For one recipe everywhere, pass "

@@ -131,13 +131,24 @@ def test_weight_block_spellings():
 # Policies.
 # ---------------------------------------------------------------------------------------
 
-BAD_RULES = {"None": None, "int": 5, "recipe name": "nvfp4_training", "recipe": TRAIN}
+BAD_RULES = {
+    "None": None,
+    "int": 5,
+    "recipe name": "nvfp4_training",
+    "recipe": TRAIN,
+    "dict": {".*": TRAIN},
+}
 
 
 @pytest.mark.parametrize("rules", list(BAD_RULES.values()), ids=list(BAD_RULES))
 def test_policy_rules_must_be_a_list(rules):
     with pytest.raises(TypeError, match=r"`Policy\(rules\)` must be a list of `\(regex, recipe"):
         nvfp4x.Policy(rules)
+
+
+def test_policy_rules_from_an_iterable():
+    rules = [(r"a", None), (r".*", TRAIN)]
+    assert nvfp4x.Policy(iter(rules)) == nvfp4x.Policy(rules)
 
 
 @pytest.mark.parametrize("path", [None, 5, ("blocks", 0)], ids=["None", "int", "tuple"])
