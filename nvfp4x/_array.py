@@ -23,6 +23,8 @@ from ._format import _e2m1
 from ._format._constants import BLOCK
 from ._format._ieee import is_tiny_scale, mul_exact
 from ._format._nvfp4 import (
+    Rounding,
+    ScaleRounding,
     fake_quantize_blocks,
     pad_to_blocks,
     scale_blocks,
@@ -285,8 +287,8 @@ def fake_quantize(
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _straight_through(
     block: tuple[int, int],
-    rounding: str,
-    scale_rounding: str,
+    rounding: Rounding,
+    scale_rounding: ScaleRounding,
     x: Array,
     key: Array | None,
     amax: Array | None,

@@ -159,7 +159,7 @@ class QuantizedLinear(eqx.nn.Linear):
         return apply_linear(self, x, matmul, operands, (w.shape, w), w.dtype)
 
 
-def product_seen_by_interpreter(layer, x: Array, expected: str, fix: str) -> Array:
+def product_seen_by_interpreter(layer, x: Any, expected: str, fix: str) -> Array:
     """A quantised or frozen layer whose weight is not its quantised value. Inside an
     interpreted call that is the body of a `lax.scan`, `jit` or `cond` (traced with plain
     arrays, its jaxpr interpreted afterwards) or a weight a wrapper derived
@@ -180,7 +180,7 @@ def plain_matmul(x: Array, w: Array) -> Array:
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
-def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype) -> Array:
+def apply_linear(layer, x: Any, matmul, operands: tuple, weight, weight_dtype) -> Array:
     """`eqx.nn.Linear`'s contract around a GEMM `matmul(x, *operands)`: input checks,
     "scalar" features, bias added in float32, output in the promoted dtype of `x` and the
     weight. `weight` is `(shape, array)`: the logical weight's shape, and an array with
