@@ -226,7 +226,8 @@ def test_qdot_empty():
 
 def _layers(in_features=16, out_features=8):
     linear = eqx.nn.Linear(in_features, out_features, key=jax.random.key(0))
-    qlayer = nvfp4x.quantize(linear, nvfp4x.recipes.nvfp4_inference())
+    # (The checks do not depend on the recipe: bf16's GEMMs compile fastest.)
+    qlayer = nvfp4x.quantize(linear, nvfp4x.recipes.bf16())
     return linear, {"QuantizedLinear": qlayer, "FrozenLinear": nvfp4x.freeze(qlayer)}
 
 
@@ -236,16 +237,18 @@ LAYER_KINDS = ["QuantizedLinear", "FrozenLinear"]
 @pytest.mark.parametrize("kind", LAYER_KINDS)
 def test_layer_integer_input_is_float(kind):
     # eqx.nn.Linear promotes an integer (or bool) input to its weight's float dtype (with
-    # standard promotion; the test run's strict promotion refuses it).
+    # standard promotion; the test run's strict promotion refuses it). The quantised
+    # layer's weight is float32; the frozen bf16 layer stores (and reports) bfloat16.
     linear, layers = _layers()
     layer = layers[kind]
+    dtype = jnp.float32 if kind == "QuantizedLinear" else jnp.bfloat16
     x = jnp.arange(16, dtype=jnp.int32) - 8
-    want = layer(x.astype(jnp.float32))
+    want = layer(x.astype(dtype))
     for xi in (x, x.astype(jnp.int8), np.asarray(x)):
         got = layer(xi)
-        assert got.dtype == jnp.float32
+        assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
-    assert layer(jnp.ones(16, bool)).dtype == jnp.float32
+    assert layer(jnp.ones(16, bool)).dtype == dtype
 
 
 @pytest.mark.parametrize("kind", LAYER_KINDS)
