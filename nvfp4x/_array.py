@@ -1,5 +1,6 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
+import functools
 from typing import Any, ClassVar, cast
 
 import equinox as eqx
@@ -23,6 +24,8 @@ from ._format import _e2m1
 from ._format._constants import BLOCK
 from ._format._ieee import is_tiny_scale, mul_exact
 from ._format._nvfp4 import (
+    Rounding,
+    ScaleRounding,
     fake_quantize_blocks,
     pad_to_blocks,
     scale_blocks,
@@ -141,7 +144,7 @@ class NVFP4Array(PackedArray):
         q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
         scale = self.scales.astype(jnp.float32)
         expanded = scale[..., None] if self.block[0] == 1 else scale[..., :, None, :, None]
-        vals = (q * expanded).reshape(self.codes.shape[:-1] + (-1,))
+        vals = (q * expanded).reshape(self.codes.shape[:-1] + (2 * self.codes.shape[-1],))
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return vals[index].astype(jnp.bfloat16), self.tensor_scale
 
@@ -264,17 +267,38 @@ def fake_quantize(
 
     **Returns:** an array of `x`'s shape and dtype holding the NVFP4-representable values.
 
+    **Derivative:** straight-through (spec §5, the convention of quantisation-aware
+    training): the quantiser's Jacobian is taken as the identity, so `jax.grad` passes
+    the incoming gradient through unchanged, for every element, saturated (clamped at
+    its block's largest value) or not, NaN or not; nothing flows to `amax` or `key`.
+    `jax.grad(lambda x: fake_quantize(x).sum())(x)` is all ones. The derivative of that
+    (a Hessian) is zero.
+
     **Raises:** the errors of [`nvfp4x.to_nvfp4`][], for the same arguments.
 
     ```python
     x = jnp.linspace(-1, 1, 64)
     y = nvfp4x.fake_quantize(x)
     jnp.array_equal(y, nvfp4x.to_nvfp4(x).dequantize())   # True
+    jax.grad(lambda x: nvfp4x.fake_quantize(x).sum())(x)   # ones: straight-through
     ```
     """
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
+    return _straight_through(block, rounding, scale_rounding, x, key, amax)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _straight_through(
+    block: tuple[int, int],
+    rounding: Rounding,
+    scale_rounding: ScaleRounding,
+    x: Array,
+    key: Array | None,
+    amax: Array | None,
+) -> Array:
+    """`fake_quantize` of checked arguments, with the straight-through derivative."""
     xp = pad_to_blocks(x, block)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
@@ -283,3 +307,10 @@ def fake_quantize(
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
     return y[index].astype(x.dtype)
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(block, rounding, scale_rounding, primals, tangents):
+    x, key, amax = primals
+    y = _straight_through(block, rounding, scale_rounding, x, key, amax)
+    return y, tangents[0].astype(y.dtype)

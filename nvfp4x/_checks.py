@@ -5,13 +5,14 @@ its array through `check_float` (and `check_ndim` where it blocks an axis), and 
 arguments through the checks below, so the same mistake gives the same error everywhere.
 The checks read only static information (dtypes, shapes, Python values), so they work
 unchanged under `jax.jit`, where arrays are tracers; a traced `amax` is checked for dtype
-and shape, its value only when it is concrete.
+and shape, its value when it is concrete, or else with `eqx.error_if` as it runs.
 """
 
 import math
 import numbers
 from typing import Any, cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +65,27 @@ def check_ndim(x: jax.Array, min_ndim: int, what: str, name: str = "x") -> None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """Return `value` as a Python bool, or raise `TypeError` unless it is a `bool` or a
+    NumPy `bool_` (a string such as `"False"` is truthy: taking it as true would be
+    silently wrong)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"`{name}` must be True or False, got {type(value).__name__} {value!r:.40}."
+        )
+    return bool(value)
+
+
+def check_str(value: Any, name: str, example: str) -> str:
+    """Return `value`, or raise `TypeError` unless it is a string (`example` shows one)."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"`{name}` must be a string such as {example}, got {type(value).__name__} "
+            f"{value!r:.40}."
+        )
+    return value
 
 
 def check_block(block: Any, ndim: int) -> tuple[int, int]:
@@ -123,7 +145,8 @@ def check_amax(amax: Any) -> jax.Array | None:
     `TypeError` unless `amax` is a real number or a real (float or integer) array: strings,
     booleans and complex values are refused. `ValueError` unless it has one element, and,
     when its value is known (not traced), unless it is `>= 0` (NaN is let through: it
-    makes every output NaN). A concrete `-0.0` is taken as `+0.0`.
+    makes every output NaN). A concrete `-0.0` is taken as `+0.0`. A traced negative
+    `amax` raises when the computation runs (`eqx.error_if`).
     """
     if amax is None:
         return None
@@ -155,7 +178,13 @@ def check_amax(amax: Any) -> jax.Array | None:
                 "`jnp.max(jnp.abs(x))` or its `jax.lax.pmax` across devices."
             )
         return jnp.asarray(np.abs(value))  # -0.0 -> +0.0
-    return jnp.asarray(amax, jnp.float32).reshape(())
+    traced = jnp.asarray(amax, jnp.float32).reshape(())
+    return eqx.error_if(
+        traced,
+        traced < 0,
+        "`amax` is negative; it must be `max(|x|)` (>= 0), e.g. `jnp.max(jnp.abs(x))` or "
+        "its `jax.lax.pmax` across devices.",
+    )
 
 
 def check_axis(axis: Any, ndim: int, name: str = "axis") -> int:

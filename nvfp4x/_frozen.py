@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import quax
 from jax import lax
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
@@ -154,7 +154,7 @@ class FrozenLinear(eqx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "*batch in"] | Float[Array, "*batch"],
+        x: Shaped[ArrayLike, "*batch in"] | Shaped[ArrayLike, "*batch"],
         *,
         key: PRNGKeyArray | None = None,
     ) -> Array:
@@ -163,7 +163,8 @@ class FrozenLinear(eqx.Module):
         **Arguments:**
 
         - `x`: `(in_features,)` or a batch `(..., in_features)` (for `in_features="scalar"`:
-          `()` or `(...)`).
+          `()` or `(...)`); integer and boolean inputs are cast as by `QuantizedLinear`,
+          and the same inputs are refused.
         - `key`: unused (there is no backward pass); accepted for Equinox's layer contract.
 
         **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`

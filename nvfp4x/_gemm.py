@@ -44,10 +44,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt32
 
+from ._checks import check_bool, check_float, check_str
 from ._format._constants import GOLDEN_RATIO_32, TILE
 from ._format._hadamard import rht
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
-from ._policy import Recipe
+from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
     Primitive,
     def_jvp,
@@ -272,7 +273,7 @@ def qdot(
     x: Float[Array, "*tokens k"],
     w: Float[Array, "n k"],
     *,
-    recipe: Recipe,
+    recipe: RecipeLike,
     seed: UInt32[Array, "2"] | None = None,
     fast: bool = True,
     name: str = "",
@@ -281,9 +282,12 @@ def qdot(
 
     **Arguments:**
 
-    - `x`: activations `(tokens..., k)`; `w`: weight `(n, k)` (Equinox layout).
-    - `recipe`: the formats of W, x and dy, and whether wgrad uses the RHT.
-    - `seed`: two uint32 words mixed into the stochastic-rounding keys of dgrad
+    - `x`: activations `(tokens..., k)`, at least 1-D; `w`: weight `(n, k)` (Equinox
+      layout). Both floating-point.
+    - `recipe`: the formats of W, x and dy, and whether wgrad uses the RHT: an
+      [`nvfp4x.Recipe`][] or a recipe name (as [`nvfp4x.quantize`][] accepts).
+    - `seed`: None, or two uint32 words (shape `(2,)`, e.g.
+      `jax.random.bits(key, (2,), jnp.uint32)`) mixed into the stochastic-rounding keys of dgrad
       (dy along n) and wgrad (dy along tokens). A checksum of `w` is mixed in too, so
       each optimiser step draws fresh thresholds even with the default seed.
     - `fast`: run the GEMMs on the device's fastest exact operand dtype (bfloat16 where
@@ -293,7 +297,14 @@ def qdot(
       numbers.
 
     **Returns:** float32 `(tokens..., n)`, accumulated in float32 and multiplied by both
-    operands' tensor scales.
+    operands' tensor scales. With no tokens or `k = 0` it is the (empty or zero)
+    product, computed without quantising anything.
+
+    **Raises:** `TypeError` for a non-float `x` or `w`, a `recipe` that is not a recipe or
+    a recipe name (None included: use `x @ w.T` for an unquantised product), a `seed`
+    that is not a `(2,)` uint32 array (a PRNG key included), or a non-bool `fast`;
+    `ValueError` for a 0-d `x`, a `w` that is not 2-D, mismatched `k`, or an unknown
+    recipe name.
 
     The three GEMMs: fprop `y = Q(x) @ Q(W).T` (x and W blocked along k); dgrad
     `dx = Q(dy) @ Q(W)` (dy and W along n; 16x16 weight tiles are the same in both);
@@ -307,8 +318,46 @@ def qdot(
     dw = jax.grad(lambda w: nvfp4x.qdot(x, w, recipe=recipe).sum())(w)     # (16, 32)
     ```
     """
-    if seed is None:
-        seed = jnp.zeros((2,), jnp.uint32)
+    x, w, recipe, seed = _qdot_arguments(x, w, recipe, seed)
+    fast = check_bool(fast, "fast")
+    check_str(name, "name", '`"blocks[0].mlp"`')
+    if x.size == 0 or w.size == 0:  # nothing to quantise; the product is empty or zero
+        return jnp.zeros(x.shape[:-1] + w.shape[:1], jnp.float32)
     dtype = gemm_dtype(fast)
     wv, ws = quantize_weight(lax.stop_gradient(w), recipe=recipe, axis=-1, dtype=dtype)
     return qdot_p.bind(x, w, wv, ws, seed, recipe=recipe, dtype=dtype, nbatch=0, name=name)
+
+
+def _qdot_arguments(x, w, recipe, seed) -> tuple[Array, Array, Recipe, Array]:
+    """`qdot`'s arguments checked (static information only: works under `jit`)."""
+    x, w = check_float(x, "x"), check_float(w, "w")
+    if x.ndim == 0:
+        raise ValueError(
+            "`x` is 0-d; `qdot` needs activations `(tokens..., k)`, e.g. `x[None]` for one feature."
+        )
+    if w.ndim != 2:
+        raise ValueError(
+            f"`w` has shape {tuple(w.shape)}; `qdot` needs a 2-D weight `(n, k)` (for stacked "
+            "weights, `jax.vmap` over the stack)."
+        )
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(
+            f"`x` has {x.shape[-1]} features (last axis) but `w` has shape {tuple(w.shape)}; "
+            "`qdot` computes `x @ w.T`, so their last axes must match."
+        )
+    checked = as_recipe(recipe, "`qdot(recipe=...)`")
+    if checked is None:
+        raise TypeError(
+            "`recipe=None`: `qdot` needs a recipe, e.g. `nvfp4x.recipes.nvfp4_training()` or "
+            f"a name from {RECIPE_NAMES}; for an unquantised product use `x @ w.T`."
+        )
+    if seed is None:
+        return x, w, checked, jnp.zeros((2,), jnp.uint32)
+    dtype, shape = getattr(seed, "dtype", None), tuple(getattr(seed, "shape", (None,)))
+    if dtype != jnp.uint32 or shape != (2,):
+        what = f"dtype {dtype}, shape {shape}" if dtype is not None else type(seed).__name__
+        raise TypeError(
+            f"`seed` must be two uint32 words (a `(2,)` uint32 array), got {what}; make it "
+            "from a key with `jax.random.bits(key, (2,), jnp.uint32)`, or pass None."
+        )
+    return x, w, checked, seed

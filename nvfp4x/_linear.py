@@ -1,11 +1,12 @@
 """`QuantizedLinear`: `eqx.nn.Linear` whose three GEMMs follow a recipe."""
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, PRNGKeyArray, Shaped
 
 from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
@@ -116,7 +117,7 @@ class QuantizedLinear(eqx.nn.Linear):
 
     def __call__(
         self,
-        x: Float[Array, "*batch in"] | Float[Array, "*batch"],
+        x: Shaped[ArrayLike, "*batch in"] | Shaped[ArrayLike, "*batch"],
         *,
         key: PRNGKeyArray | None = None,
     ) -> Array:
@@ -125,13 +126,18 @@ class QuantizedLinear(eqx.nn.Linear):
         **Arguments:**
 
         - `x`: `(in_features,)` or a batch `(..., in_features)` (for `in_features="scalar"`:
-          `()` or `(...)`).
+          `()` or `(...)`); integer and boolean inputs are cast to the weight's dtype, as
+          `eqx.nn.Linear` promotes them. A batch of no tokens, or `in_features=0`, gives
+          the empty or zero product (plus the bias) without quantising anything.
         - `key`: optional PRNG key for the stochastic rounding of the backward pass. Without
           one, rounding is still fresh every optimiser step (a checksum of the weight
           seeds it); pass distinct keys to decorrelate microbatches of one step.
 
         **Returns:** `(out_features,)` or `(..., out_features)`, in the promoted dtype of `x`
         and the weight.
+
+        **Raises:** `TypeError` for an `x` that is not an array (a string, None) or is
+        complex; `ValueError` for a last axis other than `in_features`.
         """
         qw = as_qweight(self.weight)
         if not isinstance(qw, QWeight):
@@ -153,7 +159,7 @@ class QuantizedLinear(eqx.nn.Linear):
         return apply_linear(self, x, matmul, operands, (w.shape, w), w.dtype)
 
 
-def product_seen_by_interpreter(layer, x: Array, expected: str, fix: str) -> Array:
+def product_seen_by_interpreter(layer, x: Any, expected: str, fix: str) -> Array:
     """A quantised or frozen layer whose weight is not its quantised value. Inside an
     interpreted call that is the body of a `lax.scan`, `jit` or `cond` (traced with plain
     arrays, its jaxpr interpreted afterwards) or a weight a wrapper derived
@@ -174,11 +180,12 @@ def plain_matmul(x: Array, w: Array) -> Array:
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
-def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype) -> Array:
+def apply_linear(layer, x: Any, matmul, operands: tuple, weight, weight_dtype) -> Array:
     """`eqx.nn.Linear`'s contract around a GEMM `matmul(x, *operands)`: input checks,
     "scalar" features, bias added in float32, output in the promoted dtype of `x` and the
     weight. `weight` is `(shape, array)`: the logical weight's shape, and an array with
     its partition spec (the weight itself, or a packed weight's codes)."""
+    x = layer_input(layer, x, weight_dtype)
     if layer.in_features == "scalar":
         x = x[..., None]
     k = 1 if layer.in_features == "scalar" else layer.in_features
@@ -187,9 +194,42 @@ def apply_linear(layer, x: Array, matmul, operands: tuple, weight, weight_dtype)
             f"{type(layer).__name__} expects inputs of shape (..., {layer.in_features}) "
             f"(last axis = in_features), got {x.shape}."
         )
-    y = explicit_axes_as_auto(matmul, x, operands, weight)
+    if x.size == 0:  # no tokens, or no input features: nothing to quantise
+        n = 1 if layer.out_features == "scalar" else layer.out_features
+        y = jnp.zeros(x.shape[:-1] + (n,), jnp.float32)
+    else:
+        y = explicit_axes_as_auto(matmul, x, operands, weight)
     if layer.bias is not None:
         y = y + layer.bias.astype(jnp.float32)
     if layer.out_features == "scalar":
         y = y[..., 0]
     return y.astype(widest_float(x.dtype, weight_dtype))
+
+
+def layer_input(layer, x: Any, weight_dtype) -> Array:
+    """A layer's input as a real floating-point array, as `eqx.nn.Linear` takes it:
+    integer and boolean inputs are cast to the weight's dtype (where `eqx.nn.Linear`'s
+    `weight @ x` promotes them to it); strings, None and complex inputs are refused
+    (a complex product's imaginary part would be dropped without a word)."""
+    name = type(layer).__name__
+    if isinstance(x, str | bytes) or x is None:
+        raise TypeError(
+            f"{name} takes an array `x` of shape (..., {layer.in_features}), got "
+            f"{type(x).__name__} `{x!r:.40}`."
+        )
+    try:
+        x = jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} takes an array `x` of shape (..., {layer.in_features}), got "
+            f"{type(x).__name__}: {e}"
+        ) from None
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{name}'s input `x` is complex ({x.dtype}); nvfp4x layers compute real "
+            "products and would drop its imaginary part. Apply the layer to `x.real` and "
+            "`x.imag` separately, or leave this layer unquantised."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or bool: as eqx.nn.Linear
+        x = x.astype(weight_dtype)
+    return x

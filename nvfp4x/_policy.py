@@ -2,9 +2,10 @@
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ._checks import check_bool, check_str
 from ._format._constants import ROW_BLOCK, TILE
 from ._formats import Format
 
@@ -26,7 +27,8 @@ class Recipe:
     Recipes are immutable and hashable; change one with `dataclasses.replace` or
     [`nvfp4x.Recipe.replace`][].
 
-    Raises `TypeError` if a format is not an [`nvfp4x.Format`][], and `ValueError` for
+    Raises `TypeError` if a format is not an [`nvfp4x.Format`][], `rht` not a bool or
+    `name` not a string, and `ValueError` for
     16x16 blocks on `input` or `grad`, stochastic rounding of `weight` or `input`, or
     `scale_rounding="up"` on `weight` ([`nvfp4x.freeze`][] packs weights with the spec's
     round-to-nearest scales, so a frozen model would not compute what was trained).
@@ -49,6 +51,8 @@ class Recipe:
     name: str = "custom"
 
     def __post_init__(self):
+        object.__setattr__(self, "rht", check_bool(self.rht, "Recipe.rht"))
+        check_str(self.name, "Recipe.name", '`"w4a4"`')
         for field in ("weight", "input", "grad"):
             fmt = getattr(self, field)
             if fmt is not None and not isinstance(fmt, Format):
@@ -102,6 +106,20 @@ def _nvfp4(block=ROW_BLOCK, rounding="nearest", scale_rounding="nearest") -> For
     return Format("nvfp4", block, rounding, scale_rounding)
 
 
+def _weight_block(weight_block: Any) -> tuple[int, int]:
+    """`weight_block` as a tuple, or a `ValueError` naming it (not `block`, which the
+    caller did not write)."""
+    allowed = (ROW_BLOCK, TILE)
+    ok = isinstance(weight_block, tuple | list) and len(weight_block) == 2
+    block = tuple(weight_block) if ok else None
+    if block is None or not all(type(b) is int for b in block) or block not in allowed:
+        raise ValueError(
+            f"`weight_block={weight_block!r}` is not supported; use `(1, 16)` (16 elements "
+            "along the input features) or `(16, 16)` (16x16 tiles)."
+        )
+    return block
+
+
 #: The ready-made recipes by name, in the order `recipes` defines them (`_preset`).
 _PRESETS: dict[str, Callable[..., "Recipe"]] = {}
 
@@ -150,17 +168,23 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         **Returns:** the [`nvfp4x.Recipe`][] named `"nvfp4_training"` (with
         `unbiased_sr=True` its `grad` format reads `nvfp4 1x16, SR, scale up`).
 
+        **Raises:** `TypeError` for a flag that is not a bool (`rht="False"` included);
+        `ValueError` for a `weight_block` other than `(1, 16)` or `(16, 16)`.
+
         ```python
         recipe = nvfp4x.recipes.nvfp4_training(stochastic_rounding=False)
         unbiased = nvfp4x.recipes.nvfp4_training(unbiased_sr=True)
         ```
         """
+        rht = check_bool(rht, "rht")
+        sr = check_bool(stochastic_rounding, "stochastic_rounding")
+        unbiased = check_bool(unbiased_sr, "unbiased_sr")
         return Recipe(
-            weight=_nvfp4(tuple(weight_block)),
+            weight=_nvfp4(_weight_block(weight_block)),
             input=_nvfp4(),
             grad=_nvfp4(
-                rounding="stochastic" if stochastic_rounding else "nearest",
-                scale_rounding="up" if unbiased_sr else "nearest",
+                rounding="stochastic" if sr else "nearest",
+                scale_rounding="up" if unbiased else "nearest",
             ),
             rht=rht,
             name="nvfp4_training",
@@ -183,7 +207,10 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         ```
         """
         return Recipe(
-            weight=_nvfp4(tuple(weight_block)), input=_nvfp4(), grad=None, name="nvfp4_inference"
+            weight=_nvfp4(_weight_block(weight_block)),
+            input=_nvfp4(),
+            grad=None,
+            name="nvfp4_inference",
         )
 
     @_preset
@@ -203,7 +230,10 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
         ```
         """
         return Recipe(
-            weight=_nvfp4(tuple(weight_block)), input=None, grad=None, name="nvfp4_weight_only"
+            weight=_nvfp4(_weight_block(weight_block)),
+            input=None,
+            grad=None,
+            name="nvfp4_weight_only",
         )
 
     @_preset
@@ -257,7 +287,7 @@ class recipes:  # noqa: N801 - a namespace of recipe constructors, used as `nvfp
 
         **Returns:** the [`nvfp4x.Recipe`][] that `recipes.<name>()` returns.
         """
-        if name not in RECIPE_NAMES:
+        if not isinstance(name, str) or name not in RECIPE_NAMES:
             raise ValueError(f"Unknown recipe `{name!r}`; use one of {RECIPE_NAMES}.")
         return _PRESETS[name]()
 
@@ -332,6 +362,13 @@ class Policy:
         convolutions: bool = False,
         tensor_scale_groups: Sequence[str] = (),
     ):
+        if isinstance(rules, str | bytes | Recipe | Mapping) or not isinstance(rules, Iterable):
+            raise TypeError(
+                f"`Policy(rules)` must be a list of `(regex, recipe)` pairs, got "
+                f"{type(rules).__name__} `{rules!r:.60}`. For one recipe everywhere, pass "
+                "the recipe (or its name) to `nvfp4x.quantize` directly, or write "
+                '`Policy([(r".*", recipe)])`.'
+            )
         compiled = []
         for i, rule in enumerate(rules):
             if not (isinstance(rule, tuple | list) and len(rule) == 2):
@@ -345,8 +382,8 @@ class Policy:
                 ) from e
             compiled.append((regex, as_recipe(recipe, f"Policy rule {i} (`{pattern}`)")))
         object.__setattr__(self, "rules", tuple(compiled))
-        object.__setattr__(self, "strict", strict)
-        object.__setattr__(self, "convolutions", convolutions)
+        object.__setattr__(self, "strict", check_bool(strict, "strict"))
+        object.__setattr__(self, "convolutions", check_bool(convolutions, "convolutions"))
         if isinstance(tensor_scale_groups, str):
             raise TypeError(
                 "`tensor_scale_groups` must be a sequence of regexes, got the string "
@@ -371,7 +408,10 @@ class Policy:
 
         **Returns:** `(index of the first matching rule, its recipe)`, or `(None, None)`
         when no rule matches. The recipe may be `None` (keep the layer as it is).
+
+        **Raises:** `TypeError` if `path` is not a string.
         """
+        check_str(path, "path", '`"blocks[3].mlp.fc1"`')
         for i, (regex, recipe) in enumerate(self.rules):
             if regex.fullmatch(path):
                 return i, recipe
@@ -388,6 +428,7 @@ class Policy:
         `"<index>:<first capture group>"` (e.g. `"0:blocks[3]"`), or `(None, None)` when
         no pattern matches.
         """
+        check_str(path, "path", '`"blocks[3].attn.wq"`')
         for i, regex in enumerate(self.tensor_scale_groups):
             m = regex.fullmatch(path)
             if m:

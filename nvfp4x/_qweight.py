@@ -156,6 +156,16 @@ class QWeight(WeightValue):
         axes of the weight's independent GEMMs (each its own scales)."""
         return self.stack_shape + ((self.groups,) if self.groups > 1 else ())
 
+    def __check_init__(self):
+        dtype = getattr(self.array, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+            where = f"layer `{self.path}`" if self.path else "the layer"
+            raise TypeError(
+                f"The weight of {where} is complex ({dtype}); nvfp4x's recipes compute real "
+                "products and would drop its imaginary part. Leave the layer out of the "
+                "policy (a rule `(path, None)`)."
+            )
+
     def aval(self):
         return shaped(self.array.shape, self.array.dtype)
 

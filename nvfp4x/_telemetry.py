@@ -123,6 +123,11 @@ def collect(grads: Any) -> dict[str, dict[str, dict[str, Array]]]:
     nothing (its GEMM never ran in the differentiated function) is reported with a
     `UserWarning` naming it: its zeros are not statistics.
 
+    **Raises:** `ValueError` when `grads` is evidently the model rather than its
+    gradient (checked on concrete arrays, not under `jit`): every probe is zero, as
+    `enable` makes them, or some probe holds a negative amax or fraction (an optimiser
+    stepped it).
+
     ```python
     qmodel = nvfp4x.quantize([eqx.nn.Linear(32, 32, key=jax.random.key(0))], "nvfp4_training")
     qmodel = nvfp4x.telemetry.enable(qmodel)
@@ -132,22 +137,49 @@ def collect(grads: Any) -> dict[str, dict[str, dict[str, Array]]]:
     stats["[0]"]["fprop_x"]["sqnr_db"]   # a float32 scalar, about 20 dB
     ```
     """
-    out = {}
+    out, unreached = {}, []
     for tree_path, w in qweights(grads):
         if w.probe is None:
             continue
         path = w.path if w.path or not tree_path.endswith("weight") else tree_path[:-7]
         table = w.probe
-        if not is_traced(table) and not np.any(np.asarray(table)):
-            warnings.warn(
-                f"nvfp4x.telemetry.collect: layer `{path}` has telemetry on but its GEMM "
-                "never ran in the differentiated function; it is reported as zeros, which "
-                "are not statistics.",
-                UserWarning,
-                stacklevel=2,
-            )
+        if not is_traced(table):
+            _check_statistics(np.asarray(table), path)
+            if not np.any(np.asarray(table)):
+                unreached.append(path)
         out[path] = {
             op: {st: table[..., i, j] for j, st in enumerate(STATS)}
             for i, op in enumerate(OPERANDS)
         }
+    if out and len(unreached) == len(out):
+        raise ValueError(
+            "nvfp4x.telemetry.collect: no layer's probe holds statistics (every one is "
+            "zero, as `nvfp4x.telemetry.enable` makes them). Pass the gradient of a loss "
+            "with respect to the model, e.g. `eqx.filter_grad(loss)(model, ...)`, not the "
+            "model; or the loss did not run any quantised GEMM."
+        )
+    for path in unreached:
+        warnings.warn(
+            f"nvfp4x.telemetry.collect: layer `{path}` has telemetry on but its GEMM "
+            "never ran in the differentiated function; it is reported as zeros, which "
+            "are not statistics.",
+            UserWarning,
+            stacklevel=2,
+        )
     return out
+
+
+#: The columns of a probe that hold non-negative statistics (amax and two fractions).
+_NON_NEGATIVE = [STATS.index(s) for s in ("amax", "zero_frac", "saturated_frac")]
+
+
+def _check_statistics(table: np.ndarray, path: str) -> None:
+    """Refuse a probe whose amax or fractions are negative: a model's probe, stepped by
+    an optimiser, not a gradient's statistics."""
+    if np.any(table[..., _NON_NEGATIVE] < 0):
+        raise ValueError(
+            f"nvfp4x.telemetry.collect: the probe of layer `{path}` holds negative amax or "
+            "fractions, so it is not a gradient's statistics: `collect` takes the gradient "
+            "of a loss with respect to the model (`eqx.filter_grad(loss)(model, ...)`), "
+            "not the model (whose probes an optimiser has stepped)."
+        )

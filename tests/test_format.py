@@ -518,6 +518,49 @@ def test_amax_argument(block):
 
 
 # ---------------------------------------------------------------------------------------
+# The derivative of fake_quantize: straight-through (spec §5).
+# ---------------------------------------------------------------------------------------
+
+STE_CASES = {
+    "nearest": {},
+    "16x16 tiles": {"block": (16, 16)},
+    "stochastic": {"rounding": "stochastic", "key": jax.random.key(0)},
+    "saturating amax": {"amax": 0.5},  # most elements clamp at their block's largest
+    "scale up": {"scale_rounding": "up"},
+}
+
+
+@pytest.mark.parametrize("kwargs", list(STE_CASES.values()), ids=list(STE_CASES))
+def test_fake_quantize_gradient_is_straight_through(kwargs):
+    # The incoming gradient passes unchanged, for saturated and NaN elements too.
+    x = np.random.default_rng(9).standard_normal((20, 40)).astype(F32)
+    x[3, 5] = np.nan
+    ct = np.random.default_rng(10).standard_normal((20, 40)).astype(F32)
+
+    def loss(x):
+        return jnp.sum(nvfp4x.fake_quantize(x, **kwargs) * ct)
+
+    # (Jitted only: the rule is the same eagerly, where differentiating compiles the
+    # quantiser op by op, ~10 s.)
+    assert_bits(jax.jit(jax.grad(loss))(x), ct, "grad")
+
+
+def test_fake_quantize_gradient_vmap_and_higher_order():
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((4, 32)).astype(F32))
+    ones = np.ones((4, 32), F32)
+    row = jax.grad(lambda r: nvfp4x.fake_quantize(r).sum())
+    assert_bits(jax.jit(jax.vmap(row))(x), ones, "vmap(grad)")
+    # A bfloat16 input gets a bfloat16 gradient; the Hessian is zero; amax gets nothing.
+    xb = x.astype(jnp.bfloat16)
+    gb = jax.jit(jax.grad(lambda v: nvfp4x.fake_quantize(v).astype(jnp.float32).sum()))(xb)
+    assert gb.dtype == jnp.bfloat16 and np.all(np.asarray(gb, F32) == 1)
+    h = jax.jit(jax.hessian(lambda v: nvfp4x.fake_quantize(v).sum()))(x[0, :16])
+    assert_bits(h, np.zeros((16, 16), F32), "hessian")
+    da = jax.jit(jax.grad(lambda a: nvfp4x.fake_quantize(x, amax=a).sum()))(jnp.float32(3.0))
+    assert float(da) == 0.0
+
+
+# ---------------------------------------------------------------------------------------
 # Random Hadamard transform (spec §4).
 # ---------------------------------------------------------------------------------------
 

@@ -534,3 +534,166 @@ def test_format_block_must_be_two_ints(block):
     # (the runtime type checker of the tests may refuse it first, as a TypeError)
     with pytest.raises((ValueError, TypeError), match="block"):
         nvfp4x.Format("nvfp4", block=block)
+
+
+# ---------------------------------------------------------------------------------------
+# 4. Inputs at the edges: empty arrays, a traced negative amax, float64 beyond float32,
+#    the RHT near float32's maximum.
+# ---------------------------------------------------------------------------------------
+
+EMPTY = {"no rows": (0, 32), "no columns": (4, 0), "none in a batch": (2, 0, 20)}
+
+
+def _values(fn, block=None):
+    """`fn`'s output as an array (dequantised), for `jax.eval_shape`."""
+
+    def values(x):
+        out = fn(x) if block is None else fn(x, block=block)
+        return out if isinstance(out, jax.Array) else out.dequantize()
+
+    return values
+
+
+@all_quantisers
+@pytest.mark.parametrize("shape", list(EMPTY.values()), ids=list(EMPTY))
+def test_empty_arrays(fn, shape):
+    # An array with a zero-size axis quantises to an empty array of its shape (the RHT
+    # pads its axis to a multiple of 16: 0 stays 0). Empty arrays hold no numbers, so
+    # tracing (`eval_shape`, nothing compiled) is the whole computation to check.
+    want = ((shape[0] + 15) // 16 * 16,) + shape[1:] if fn is nvfp4x.rht else shape
+    out = jax.eval_shape(_values(fn), jax.ShapeDtypeStruct(shape, jnp.float32))
+    assert out.shape == want and out.dtype == jnp.float32
+
+
+@nvfp4_quantisers
+def test_empty_arrays_in_tiles(fn):
+    for shape in EMPTY.values():
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        assert jax.eval_shape(_values(fn, (16, 16)), x).shape == shape
+
+
+@nvfp4_quantisers
+def test_traced_negative_amax(fn):
+    # Checked where it runs (`eqx.error_if`), as a concrete one is before tracing.
+    f = jax.jit(lambda x, a: jax.tree_util.tree_leaves(fn(x, amax=a))[0])
+    x = jnp.ones(32)
+    jax.block_until_ready(f(x, jnp.float32(2.0)))
+    with pytest.raises((ValueError, RuntimeError), match=r"`amax` is negative"):
+        jax.block_until_ready(f(x, jnp.float32(-1.0)))
+
+
+@all_quantisers
+def test_float64_beyond_float32(fn):
+    # Defined as: computed in float32, a float64 array rounded to float32 first. Beyond
+    # FLT_MAX that is ±inf, a non-finite value, which never comes out finite (its NVFP4
+    # or MXFP8 block NaN, its FP8 element NaN, its RHT column ±inf or NaN); below half the
+    # smallest subnormal it is 0. The other blocks are those of the float32 input.
+    x = np.ones((4, 32))
+    x[0, 3], x[1, 3], x[2, 4] = 1e39, -1e300, 1e-300
+
+    def values(x):
+        out = fn(x)
+        return out if isinstance(out, jax.Array) else out.dequantize(jnp.float32)
+
+    with jax.enable_x64(True):  # (jitted: eager dispatch compiles op by op, ~10 s)
+        y = np.asarray(jax.jit(values)(jnp.asarray(x, jnp.float64))).astype(F32)
+    with np.errstate(over="ignore"):
+        want = np.asarray(jax.jit(values)(jnp.asarray(x.astype(F32))))
+    if fn is nvfp4x.rht:  # one 16-row chunk: column 3 mixes its rows
+        assert not np.isfinite(y[:, 3]).any()
+        assert_bits(np.delete(y, 3, axis=1), np.delete(want, 3, axis=1), "other columns")
+        return
+    assert not np.isfinite(y[0, 3]) and not np.isfinite(y[1, 3]) and y[2, 4] == 0
+    assert_bits(y[2:], want[2:], "rows within float32's range")
+
+
+def _exact_rht(x: np.ndarray) -> np.ndarray:
+    """The transform in float64 (exact for float32 input: 16 terms of 25 bits)."""
+    h = nvfp4x.hadamard_matrix().astype(np.float64)
+    xp = np.concatenate([x, np.zeros((-x.shape[0] % 16, x.shape[1]))]).astype(np.float64)
+    return np.concatenate([h @ c for c in np.split(xp, xp.shape[0] // 16)])
+
+
+@MODES
+def test_rht_near_float32_max(mode):
+    # Finite in, finite out wherever the exact transform is finite (float32 partial sums
+    # of the 16-point transform would overflow); beyond FLT_MAX, ±inf.
+    rng = np.random.default_rng(7)
+    x = (rng.uniform(-1, 1, SHAPE) * FLT_MAX).astype(F32)
+    x[:, :8] = np.abs(x[:, :8])  # columns whose sums reach 4 x FLT_MAX
+    x[:, 8] = x[:, 8] * F32(2.0**-20)  # a column below the scaled range: untouched
+    x[3, 9] = F32(1.0)  # a small element among big ones
+    y = np.asarray(call(nvfp4x.rht, mode, x)).astype(np.float64)
+    exact = _exact_rht(x)
+    inside = np.abs(exact) <= float(FLT_MAX) * (1 - 2.0**-20)
+    outside = np.abs(exact) >= float(FLT_MAX) * (1 + 2.0**-20)
+    assert inside.sum() > 500 and outside.sum() > 20
+    assert np.isfinite(y[inside]).all(), exact[inside & ~np.isfinite(y)]
+    assert np.isinf(y[outside]).all()
+    amax = np.abs(x).max(axis=0).astype(np.float64)
+    assert (np.abs(y - exact)[inside] <= (2.0**-21 * amax * np.ones_like(exact))[inside]).all()
+    # A column not in the scaled range has the bits it has on its own.
+    alone = np.asarray(call(nvfp4x.rht, mode, np.ascontiguousarray(x[:, 8:9])))
+    assert_bits(y[:, 8:9].astype(F32), alone, "unscaled column")
+
+
+@MODES
+def test_mxfp8_subnormal_blocks(mode):
+    # Blocks of subnormals (and a normal block): the elements, scales and dequantised
+    # values (subnormal products of an E4M3 value and the 2^-126 scale) are the spec's
+    # IEEE float32 ones, on a device that flushes subnormals too.
+    x = np.random.default_rng(8).standard_normal(SHAPE).astype(F32)  # (shares compiles)
+    x[0, :32] = 0
+    x[0, :6] = [1e-40, -3e-41, 2e-39, 1e-45, 1.5e-38, -1.1e-38]
+    x[1] = x[1] * F32(2.0**-120)
+    m = call(nvfp4x.to_mxfp8, mode, x)
+    ref = ref_mxfp8(x)
+    assert_bits(m.data, ref.data, "elements")
+    assert_bits(np.asarray(m.scales).astype(F32), ref.scales, "scales")
+    deq = call(lambda m: m.dequantize(), mode, m)
+    assert_bits(deq, ref.deq, "dequantize")
+    assert np.count_nonzero(np.asarray(deq)[0, :6]) == 5  # 1e-45 rounds to 0
+
+
+@MODES
+def test_rht_subnormals(mode):
+    # Columns of subnormals and of tiny normals are transformed, not flushed to zero:
+    # within one unit of the smallest subnormal (2^-149), plus float32's summation error
+    # (relative to the column's amax), of the exact transform.
+    rng = np.random.default_rng(9)
+    fields = rng.integers(1, 2**23, SHAPE).astype(np.uint32)
+    x = fields.view(F32) * rng.choice([-1, 1], SHAPE).astype(F32)
+    x[:, 30:] = (rng.standard_normal((20, 10)) * 2.0**-120).astype(F32)
+    y = np.asarray(call(nvfp4x.rht, mode, x)).astype(np.float64)
+    exact = _exact_rht(x)
+    amax = np.abs(x).max(axis=0).astype(np.float64)
+    assert (np.abs(y - exact) <= 2.0**-149 + 2.0**-22 * amax).all()
+    assert np.count_nonzero(y[:16, :30]) == np.count_nonzero(exact[:16, :30])
+
+
+FP8_TINY = {
+    "subnormal tensor": lambda rng: rng.integers(1, 2**23, SHAPE).astype(np.uint32).view(F32),
+    "tiny normal amax": lambda rng: (rng.standard_normal(SHAPE) * 2.0**-118).astype(F32),
+    "subnormals under amax 2^-112": lambda rng: np.where(
+        np.arange(40) == 0,
+        F32(2.0**-112),
+        rng.integers(1, 2**23, SHAPE).astype(np.uint32).view(F32),
+    ),
+}
+
+
+@MODES
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("make", list(FP8_TINY.values()), ids=list(FP8_TINY))
+def test_fp8_tiny_tensors(mode, kind, make):
+    # A tiny tensor's scale `amax * f32(1/max)` is subnormal, or its subnormal elements
+    # quantise to non-zero values: the spec's IEEE float32 numbers, on a device that
+    # flushes subnormals too.
+    rng = np.random.default_rng(10)
+    x = (make(rng) * rng.choice([-1, 1], SHAPE)).astype(F32)
+    f = call(nvfp4x.to_fp8, mode, x, kind=kind)
+    ref = ref_fp8(x, kind)
+    assert_bits(f.data, ref.data, "data")
+    assert_bits(f.scale, ref.scale, "scale")
+    assert_bits(f.dequantize(), ref.deq, "dequantize")
+    assert np.count_nonzero(np.asarray(f.dequantize())) > 100

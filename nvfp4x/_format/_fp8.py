@@ -8,7 +8,8 @@ from jaxtyping import Array, Float
 
 from ._constants import E4M3_MAX, E5M2_MAX, FLT_MAX, MX_BLOCK
 from ._e4m3 import round_e4m3, round_e5m2
-from ._ieee import INF_BITS, abs_bits, from_bits, mul_normal
+from ._ieee import INF_BITS, abs_bits, from_bits, is_zero, mul_normal
+from ._subnormal import mul_tiny, tiny_up
 
 FP8_KINDS = {"e4m3": (E4M3_MAX, round_e4m3), "e5m2": (E5M2_MAX, round_e5m2)}
 
@@ -54,22 +55,39 @@ def quantize_mxfp8(
     return q.reshape(xp.shape), scale
 
 
+#: Below this amax (2^-90), `fp8_scale` and `quantize_fp8` take their exact paths: only
+#: there can the scale be subnormal, or a subnormal element quantise to a non-zero value.
+_TINY_AMAX_BITS = (127 - 90) << 23
+
+
 def fp8_scale(amax: Float[Array, ""], kind: str) -> Float[Array, ""]:
     """Current per-tensor decode scale `amax * f32(1 / max)`; 1 for a zero or non-finite
     amax. (Multiplying by the rounded reciprocal, rather than dividing by a constant that
-    XLA may or may not rewrite, gives the same bits eagerly and under `jit`.)"""
+    XLA may or may not rewrite, gives the same bits eagerly and under `jit`.) The IEEE
+    float32 product, subnormal scales of tiny tensors included (`mul_tiny`), on every
+    device."""
     maxval, _ = FP8_KINDS[kind]
-    s = jnp.asarray(amax, jnp.float32) * np.float32(1.0 / maxval)
-    return jnp.where((s == 0.0) | ~jnp.isfinite(s), jnp.float32(1.0), s)
+    amax = jnp.asarray(amax, jnp.float32)
+    c = np.float32(1.0 / maxval)
+    tiny = abs_bits(amax) < _TINY_AMAX_BITS
+    s = jnp.where(tiny, mul_tiny(jnp.where(tiny, amax, 0.0), float(c)), amax * c)
+    return jnp.where(is_zero(s) | ~jnp.isfinite(s), jnp.float32(1.0), s)
 
 
 def quantize_fp8(
     x: Float[Array, "..."], kind: str, amax: Float[Array, ""]
 ) -> tuple[Float[Array, "..."], Float[Array, ""]]:
     """FP8 with one decode scale per tensor. **Returns:** `(q, scale)`, value `q * scale`.
-    Non-finite elements become NaN (never a saturated finite value)."""
+    Non-finite elements become NaN (never a saturated finite value).
+
+    For a tiny tensor (amax below 2^-90) the quotients `x / scale` are taken with both
+    operands scaled up by 2^64 (`tiny_up`: exact, subnormals read from their bits), the
+    same IEEE quotients on a device that flushes subnormals."""
     _, rnd = FP8_KINDS[kind]
     scale = fp8_scale(amax, kind)
     x = x.astype(jnp.float32)
-    q = rnd(x / scale)
+    tiny = abs_bits(jnp.asarray(amax, jnp.float32)) < _TINY_AMAX_BITS
+    num = jnp.where(tiny, tiny_up(jnp.where(tiny & jnp.isfinite(x), x, 0.0)), x)
+    den = jnp.where(tiny, tiny_up(scale), scale)
+    q = rnd(num / den)
     return jnp.where(jnp.isfinite(x), q, jnp.nan), scale

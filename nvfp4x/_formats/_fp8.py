@@ -2,6 +2,7 @@
 a GEMM operand (`FP8Spec`, two of them), its packed array (`FP8Array`, made by
 `to_fp8`)."""
 
+import functools
 from typing import ClassVar
 
 import equinox as eqx
@@ -14,6 +15,7 @@ from jaxtyping import Array, Float, Shaped, UInt8
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_fp8_kind
 from .._format._fp8 import quantize_fp8
+from .._format._ieee import mul_exact
 from .._format._nvfp4 import tensor_amax
 from .._packed import PackedArray, as_bits
 from ._spec import Format, FormatSpec
@@ -76,8 +78,18 @@ class FP8Array(PackedArray):
         **Returns:** an array of shape `self.shape`.
         """
         scale = self.scale.reshape(self.scale.shape + (1,) * (self.data.ndim - self.scale.ndim))
-        out = self.data.astype(jnp.float32) * scale
+        out = _dequantize(self.data_bits, scale, self.kind)
         return out.astype(self.dtype if dtype is None else dtype)
+
+
+# Jitted: called eagerly, it is one dispatch rather than `mul_exact`'s ops one by one.
+@functools.partial(jax.jit, static_argnames="kind")
+def _dequantize(data_bits: Array, scale: Array, kind: str) -> Float[Array, "..."]:
+    """`data * scale`, the IEEE float32 products (subnormal ones of tiny tensors
+    included, `mul_exact`)."""
+    fp8 = jnp.float8_e4m3fn if kind == "e4m3" else jnp.float8_e5m2
+    data = jax.lax.bitcast_convert_type(data_bits, fp8).astype(jnp.float32)
+    return mul_exact(data, scale)
 
 
 @follows_input_sharding

@@ -2,6 +2,7 @@
 GEMM's contraction axis, no tensor scale. The format as a GEMM operand (`MXFP8Spec`),
 its packed array (`MXFP8Array`, made by `to_mxfp8`)."""
 
+import functools
 from typing import ClassVar
 
 import equinox as eqx
@@ -15,6 +16,7 @@ from .._axes import follows_input_sharding
 from .._checks import check_float, check_ndim
 from .._format._constants import MX_BLOCK
 from .._format._fp8 import mx_pad, quantize_mxfp8
+from .._format._ieee import mul_exact
 from .._packed import PackedArray, as_bits
 from ._spec import Format, FormatSpec
 
@@ -81,9 +83,23 @@ class MXFP8Array(PackedArray):
 
         - `dtype`: the output dtype; by default the dtype that was quantised.
 
-        **Returns:** an array of shape `self.shape`.
+        **Returns:** an array of shape `self.shape`: the IEEE float32 products, subnormal
+        ones included (`mul_exact`: the same bits on a device that flushes subnormals),
+        in `dtype`.
         """
-        return self.operand()[0].astype(self.dtype if dtype is None else dtype)
+        v = _dequantize(self.data, self.scales, self.logical_last)
+        return v.astype(self.dtype if dtype is None else dtype)
+
+
+# Jitted: called eagerly, it is one dispatch rather than `mul_exact`'s ops one by one.
+@functools.partial(jax.jit, static_argnames="last")
+def _dequantize(data: Array, scales: Array, last: int) -> Float[Array, "..."]:
+    """Element times block scale in float32 (IEEE, subnormal products included), the
+    padding of the last axis cut off."""
+    d = data.astype(jnp.float32)
+    blocks = d.reshape(*d.shape[:-1], d.shape[-1] // MX_BLOCK, MX_BLOCK)
+    v = mul_exact(blocks, scales.astype(jnp.float32)[..., None]).reshape(d.shape)
+    return v[..., :last]
 
 
 @follows_input_sharding

@@ -114,7 +114,8 @@ class Format:
       Blackwell's cast computes. It is allowed with either rounding (with
       `"nearest"` it trades clamping for a coarser grid) and for NVFP4 only.
 
-    Raises `ValueError` for an unknown name, rounding or scale rounding, a block the
+    Raises `TypeError` for a `name` that is not a string, and `ValueError` for an
+    unknown name, rounding or scale rounding, a block the
     format does not allow, or stochastic rounding or `scale_rounding="up"` of a format
     other than NVFP4.
 
@@ -133,6 +134,11 @@ class Format:
     scale_rounding: str = "nearest"
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(
+                f"`Format(name)` must be a format name (a string), got "
+                f"{type(self.name).__name__} `{self.name!r:.40}`; use one of {sorted(FORMATS)}."
+            )
         spec = _SPECS.get(self.name)
         if spec is None:
             raise ValueError(f"Unknown format `{self.name!r}`; use one of {sorted(FORMATS)}.")
@@ -149,7 +155,7 @@ class Format:
                 f"{spec.blocks}."
             )
         object.__setattr__(self, "block", block)
-        if self.rounding not in ("nearest", "stochastic"):
+        if not isinstance(self.rounding, str) or self.rounding not in ("nearest", "stochastic"):
             raise ValueError(
                 f"`rounding={self.rounding!r}` is unknown; use 'nearest' or 'stochastic'."
             )
@@ -158,7 +164,7 @@ class Format:
                 f"Stochastic rounding is implemented for {_which('roundings', self.rounding)} "
                 f"only, not `{self.name}`."
             )
-        if self.scale_rounding not in SCALE_ROUNDINGS:
+        if not isinstance(self.scale_rounding, str) or self.scale_rounding not in SCALE_ROUNDINGS:
             raise ValueError(
                 f"`scale_rounding={self.scale_rounding!r}` is unknown; use one of "
                 f"{SCALE_ROUNDINGS}."

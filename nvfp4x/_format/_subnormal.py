@@ -1,0 +1,84 @@
+"""Float32 arithmetic on values near the subnormal range, with IEEE results on every device.
+
+XLA:CPU flushes subnormals (see `_ieee`). Where a computation on tiny values (the RHT of
+a column of subnormals, the FP8 scale of a tiny tensor) must give its IEEE float32
+result, it runs scaled up by 2^`TINY_SHIFT`, where nothing is subnormal: `tiny_up`
+scales the operands exactly, reading subnormals from their bits, and `tiny_down` rounds
+the scaled result back once, building a subnormal result from its bits.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from ._ieee import MIN_NORMAL_BITS, abs_bits, from_bits, ldexp_normal
+
+#: The power of two by which tiny values are scaled up.
+TINY_SHIFT = 64
+
+_SIGN = -(2**31)  # the sign bit, as an int32
+
+
+def tiny_up(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`x * 2^64` exactly, for finite `|x| < 2^64`: a subnormal `x = m * 2^-149` is read
+    from its bits (as `m * 2^-85`), a normal one has 64 added to its exponent. (Any other
+    `x` gives garbage: mask it.)"""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    mag = bits & 0x7FFFFFFF
+    sub = mag < MIN_NORMAL_BITS
+    m = mag.astype(jnp.float32)  # the 23-bit field of a subnormal, exactly
+    up_sub = jnp.where(mag == 0, 0.0, ldexp_normal(jnp.where(mag == 0, 1.0, m), TINY_SHIFT - 149))
+    up = jnp.where(sub, up_sub, ldexp_normal(jnp.where(sub, 1.0, x), TINY_SHIFT))
+    return from_bits(jax.lax.bitcast_convert_type(up, jnp.int32) | (bits & _SIGN))
+
+
+def tiny_down(y: Float[Array, "*s"], err: Float[Array, "*s"] | None = None) -> Float[Array, "*s"]:
+    """`(y + err) * 2^-64` rounded once to float32 (to nearest, ties to even), for a
+    finite `y` that is 0 or normal and `|y| < 2^62`; `err` (default 0) is an exact
+    remainder below half an ulp of `y` (such as `two_product`'s), which decides ties.
+
+    A result of at least 2^-126 is `y * 2^-64` (exact); below, the subnormal's 23-bit
+    field is `|y| * 2^85` (exact, < 2^23) rounded to an integer, and built from bits.
+    """
+    y = y.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
+    a = from_bits(bits & 0x7FFFFFFF)
+    normal = abs_bits(a) >= MIN_NORMAL_BITS + (TINY_SHIFT << 23)  # a * 2^-64 >= 2^-126
+    down = ldexp_normal(jnp.where(normal, a, 1.0), -TINY_SHIFT)
+    zero = abs_bits(a) < MIN_NORMAL_BITS  # (0; `y` is never subnormal here)
+    field = ldexp_normal(jnp.where(zero | normal, 1.0, a), 149 - TINY_SHIFT)
+    n = jnp.round(field)  # half to even
+    if err is not None:  # a tie broken by the sign of the remainder (of |y|)
+        e = jnp.where(bits < 0, -err, err)
+        frac = field - n  # exact
+        n = n + jnp.where((frac == 0.5) & (e > 0), 1.0, 0.0)
+        n = n - jnp.where((frac == -0.5) & (e < 0), 1.0, 0.0)
+    sub = from_bits(jnp.where(zero | normal, 0, n.astype(jnp.int32)))
+    mag = jnp.where(normal, down, sub)
+    return from_bits(jax.lax.bitcast_convert_type(mag, jnp.int32) | (bits & _SIGN))
+
+
+def _split(x: Float[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+    """`x = hi + lo` with 12 significant bits each (exact)."""
+    hi = from_bits(jax.lax.bitcast_convert_type(x, jnp.int32) & ~0xFFF)
+    return hi, x - hi
+
+
+def mul_tiny(a: Float[Array, "*s"], c: float) -> Float[Array, "*s"]:
+    """The IEEE float32 product `a * c` for finite `0 <= a < 2^-64` (subnormal `a`
+    included) and a positive normal constant `c <= 1`, subnormal results included.
+
+    `a * 2^64` (exact) times `c` is rounded in the normal range (`p`), its exact
+    remainder found by Dekker's product of 12-bit halves (every partial product exact;
+    Ogita, Rump and Oishi's TwoProduct), and `tiny_down` rounds `p` back once, the
+    remainder breaking a tie.
+    """
+    ap = tiny_up(a)
+    c32 = np.float32(c)
+    p = ap * c32
+    ah, al = _split(ap)
+    ch = np.asarray(np.asarray(c32).view(np.int32) & np.int32(~0xFFF)).view(np.float32)[()]
+    cl = np.float32(c32 - ch)
+    err = al * cl - (((p - ah * ch) - al * ch) - ah * cl)
+    return tiny_down(p, err)
