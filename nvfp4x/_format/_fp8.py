@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from ._constants import E4M3_MAX, E5M2_MAX, FLT_MAX, MX_BLOCK
 from ._e4m3 import round_e4m3, round_e5m2
-from ._ieee import INF_BITS, abs_bits, from_bits, mul_normal
+from ._ieee import INF_BITS, abs_bits, divide, from_bits, mul_normal
 
 FP8_KINDS = {"e4m3": (E4M3_MAX, round_e4m3), "e5m2": (E5M2_MAX, round_e5m2)}
 
@@ -67,9 +67,10 @@ def quantize_fp8(
     x: Float[Array, "..."], kind: str, amax: Float[Array, ""]
 ) -> tuple[Float[Array, "..."], Float[Array, ""]]:
     """FP8 with one decode scale per tensor. **Returns:** `(q, scale)`, value `q * scale`.
-    Non-finite elements become NaN (never a saturated finite value)."""
+    Non-finite elements become NaN (never a saturated finite value). `x / scale` is
+    correctly rounded on every backend (`divide`)."""
     _, rnd = FP8_KINDS[kind]
     scale = fp8_scale(amax, kind)
     x = x.astype(jnp.float32)
-    q = rnd(x / scale)
+    q = rnd(divide(x, scale))
     return jnp.where(jnp.isfinite(x), q, jnp.nan), scale

@@ -29,6 +29,7 @@ from ._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
     abs_bits,
+    divide,
     from_bits,
     is_tiny_scale,
     is_zero,
@@ -78,14 +79,15 @@ def _second(x, m):
 
 
 def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
-    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`.
+    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`; the
+    division correctly rounded on every backend (`divide`).
 
     A subnormal `amax` gives FLT_MAX (2688 / amax > 2^137 overflows), whether or not the
     device reads it as 0; the zero test is on the bits (`is_zero`), so a subnormal is
     not mistaken for 0 on a device that flushes subnormals.
     """
     amax = jnp.asarray(amax, jnp.float32)
-    s_enc = jnp.minimum(NVFP4_RANGE / amax, FLT_MAX)
+    s_enc = jnp.minimum(divide(jnp.float32(NVFP4_RANGE), amax), FLT_MAX)
     # `s_enc <= 0`: an infinite amax (0), and -0.0 (-inf; no test of the bits of |amax|,
     # see `is_zero`).
     return jnp.where(is_zero(amax) | (s_enc <= 0.0), jnp.float32(1.0), s_enc)
