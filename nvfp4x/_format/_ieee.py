@@ -50,7 +50,7 @@ def is_zero(x: Float[Array, "*s"]) -> Bool[Array, "*s"]:
     return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) == 0
 
 
-def ldexp_normal(x: Float[Array, "*s"], k: int) -> Float[Array, "*s"]:
+def ldexp_normal(x: Float[Array, "*s"], k: int | Int[Array, "*s"]) -> Float[Array, "*s"]:
     """`x * 2^k` by adding `k` to the exponent bits: exact for a normal `x` whose result
     is normal; anything else (0, subnormal, inf, NaN, or a result out of the normal
     range) gives garbage, so mask those cases with `jnp.where`."""
@@ -180,7 +180,7 @@ def _rne_quotient(ma: Int[Array, "*s"], mb: Int[Array, "*s"], t: Int[Array, "*s"
     return q + up.astype(jnp.int32)
 
 
-def divide(a: Float[Array, "*s"], b: Float[Array, "*s"]) -> Float[Array, "*s"]:
+def divide(a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, "..."]:
     """The IEEE float32 quotient `a / b`, correctly rounded (ties to even), on every
     backend, whatever its `/` and its subnormal mode: zeros, subnormal operands and
     results, overflow to inf, inf and NaN all as IEEE has them (NaN results are the
