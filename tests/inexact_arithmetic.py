@@ -11,7 +11,9 @@ with `tests/` on the path), this plugin changes how XLA:CPU lowers two primitive
   bits (so the same inputs give the same result, eagerly and under `jit`), unless the
   divisor is a power of two (exact on every backend);
 - every float32 `dot_general` that does not ask for `precision=HIGHEST` on both
-  operands rounds them to TF32 (8 exponent, 10 mantissa bits, to nearest) first.
+  operands rounds them to bfloat16's precision (8 significant bits, to nearest) first:
+  coarser than TF32 (11), as some GPU dot algorithms are, so that exactly the operands
+  the library may leave at default precision (those exact in bfloat16) pass unchanged.
 
 `tests/test_exactness.py` runs the format and GEMM tests under it in a subprocess: their
 bits must not change. Import-time side effect only; nothing here is part of nvfp4x.
@@ -29,8 +31,8 @@ _HASH = {
     jnp.dtype(jnp.bfloat16): (jnp.int16, jnp.uint16, 0x9E37, 12, 0x7F),
     jnp.dtype(jnp.float16): (jnp.int16, jnp.uint16, 0x9E37, 12, 0x3FF),
 }
-#: Significand bits a TF32 multiplication keeps.
-TF32_MANTISSA_BITS = 10
+#: Stored mantissa bits a default-precision float32 dot keeps here (TF32: 10, bfloat16: 7).
+LOOSE_MANTISSA_BITS = 7
 
 
 def _nudge(q, y):
@@ -69,18 +71,18 @@ _exact_dot = _rule(_cpu_rules.get(lax_internal.dot_general_p) or mlir._lowerings
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
-def _tf32_dot(lhs, rhs, **params):
-    def tf32(v):
-        return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=TF32_MANTISSA_BITS)
+def _loose_dot(lhs, rhs, **params):
+    def loose(v):
+        return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=LOOSE_MANTISSA_BITS)
 
-    return lax.dot_general_p.bind(tf32(lhs), tf32(rhs), **dict(params, precision=_HIGHEST))
+    return lax.dot_general_p.bind(loose(lhs), loose(rhs), **dict(params, precision=_HIGHEST))
 
 
 def _inexact_dot(ctx, lhs, rhs, **params):
     f32 = jnp.dtype(jnp.float32)
     loose = params.get("precision") != _HIGHEST
     if loose and any(a.dtype == f32 for a in ctx.avals_in):
-        lower = mlir.lower_fun(lambda a, b: _tf32_dot(a, b, **params), multiple_results=False)
+        lower = mlir.lower_fun(lambda a, b: _loose_dot(a, b, **params), multiple_results=False)
         return lower(ctx, lhs, rhs)
     return _exact_dot(ctx, lhs, rhs, **params)
 
