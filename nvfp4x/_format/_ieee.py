@@ -210,29 +210,44 @@ def divide(a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, "..."
         finite = ~(nan | inf | zero)
         ma, ea = _significand(jnp.where(finite, xa, MIN_NORMAL_BITS))
         mb, eb = _significand(jnp.where(finite, xb, MIN_NORMAL_BITS))
-        below = (ma < mb).astype(jnp.int32)
-        e = ea - eb + 127 - below  # the result's biased exponent, if normal
-        normal = e >= 1
-        t = jnp.where(normal, 23 + below, 22 + below + e)  # fewer bits when subnormal
-        n = _rne_quotient(ma, mb, jnp.clip(t, 0, 24))
-        n = jnp.where(t >= 0, n, jnp.where((t == -1) & (ma > mb), 1, 0))
-        # A significand rounded up to 2^24 carries into the exponent, a subnormal one
-        # to 2^23 into the smallest normal: adding to the bits does both.
-        mag = jnp.where(normal, ((e - 1) << 23) + n, n)
-        mag = jnp.where(normal & ((e >= 255) | (mag >= INF_BITS)), INF_BITS, mag)
+        mag = _quotient_bits(ma, ea, mb, eb)
         mag = jnp.where(inf, INF_BITS, jnp.where(zero, 0, mag))
-        out = from_bits(mag | sign)
-        return jnp.where(nan, jnp.float32(jnp.nan), out)
+        return jnp.where(nan, jnp.float32(jnp.nan), from_bits(mag | sign))
+
+
+def _quotient_bits(ma, ea, mb, eb) -> Int[Array, "..."]:
+    """The bits of `|a| / |b|` rounded to float32 (ties to even), from the significands
+    and exponents of finite nonzero operands (`_significand`)."""
+    below = (ma < mb).astype(jnp.int32)
+    e = ea - eb + 127 - below  # the result's biased exponent, if normal
+    normal = e >= 1
+    t = jnp.where(normal, 23 + below, 22 + below + e)  # fewer bits when subnormal
+    n = _rne_quotient(ma, mb, jnp.clip(t, 0, 24))
+    n = jnp.where(t >= 0, n, jnp.where((t == -1) & (ma > mb), 1, 0))
+    # A significand rounded up to 2^24 carries into the exponent, a subnormal one to
+    # 2^23 into the smallest normal: adding to the bits does both.
+    mag = jnp.where(normal, ((e - 1) << 23) + n, n)
+    return jnp.where(normal & ((e >= 255) | (mag >= INF_BITS)), INF_BITS, mag)
 
 
 def reciprocal(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """The IEEE float32 `1 / s` (`divide`), subnormal results included: the tensor
-    decode scale `s_dec = 1 / S_enc`, subnormal when `S_enc > 2^126`."""
-    return divide(jnp.float32(1.0), s)
+    """The IEEE float32 `1 / s`, as `divide(1, s)` bit for bit (subnormal results
+    included: the tensor decode scale `s_dec = 1 / S_enc` is subnormal when `S_enc >
+    2^126`), in fewer operations: the dividend's significand and exponent are constants."""
+    with jax.named_scope(EXACT_DIVISION):
+        ib = jax.lax.bitcast_convert_type(jnp.asarray(s, jnp.float32), jnp.int32)
+        xb = ib & 0x7FFFFFFF
+        finite = (xb != 0) & (xb < INF_BITS)
+        mb, eb = _significand(jnp.where(finite, xb, MIN_NORMAL_BITS))
+        one = jnp.full_like(mb, MIN_NORMAL_BITS)  # 1.0: significand 2^23, exponent 127
+        mag = _quotient_bits(one, jnp.full_like(eb, 127), mb, eb)
+        mag = jnp.where(xb == 0, INF_BITS, jnp.where(xb == INF_BITS, 0, mag))
+        out = from_bits(mag | (ib & jnp.int32(-(2**31))))
+        return jnp.where(xb > INF_BITS, jnp.float32(jnp.nan), out)
 
 
 def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`min(1 / p, FLT_MAX)` in IEEE float32 for `p >= 0` (`divide`), reading a subnormal
+    """`min(1 / p, FLT_MAX)` in IEEE float32 for `p >= 0` (`reciprocal`), reading a subnormal
     `p` exactly; `p = 0` gives FLT_MAX; NaN stays NaN."""
-    r = divide(jnp.float32(1.0), p)
+    r = reciprocal(p)
     return jnp.where(jnp.isnan(r), r, jnp.minimum(r, FLT_MAX))

@@ -95,18 +95,17 @@ def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
 
 def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """`(S_enc, s_dec)` of a tensor with the given amax; `s_dec = 1 / S_enc` is subnormal
-    when `S_enc > 2^126` (amax below about 3.2e-35), computed exactly then (`reciprocal`
-    covers both cases).
+    when `S_enc > 2^126` (amax below about 3.2e-35). Both quotients are exact on every
+    backend (`divide`, `reciprocal`).
 
-    The two scalars go through an optimisation barrier, so that XLA computes them once
-    rather than once per element of the loops it might fuse them into. (XLA:CPU drops
-    barriers before fusion; there the division, an operation its fusion does not
-    duplicate, keeps them apart. A `lax.cond` to skip the exact path would cost two
-    more computations for XLA to compile in every quantisation, to save a few dozen
-    scalar operations.)
+    The two scalars are materialised (`_materialize`), so that XLA computes them once
+    rather than once per block or element of the loops it would otherwise fuse their
+    few dozen integer operations into (an optimisation barrier is dropped before fusion
+    on XLA:CPU; a `lax.cond` to skip the exact path would cost two more computations for
+    XLA to compile in every quantisation).
     """
     s_enc = encode_scale(amax)
-    return jax.lax.optimization_barrier((s_enc, reciprocal(s_enc)))
+    return _materialize(s_enc, reciprocal(s_enc))
 
 
 def _block_scales(
@@ -137,16 +136,15 @@ def _block_scales(
     return _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
 
 
-def _materialize(*arrays: Array) -> tuple[Array, Array, Array]:
-    """The three arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
+def _materialize(*arrays: Array) -> tuple[Array, ...]:
+    """The arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
     XLA does not fuse a reduction into the loops that read its result, so they read
-    these values once per block instead of recomputing them for every element (an
-    optimisation barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two
-    more computations for XLA to compile)."""
+    these values once instead of recomputing them for every element (an optimisation
+    barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two more
+    computations for XLA to compile)."""
     pairs = [jnp.stack([a, jnp.full_like(a, -jnp.inf)], axis=-1) for a in arrays]
     inits = [jnp.array(-jnp.inf, a.dtype) for a in arrays]
-    scale_b, inv_b, inv_sub = jax.lax.reduce(pairs, inits, _maxima, (arrays[0].ndim,))
-    return scale_b, inv_b, inv_sub
+    return tuple(jax.lax.reduce(pairs, inits, _maxima, (arrays[0].ndim,)))
 
 
 def _block_scale_values(bamax, s_enc):
