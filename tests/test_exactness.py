@@ -30,7 +30,7 @@ from helpers import RECIPES
 from reference import F32, FLT_MAX, assert_bits, ref_nvfp4, unpack
 
 import nvfp4x
-from nvfp4x._format._ieee import EXACT_DIVISION, divide
+from nvfp4x._format._ieee import EXACT_DIVISION, divide, reciprocal
 
 TESTS = Path(__file__).parent
 PLUGIN = "inexact_arithmetic"
@@ -74,7 +74,7 @@ def _division_cases(n: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     }
 
 
-_divide = jax.jit(divide)
+_divide, _reciprocal = jax.jit(divide), jax.jit(reciprocal)
 _cases = functools.cache(_division_cases)
 
 
@@ -85,6 +85,8 @@ def test_divide_matches_ieee(case):
     with np.errstate(all="ignore"):
         want = a / b
     assert_bits(_divide(a, b), want, f"divide, {case}")
+    if case.startswith("1 /"):
+        assert_bits(_reciprocal(b), want, "reciprocal")
 
 
 def test_divide_eagerly_and_broadcast():
