@@ -105,7 +105,8 @@ def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array
     XLA to compile in every quantisation).
     """
     s_enc = encode_scale(amax)
-    return _materialize(s_enc, reciprocal(s_enc))
+    s_enc, s_dec = _materialize(s_enc, reciprocal(s_enc))
+    return s_enc, s_dec
 
 
 def _block_scales(
@@ -133,7 +134,8 @@ def _block_scales(
         raise ValueError(
             f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
         )
-    return _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
+    scale_b, inv_b, inv_sub = _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
+    return scale_b, inv_b, inv_sub
 
 
 def _materialize(*arrays: Array) -> tuple[Array, ...]:
