@@ -247,6 +247,7 @@ UNDER_INEXACT_ARITHMETIC = [
 ]
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the plugin changes XLA:CPU only")
 def test_format_and_gemm_tests_under_inexact_arithmetic():
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
