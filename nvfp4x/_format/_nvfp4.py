@@ -98,15 +98,17 @@ def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array
     when `S_enc > 2^126` (amax below about 3.2e-35). Both quotients are exact on every
     backend (`divide`, `reciprocal`).
 
-    The two scalars are materialised (`_materialize`), so that XLA computes them once
+    The two scalars are materialised (`_materialize`, on their bits), so that XLA computes them once
     rather than once per block or element of the loops it would otherwise fuse their
     few dozen integer operations into (an optimisation barrier is dropped before fusion
     on XLA:CPU; a `lax.cond` to skip the exact path would cost two more computations for
     XLA to compile in every quantisation).
     """
     s_enc = encode_scale(amax)
-    s_enc, s_dec = _materialize(s_enc, reciprocal(s_enc))
-    return s_enc, s_dec
+    # Materialised as bits: a float max reads a subnormal `s_dec` as 0 on XLA:CPU.
+    bits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in (s_enc, reciprocal(s_enc))]
+    s_enc, s_dec = _materialize(*bits)
+    return from_bits(s_enc), from_bits(s_dec)
 
 
 def _block_scales(
@@ -139,14 +141,19 @@ def _block_scales(
 
 
 def _materialize(*arrays: Array) -> tuple[Array, ...]:
-    """The arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
+    """The arrays, as the result of one variadic max-reduction over pairs `(a, lowest)`:
     XLA does not fuse a reduction into the loops that read its result, so they read
     these values once instead of recomputing them for every element (an optimisation
     barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two more
     computations for XLA to compile)."""
-    pairs = [jnp.stack([a, jnp.full_like(a, -jnp.inf)], axis=-1) for a in arrays]
-    inits = [jnp.array(-jnp.inf, a.dtype) for a in arrays]
+    pairs = [jnp.stack([a, jnp.full_like(a, _lowest(a.dtype))], axis=-1) for a in arrays]
+    inits = [jnp.array(_lowest(a.dtype), a.dtype) for a in arrays]
     return tuple(jax.lax.reduce(pairs, inits, _maxima, (arrays[0].ndim,)))
+
+
+def _lowest(dtype) -> float | int:
+    """The identity of `max` in `dtype`: -inf, or an integer type's minimum."""
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else int(jnp.iinfo(dtype).min)
 
 
 def _block_scale_values(bamax, s_enc):
