@@ -242,7 +242,6 @@ UNDER_INEXACT_ARITHMETIC = [
     "tests/test_format_inputs.py::test_tiny_under_vmap",
     "tests/test_fp8_tables.py::test_fp8_tensor_scaling_lands_on_the_table",
     "tests/test_gemm_jax.py::test_jvp_is_straight_through",
-    "tests/test_gemm_reference.py::test_qdot_matches_reference",
     "tests/test_gemm_reference.py::test_wgrad_with_rht_matches_reference[jit-reference]",
 ]
 
