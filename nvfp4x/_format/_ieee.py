@@ -1,4 +1,4 @@
-"""IEEE float32 results that do not depend on how a device treats subnormals.
+"""IEEE float32 results that do not depend on how a device treats subnormals or divides.
 
 The spec's formulas are IEEE float32, subnormals included. XLA on CPU runs with
 denormals-are-zero and flush-to-zero (measured with jax 0.10 on x86, eagerly and under
@@ -13,6 +13,11 @@ float operations whose operands and results are all normal (or irrelevant), so t
 bits are the same on every device, whatever its subnormal mode. Products of exact
 operands are never contracted differently: where a multiplication feeds an addition, the
 product is exact, so an FMA gives the same bits.
+
+Division is exact too (`divide`, `reciprocal`): a backend's float32 `/` need not be
+correctly rounded (XLA:GPU's is not), so its quotient serves only as an estimate that
+integer arithmetic corrects; `tests/test_exactness.py` checks that no other float
+division reaches XLA from the quantisers and GEMMs.
 
 Powers of two are applied by adding to the exponent bits (`ldexp_normal`), never by
 chains of multiplications by constants: XLA's simplifier folds `(x * 2^75) * 2^74` into
