@@ -289,12 +289,16 @@ def gemm_out_dtype(a, b, preferred_element_type):
     return widest_float(jnp.result_type(a), jnp.result_type(b))
 
 
-def _dot_rule(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_):
+def _dot_rule(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, **_):
     dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
     if isinstance(lhs, QWeight) and isinstance(rhs, QWeight):
         _report_unquantised(lhs.path, "a product of two quantised weights")
         return lax.dot_general(
-            lhs.array, rhs.array, dimension_numbers, preferred_element_type=dtype
+            lhs.array,
+            rhs.array,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=dtype,
         )
     w_is_lhs = isinstance(lhs, QWeight)
     w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)

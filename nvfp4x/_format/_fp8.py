@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from ._constants import E4M3_MAX, E5M2_MAX, FLT_MAX, MX_BLOCK
 from ._e4m3 import round_e4m3, round_e5m2
-from ._ieee import INF_BITS, abs_bits, from_bits, is_zero, mul_normal
+from ._ieee import INF_BITS, abs_bits, divide, from_bits, is_zero, mul_normal
 from ._subnormal import mul_tiny, tiny_up
 
 FP8_KINDS = {"e4m3": (E4M3_MAX, round_e4m3), "e5m2": (E5M2_MAX, round_e5m2)}
@@ -82,12 +82,13 @@ def quantize_fp8(
 
     For a tiny tensor (amax below 2^-90) the quotients `x / scale` are taken with both
     operands scaled up by 2^64 (`tiny_up`: exact, subnormals read from their bits), the
-    same IEEE quotients on a device that flushes subnormals."""
+    same IEEE quotients on a device that flushes subnormals. `x / scale` is correctly
+    rounded on every backend (`divide`)."""
     _, rnd = FP8_KINDS[kind]
     scale = fp8_scale(amax, kind)
     x = x.astype(jnp.float32)
     tiny = abs_bits(jnp.asarray(amax, jnp.float32)) < _TINY_AMAX_BITS
     num = jnp.where(tiny, tiny_up(jnp.where(tiny & jnp.isfinite(x), x, 0.0)), x)
     den = jnp.where(tiny, tiny_up(scale), scale)
-    q = rnd(num / den)
+    q = rnd(divide(num, den))
     return jnp.where(jnp.isfinite(x), q, jnp.nan), scale

@@ -1,4 +1,4 @@
-"""IEEE float32 results that do not depend on how a device treats subnormals.
+"""IEEE float32 results that do not depend on how a device treats subnormals or divides.
 
 The spec's formulas are IEEE float32, subnormals included. XLA on CPU runs with
 denormals-are-zero and flush-to-zero (measured with jax 0.10 on x86, eagerly and under
@@ -13,6 +13,11 @@ float operations whose operands and results are all normal (or irrelevant), so t
 bits are the same on every device, whatever its subnormal mode. Products of exact
 operands are never contracted differently: where a multiplication feeds an addition, the
 product is exact, so an FMA gives the same bits.
+
+Division is exact too (`divide`, `reciprocal`): a backend's float32 `/` need not be
+correctly rounded (XLA:GPU's is not), so its quotient serves only as an estimate that
+integer arithmetic corrects; `tests/test_exactness.py` checks that no other float
+division reaches XLA from the quantisers and GEMMs.
 
 Powers of two are applied by adding to the exponent bits (`ldexp_normal`), never by
 chains of multiplications by constants: XLA's simplifier folds `(x * 2^75) * 2^74` into
@@ -50,7 +55,7 @@ def is_zero(x: Float[Array, "*s"]) -> Bool[Array, "*s"]:
     return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) == 0
 
 
-def ldexp_normal(x: Float[Array, "*s"], k: int) -> Float[Array, "*s"]:
+def ldexp_normal(x: Float[Array, "*s"], k: int | Int[Array, "*s"]) -> Float[Array, "*s"]:
     """`x * 2^k` by adding `k` to the exponent bits: exact for a normal `x` whose result
     is normal; anything else (0, subnormal, inf, NaN, or a result out of the normal
     range) gives garbage, so mask those cases with `jnp.where`."""
@@ -146,45 +151,108 @@ def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."]) -> Float[Array, ".
     return jnp.where(tiny & ~jnp.isnan(p), y, p * s)
 
 
-def reciprocal(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """The IEEE float32 `1 / s` for a positive normal finite `s`, subnormal results included.
+#: The name scope of `divide`: the one place in nvfp4x where a float `div` may be traced
+#: (its float estimate, corrected exactly in integers). `tests/test_exactness.py` checks
+#: every public quantiser's and GEMM's jaxpr for float divisions outside it.
+EXACT_DIVISION = "nvfp4x_exact_division"
 
-    Above 2^126 the result is subnormal: its 23-bit field `n = RNE(2^149 / s)` is computed
-    exactly in int32 (`s = M * 2^(E-23)`, so `n = RNE(2^(172-E) / M)`): a float estimate
-    of the quotient, the remainder `2^K - q M` taken modulo 2^32 (it is small), one
-    correction each way, and round half to even on the remainder.
+
+def _significand(bits: Int[Array, "*s"]) -> tuple[Int[Array, "*s"], Int[Array, "*s"]]:
+    """`(M, E)` with `|x| = M * 2^(E - 150)` and `2^23 <= M < 2^24`, from the bits of a
+    finite nonzero `|x|`: the normal significand and biased exponent, or for a subnormal
+    its field shifted up to 24 bits (`E <= 0` then)."""
+    sub = bits < MIN_NORMAL_BITS
+    shift = jnp.where(sub, jax.lax.clz(jnp.maximum(bits, 1)) - 8, 0)
+    m = jnp.where(sub, bits << shift, (bits & 0x007FFFFF) | MIN_NORMAL_BITS)
+    return m, jnp.where(sub, 1 - shift, bits >> 23)
+
+
+def _rne_quotient(ma: Int[Array, "*s"], mb: Int[Array, "*s"], t: Int[Array, "*s"]):
+    """`RNE(ma * 2^t / mb)` for 24-bit `ma, mb` and `0 <= t <= 24` where the quotient is
+    below 2^24, exactly, on any backend: a float estimate (the backend's `/`, which may be
+    off by an ulp or two), then the remainder `ma * 2^t - q * mb`, small, so exact modulo
+    2^32 in uint32 arithmetic, two corrections each way, and round half to even on it."""
+    num = ldexp_normal(ma.astype(jnp.float32), t)  # exact: at most 2^48
+    q = jnp.floor(num / mb.astype(jnp.float32)).astype(jnp.int32)
+    u32 = jnp.uint32
+    rem = (ma.astype(u32) << t.astype(u32)) - q.astype(u32) * mb.astype(u32)
+    rem = jax.lax.bitcast_convert_type(rem, jnp.int32)
+    for _ in range(2):
+        q, rem = jnp.where(rem < 0, q - 1, q), jnp.where(rem < 0, rem + mb, rem)
+    for _ in range(2):
+        q, rem = jnp.where(rem >= mb, q + 1, q), jnp.where(rem >= mb, rem - mb, rem)
+    up = (2 * rem > mb) | ((2 * rem == mb) & ((q & 1) == 1))
+    return q + up.astype(jnp.int32)
+
+
+def divide(a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, "..."]:
+    """The IEEE float32 quotient `a / b`, correctly rounded (ties to even), on every
+    backend, whatever its `/` and its subnormal mode: zeros, subnormal operands and
+    results, overflow to inf, inf and NaN all as IEEE has them (NaN results are the
+    canonical quiet NaN).
+
+    A GPU's float32 `/` is not correctly rounded (XLA:GPU's was measured 1 ulp off for
+    1.15% of reciprocals on an H200), so a quotient that decides bits (a tensor scale,
+    an inverse block scale, an FP8 element) goes through here. With `|a| = Ma 2^(Ea-150)`
+    and `|b| = Mb 2^(Eb-150)` (`_significand`), the quotient's significand is
+    `RNE(Ma 2^t / Mb)`, with `t = 23` or `24` for a normal result (24 bits) and fewer
+    for a subnormal one, computed exactly in integers (`_rne_quotient`); the sign is the
+    xor of the signs. Float operations appear only in the estimate, under the name scope
+    `EXACT_DIVISION`.
     """
-    s = jnp.asarray(s, jnp.float32)
-    bits = abs_bits(s)
-    big = bits > abs_bits(jnp.float32(2.0**126))
-    m = (bits & 0x007FFFFF) | MIN_NORMAL_BITS  # 24-bit significand
-    e = (bits >> 23) - 127  # 126 or 127 where it matters
-    num = jnp.where(e == 126, jnp.float32(2.0**46), jnp.float32(2.0**45))
-    q = jnp.floor(num / m.astype(jnp.float32)).astype(jnp.int32)
-    q = jnp.where(big, q, 0)
-    m = jnp.where(big, m, 1)
-    # 2^K is 0 modulo 2^32 (K >= 45), and |2^K - q m| < 2^25: wrap-around is exact.
-    prod = jax.lax.bitcast_convert_type(q.astype(jnp.uint32) * m.astype(jnp.uint32), jnp.int32)
-    rem = -prod
-    q, rem = jnp.where(rem < 0, q - 1, q), jnp.where(rem < 0, rem + m, rem)
-    q, rem = jnp.where(rem >= m, q + 1, q), jnp.where(rem >= m, rem - m, rem)
-    up = (2 * rem > m) | ((2 * rem == m) & ((q & 1) == 1))
-    sub = from_bits(q + up.astype(jnp.int32))
-    return jnp.where(big, sub, 1.0 / jnp.where(big, 1.0, s))
+    with jax.named_scope(EXACT_DIVISION):
+        a = jnp.asarray(a, jnp.float32)
+        b = jnp.asarray(b, jnp.float32)
+        a, b = jnp.broadcast_arrays(a, b)
+        ia = jax.lax.bitcast_convert_type(a, jnp.int32)
+        ib = jax.lax.bitcast_convert_type(b, jnp.int32)
+        sign = (ia ^ ib) & jnp.int32(-(2**31))
+        xa, xb = ia & 0x7FFFFFFF, ib & 0x7FFFFFFF
+        nan = (xa > INF_BITS) | (xb > INF_BITS) | ((xa == 0) & (xb == 0))
+        nan = nan | ((xa == INF_BITS) & (xb == INF_BITS))
+        inf = (xa == INF_BITS) | (xb == 0)
+        zero = (xa == 0) | (xb == INF_BITS)
+        finite = ~(nan | inf | zero)
+        ma, ea = _significand(jnp.where(finite, xa, MIN_NORMAL_BITS))
+        mb, eb = _significand(jnp.where(finite, xb, MIN_NORMAL_BITS))
+        mag = _quotient_bits(ma, ea, mb, eb)
+        mag = jnp.where(inf, INF_BITS, jnp.where(zero, 0, mag))
+        return jnp.where(nan, jnp.float32(jnp.nan), from_bits(mag | sign))
+
+
+def _quotient_bits(ma, ea, mb, eb) -> Int[Array, "..."]:
+    """The bits of `|a| / |b|` rounded to float32 (ties to even), from the significands
+    and exponents of finite nonzero operands (`_significand`)."""
+    below = (ma < mb).astype(jnp.int32)
+    e = ea - eb + 127 - below  # the result's biased exponent, if normal
+    normal = e >= 1
+    t = jnp.where(normal, 23 + below, 22 + below + e)  # fewer bits when subnormal
+    n = _rne_quotient(ma, mb, jnp.clip(t, 0, 24))
+    n = jnp.where(t >= 0, n, jnp.where((t == -1) & (ma > mb), 1, 0))
+    # A significand rounded up to 2^24 carries into the exponent, a subnormal one to
+    # 2^23 into the smallest normal: adding to the bits does both.
+    mag = jnp.where(normal, ((e - 1) << 23) + n, n)
+    return jnp.where(normal & ((e >= 255) | (mag >= INF_BITS)), INF_BITS, mag)
+
+
+def reciprocal(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """The IEEE float32 `1 / s`, as `divide(1, s)` bit for bit (subnormal results
+    included: the tensor decode scale `s_dec = 1 / S_enc` is subnormal when `S_enc >
+    2^126`), in fewer operations: the dividend's significand and exponent are constants."""
+    with jax.named_scope(EXACT_DIVISION):
+        ib = jax.lax.bitcast_convert_type(jnp.asarray(s, jnp.float32), jnp.int32)
+        xb = ib & 0x7FFFFFFF
+        finite = (xb != 0) & (xb < INF_BITS)
+        mb, eb = _significand(jnp.where(finite, xb, MIN_NORMAL_BITS))
+        one = jnp.full_like(mb, MIN_NORMAL_BITS)  # 1.0: significand 2^23, exponent 127
+        mag = _quotient_bits(one, jnp.full_like(eb, 127), mb, eb)
+        mag = jnp.where(xb == 0, INF_BITS, jnp.where(xb == INF_BITS, 0, mag))
+        out = from_bits(mag | (ib & jnp.int32(-(2**31))))
+        return jnp.where(xb > INF_BITS, jnp.float32(jnp.nan), out)
 
 
 def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`min(1 / p, FLT_MAX)` in IEEE float32 for `p >= 0`, reading a subnormal `p` exactly.
-
-    A subnormal `p = m * 2^-149` gives `(1 / m) * 2^149` (`1 / m` is normal; scaling it
-    is exact, or overflows to inf, hence FLT_MAX). `p = 0` gives FLT_MAX; NaN stays NaN.
-    """
-    p = p.astype(jnp.float32)
-    bits = abs_bits(p)
-    sub = bits < MIN_NORMAL_BITS
-    r = 1.0 / bits.astype(jnp.float32)  # in [2^-23, 1], or inf for p = 0
-    r_bits = jax.lax.bitcast_convert_type(r, jnp.int32)
-    overflow = (r_bits >> 23) + 149 >= 255
-    r_sub = jnp.where(overflow, jnp.inf, ldexp_normal(r, 149))
-    r = jnp.where(sub, r_sub, 1.0 / jnp.where(sub, 1.0, p))
-    return jnp.minimum(r, FLT_MAX)
+    """`min(1 / p, FLT_MAX)` in IEEE float32 for `p >= 0` (`reciprocal`), reading a subnormal
+    `p` exactly; `p = 0` gives FLT_MAX; NaN stays NaN."""
+    r = reciprocal(p)
+    return jnp.where(jnp.isnan(r), r, jnp.minimum(r, FLT_MAX))

@@ -29,6 +29,7 @@ from ._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
     abs_bits,
+    divide,
     from_bits,
     is_tiny_scale,
     is_zero,
@@ -78,14 +79,15 @@ def _second(x, m):
 
 
 def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
-    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`.
+    """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`; the
+    division correctly rounded on every backend (`divide`).
 
     A subnormal `amax` gives FLT_MAX (2688 / amax > 2^137 overflows), whether or not the
     device reads it as 0; the zero test is on the bits (`is_zero`), so a subnormal is
     not mistaken for 0 on a device that flushes subnormals.
     """
     amax = jnp.asarray(amax, jnp.float32)
-    s_enc = jnp.minimum(NVFP4_RANGE / amax, FLT_MAX)
+    s_enc = jnp.minimum(divide(jnp.float32(NVFP4_RANGE), amax), FLT_MAX)
     # `s_enc <= 0`: an infinite amax (0), and -0.0 (-inf; no test of the bits of |amax|,
     # see `is_zero`).
     return jnp.where(is_zero(amax) | (s_enc <= 0.0), jnp.float32(1.0), s_enc)
@@ -93,18 +95,20 @@ def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
 
 def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """`(S_enc, s_dec)` of a tensor with the given amax; `s_dec = 1 / S_enc` is subnormal
-    when `S_enc > 2^126` (amax below about 3.2e-35), computed exactly then (`reciprocal`
-    covers both cases).
+    when `S_enc > 2^126` (amax below about 3.2e-35). Both quotients are exact on every
+    backend (`divide`, `reciprocal`).
 
-    The two scalars go through an optimisation barrier, so that XLA computes them once
-    rather than once per element of the loops it might fuse them into. (XLA:CPU drops
-    barriers before fusion; there the division, an operation its fusion does not
-    duplicate, keeps them apart. A `lax.cond` to skip the exact path would cost two
-    more computations for XLA to compile in every quantisation, to save a few dozen
-    scalar operations.)
+    The two scalars are materialised (`_materialize`, on their bits), so that XLA computes them once
+    rather than once per block or element of the loops it would otherwise fuse their
+    few dozen integer operations into (an optimisation barrier is dropped before fusion
+    on XLA:CPU; a `lax.cond` to skip the exact path would cost two more computations for
+    XLA to compile in every quantisation).
     """
     s_enc = encode_scale(amax)
-    return jax.lax.optimization_barrier((s_enc, reciprocal(s_enc)))
+    # Materialised as bits: a float max reads a subnormal `s_dec` as 0 on XLA:CPU.
+    bits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in (s_enc, reciprocal(s_enc))]
+    s_enc, s_dec = _materialize(*bits)
+    return from_bits(s_enc), from_bits(s_dec)
 
 
 def _block_scales(
@@ -132,19 +136,24 @@ def _block_scales(
         raise ValueError(
             f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
         )
-    return _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
-
-
-def _materialize(*arrays: Array) -> tuple[Array, Array, Array]:
-    """The three arrays, as the result of one variadic max-reduction over pairs `(a, -inf)`:
-    XLA does not fuse a reduction into the loops that read its result, so they read
-    these values once per block instead of recomputing them for every element (an
-    optimisation barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two
-    more computations for XLA to compile)."""
-    pairs = [jnp.stack([a, jnp.full_like(a, -jnp.inf)], axis=-1) for a in arrays]
-    inits = [jnp.array(-jnp.inf, a.dtype) for a in arrays]
-    scale_b, inv_b, inv_sub = jax.lax.reduce(pairs, inits, _maxima, (arrays[0].ndim,))
+    scale_b, inv_b, inv_sub = _materialize(*_BLOCK_SCALES[scale_rounding](bamax, s_enc, s_dec))
     return scale_b, inv_b, inv_sub
+
+
+def _materialize(*arrays: Array) -> tuple[Array, ...]:
+    """The arrays, as the result of one variadic max-reduction over pairs `(a, lowest)`:
+    XLA does not fuse a reduction into the loops that read its result, so they read
+    these values once instead of recomputing them for every element (an optimisation
+    barrier is removed before fusion on XLA:CPU; a `lax.cond` costs two more
+    computations for XLA to compile)."""
+    pairs = [jnp.stack([a, jnp.full_like(a, _lowest(a.dtype))], axis=-1) for a in arrays]
+    inits = [jnp.array(_lowest(a.dtype), a.dtype) for a in arrays]
+    return tuple(jax.lax.reduce(pairs, inits, _maxima, (arrays[0].ndim,)))
+
+
+def _lowest(dtype) -> float | int:
+    """The identity of `max` in `dtype`: -inf, or an integer type's minimum."""
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else int(jnp.iinfo(dtype).min)
 
 
 def _block_scale_values(bamax, s_enc):

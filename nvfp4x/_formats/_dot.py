@@ -105,8 +105,20 @@ def scaled_dot(
     if not (dtype is not None and a.dtype == bf16 and b.dtype == bf16):
         dtype = widest_float(a.dtype, b.dtype, jnp.float32)
     a, b = a.astype(dtype), b.astype(dtype)
-    out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(
+        a, b, (dims, ((), ())), precision=dot_precision(dtype), preferred_element_type=jnp.float32
+    )
     return apply_scales(out, a_scale, b_scale)
+
+
+def dot_precision(dtype: jnp.dtype) -> lax.Precision:
+    """The precision a `dot_general` on `dtype` operands asks for: `HIGHEST` for float32
+    (and wider), so that a GPU, whose float32 dots default to TF32 (10 mantissa bits),
+    multiplies them in float32 as a CPU does; `DEFAULT` for bfloat16 and float16, which
+    every backend multiplies exactly."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return lax.Precision.HIGHEST
+    return lax.Precision.DEFAULT
 
 
 def apply_scales(out: Array, a_scale: ArrayLike | None, b_scale: ArrayLike | None) -> Array:
