@@ -1,8 +1,5 @@
 """Checkpoints that lose nothing.
 
-- `atomic_write`: every file nvfp4x writes goes to a temporary file in its directory,
-  flushed and fsynced, then renamed over the target: a save that dies half-way leaves
-  the previous file as it was.
 - `save` / `load`: a model in one file (a header, then `eqx.tree_serialise_leaves`),
   refused when it was corrupted (a sha256 of the payload in the header), truncated, or
   written from another model.
@@ -11,16 +8,13 @@
   depend on how the array is sharded.
 """
 
-import contextlib
 import dataclasses
 import hashlib
 import io
 import json
 import os
-import tempfile
 import warnings
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -29,74 +23,9 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from ._files import atomic_write, load_json, read_regular, remove_stale_temporaries
 from ._format._constants import GOLDEN_RATIO_32
 from ._sites import layers as site_layers, path_str
-
-# --- atomic files ---
-
-# `os.umask` cannot be read without setting it (and setting it is not thread-safe), so it
-# is read once, at import; a new file gets the mode `open` would have given it.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Write the file at `path` all at once or not at all.
-
-    Yields a binary file opened on a temporary file in `path`'s directory. When the
-    `with` block ends, that file is flushed and fsynced, then renamed over `path`
-    (`os.replace`, atomic on POSIX and Windows) and the directory is fsynced where the
-    OS allows, so a reader sees either the old file or the complete new one, also after
-    a crash or a kill. If the block raises, the temporary file is removed and `path` is
-    left as it was. The new file keeps the permissions of the file it replaces (a new
-    one gets those of `open`).
-
-    **Arguments:**
-
-    - `path`: the file to write; its directory must exist.
-
-    **Returns:** a context manager yielding the open binary file.
-
-    ```python
-    with atomic_write("model.safetensors") as f:
-        f.write(data)
-    ```
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        mode = os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
-        mode = 0o666 & ~_UMASK
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make a rename in `directory` durable (POSIX; Windows cannot open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
 
 # --- one-file model checkpoints ---
 
@@ -185,16 +114,21 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     ```
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        data = f.read()
+    remove_stale_temporaries(path)
+    data = read_regular(path)
     if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 8:
         raise ValueError(f"`{path}` is not an nvfp4x checkpoint (written by `nvfp4x.save`).")
     n = int.from_bytes(data[len(_MAGIC) : len(_MAGIC) + 8], "little")
     start = len(_MAGIC) + 8
+    if start + n > len(data):
+        raise ValueError(
+            f"`{path}`: the checkpoint header is truncated or corrupt: it claims {n:,} bytes "
+            f"of a file of {len(data):,}."
+        )
     try:
-        header = json.loads(data[start : start + n])
+        header = load_json(data[start : start + n], f"`{path}`: the checkpoint header")
     except ValueError as e:
-        raise ValueError(f"`{path}`: the checkpoint header is truncated or corrupt.") from e
+        raise ValueError(f"`{path}`: the checkpoint header is truncated or corrupt: {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
         raise ValueError(f"`{path}`: the checkpoint header is corrupt.")
     version = header.get("format_version")
