@@ -60,7 +60,8 @@ _live_lock = threading.Lock()
 def _temporary(target: str, kind: str) -> Iterator[str]:
     """A fresh temporary path next to `target`, recorded as live while the block runs."""
     directory, base = os.path.split(target)
-    path = os.path.join(directory, f".{base}.nvfp4x-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.{kind}")
+    name = f".{base}.nvfp4x-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.{kind}"
+    path = os.path.join(directory, name)
     with _live_lock:
         _live.add(path)
     try:
@@ -294,9 +295,7 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
             if not exists:
                 os.rename(staging, target)  # fails if another writer made it meanwhile
             elif not _exchange(staging, target):
-                raise OSError(
-                    errno.ENOTSUP, f"the file system cannot swap `{target}` atomically"
-                )
+                raise OSError(errno.ENOTSUP, f"the file system cannot swap `{target}` atomically")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
