@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 # `os.umask` cannot be read without setting it (and setting it is not thread-safe), so it
@@ -302,6 +302,22 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
         fsync_directory(parent)
         if exists:  # `staging` now holds the old contents
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_folder(directory: str | os.PathLike, files: Mapping[str, bytes]) -> None:
+    """Write `files` (`{name: bytes}`) into the folder `directory` as a whole or not at
+    all (`atomic_folder`): the folder's other entries are kept, and a reader sees it
+    before or after, never in between.
+
+    **Arguments:**
+
+    - `directory`: the folder (created if needed).
+    - `files`: the files to write, by name; existing files of these names are replaced.
+    """
+    with atomic_folder(directory, replaced=files.__contains__) as folder:
+        for name, data in files.items():
+            with atomic_write(os.path.join(folder, name)) as f:
+                f.write(data)
 
 
 # --- reading what may not be trusted ---

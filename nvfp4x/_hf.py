@@ -21,6 +21,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -35,7 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from ._array import NVFP4Array, to_nvfp4
-from ._files import MAX_JSON_BYTES, atomic_folder, atomic_write, load_json, read_regular
+from ._files import MAX_JSON_BYTES, load_json, read_regular, write_folder
 from ._format._constants import BLOCK, NVFP4_RANGE
 from ._format._nvfp4 import tensor_scales
 from ._frozen import FrozenWeight
@@ -360,11 +361,6 @@ def _unquantised_layers(model: Any, entries: list[_Entry]) -> set[str]:
 # --- safetensors, read and written ---
 
 
-def _write(path: str, data: bytes) -> None:
-    with atomic_write(path) as f:  # temporary file, fsync, rename into place
-        f.write(data)
-
-
 @dataclasses.dataclass
 class _Tensor:
     """A tensor of a safetensors file: dtype code, shape and its raw bytes."""
@@ -435,20 +431,27 @@ def _read_safetensors(path: str, raw: bytes) -> tuple[dict[str, _Tensor], dict[s
                 f"(it reads {sorted(DTYPES)})."
             )
         spans.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
-    tensors = {}
-    end_of_last = 0
-    for begin, end, name, dtype, shape in sorted(spans):
-        if end > len(body):
+    spans.sort()
+    for begin, end, name, _, _ in spans:
+        if end > len(body) or end < begin:
             raise ValueError(
                 f"`{path}` is truncated: tensor `{name}` lies at bytes {begin}..{end} of a "
                 f"payload of {len(body)}. Copy or export the checkpoint again."
             )
-        if begin != end_of_last or end < begin:
-            what = "overlaps the tensor before it" if begin < end_of_last else "leaves a gap"
+    for (_, before_end, before, _, _), (begin, end, name, _, _) in itertools.pairwise(spans):
+        if begin < before_end:
             raise ValueError(
-                f"`{path}`: tensor `{name}` at bytes {begin}..{end} {what} (the tensors must "
-                "tile the payload in order, as the safetensors format requires): corrupted "
-                "or crafted header."
+                f"`{path}`: tensor `{name}` at bytes {begin}..{end} overlaps tensor `{before}` "
+                f"(which ends at {before_end}): corrupted or crafted header."
+            )
+    tensors = {}
+    end_of_last = 0
+    for begin, end, name, dtype, shape in spans:
+        if begin != end_of_last:
+            raise ValueError(
+                f"`{path}`: tensor `{name}` at bytes {begin}..{end} leaves a gap of "
+                f"{begin - end_of_last} bytes before it (the tensors must tile the payload, as "
+                "the safetensors format requires): corrupted or crafted header."
             )
         if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
             raise ValueError(
@@ -955,8 +958,16 @@ def export_hf(
     the frozen weight's values bit for bit. Every other array (embeddings, norms, biases,
     layers kept in bf16 or float32) is written in its dtype; linear layers not in NVFP4
     are listed in `exclude_modules`. Each tensor's sha256 goes into the safetensors
-    metadata, which [`nvfp4x.import_hf`][] verifies. Files are written to a temporary
-    file, fsynced and renamed into place, the weights first.
+    metadata, which [`nvfp4x.import_hf`][] verifies.
+
+    The export replaces the previous one in `directory` as a whole or not at all: the
+    files are written (and fsynced) into a new sibling folder holding the folder's other
+    files too (hard links), which is then swapped with `directory` in one atomic rename
+    (Linux, macOS). A reader (a serving stack, `import_hf`) sees the old export or the
+    new one, never the weights of one with the configs of the other, also if the export
+    is killed; what a killed export left is removed by the next. Where the swap is
+    impossible (another OS, `directory` a mount point, its parent not writable) the
+    files are written in place one at a time, with a `UserWarning`.
 
     Serving stacks fuse q/k/v and gate/up projections (checkpoint names ending in
     `q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj` under one parent) into one GEMM
@@ -1084,9 +1095,7 @@ def export_hf(
         files[CONFIG] = (json.dumps(config, indent=2) + "\n").encode()
     # Written into a new folder swapped in whole: a reader (a serving stack, import_hf)
     # sees the previous export or this one, never weights of one with configs of another.
-    with atomic_folder(directory, replaced=files.__contains__) as folder:
-        for name, data in files.items():
-            _write(os.path.join(folder, name), data)
+    write_folder(directory, files)
 
 
 # --- import ---
@@ -1339,9 +1348,16 @@ def import_hf(
     (a 16x16-block layer of `like` needs the scales constant over each 16-row tile, as
     `export_hf` writes them). The activations' `input_scale` of a W4A4 layer is checked
     (present, positive) but not used: nvfp4x computes activation scales per call. The
-    safetensors header is parsed directly (its numpy loader cannot read F8_E4M3). Files
-    written by `export_hf` carry a sha256 of every tensor (and of `hf_quant_config.json`),
-    verified here; files from other writers have none and are read unverified.
+    safetensors header is parsed directly (its numpy loader cannot read F8_E4M3), and
+    checked as strictly as the safetensors library checks it (tensors that tile the
+    payload: no overlap, gap or trailing bytes). Files written by `export_hf` carry a
+    sha256 of every tensor (and of `hf_quant_config.json`), verified here; files from
+    other writers have none and are read unverified. A file that has lost part of
+    nvfp4x's checksums, or all of them while the config names nvfp4x as its producer, is
+    refused: verification fails closed. Only regular files inside `directory` are read
+    (an index naming `../x` or `/x` is refused; a symlink, as in Hugging Face's cache, is
+    followed), through one handle of the folder: an export swapped in meanwhile is read
+    again, whole.
 
     **Arguments:**
 
@@ -1359,8 +1375,10 @@ def import_hf(
     Raises `ValueError`, naming the file and tensor: a missing tensor, an unexpected one,
     a shape or dtype that does not match `like`, a layer quantised differently from
     `like`'s recipe, an unsupported quantisation config (MXFP4, AWQ variants, FP8, KV
-    cache quantisation, a group size other than 16), a truncated file, or a tensor whose
-    checksum fails.
+    cache quantisation, a group size other than 16), `config.json` and
+    `hf_quant_config.json` naming different algorithms, a truncated or malformed file, a
+    path outside the folder, something not a regular file (a FIFO, a device), or a
+    tensor whose checksum fails.
 
     ```python
     like = eqx.filter_eval_shape(lambda: nvfp4x.freeze(nvfp4x.quantize(build(), policy)))

@@ -372,7 +372,7 @@ def test_save_killed_mid_write_leaves_a_complete_checkpoint(tmp_path):
     # At most the killed write's temporary file is left next to it, and the next save
     # of that path removes it.
     others = [p for p in os.listdir(tmp_path) if p != "model.nvfp4x"]
-    temporary = r"\.model\.nvfp4x\.nvfp4x-[0-9a-f]{8}-%d-[0-9a-f]{8}\.tmp" % proc.pid
+    temporary = rf"\.model\.nvfp4x\.nvfp4x-[0-9a-f]{{8}}-{proc.pid}-[0-9a-f]{{8}}\.tmp"
     assert len(others) <= 1 and all(re.fullmatch(temporary, p) for p in others), others
     nvfp4x.save(path, loaded)
     assert os.listdir(tmp_path) == ["model.nvfp4x"]
@@ -384,8 +384,12 @@ def test_stale_temporaries_are_removed_but_not_a_live_writers(tmp_path, frozen_p
     writer), one of another target and files nvfp4x did not make are kept."""
     old, _ = frozen_pair
     path, _ = saved_file(tmp_path, old)
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_pid = int(gone.stdout)
     host = _files._HOST
     stale = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
