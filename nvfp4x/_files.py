@@ -45,7 +45,8 @@ MAX_JSON_BYTES = 100_000_000  # the safetensors library's limit for its header
 #: The deepest nesting of arrays and objects accepted in such a file.
 MAX_JSON_DEPTH = 64
 
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+#: This host, as temporaries and claims name it (a hash of its name).
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _TEMPORARY = re.compile(
     r"\.(?P<target>.+)\.nvfp4x-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>[a-z]+)"
 )
@@ -60,7 +61,7 @@ _live_lock = threading.Lock()
 def _temporary(target: str, kind: str) -> Iterator[str]:
     """A fresh temporary path next to `target`, recorded as live while the block runs."""
     directory, base = os.path.split(target)
-    name = f".{base}.nvfp4x-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.{kind}"
+    name = f".{base}.nvfp4x-{HOST}-{os.getpid()}-{secrets.token_hex(4)}.{kind}"
     path = os.path.join(directory, name)
     with _live_lock:
         _live.add(path)
@@ -71,7 +72,8 @@ def _temporary(target: str, kind: str) -> Iterator[str]:
             _live.discard(path)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with id `pid` runs (unknown: assumed so)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -91,9 +93,9 @@ def _is_stale(path: str, host: str, pid: int) -> bool:
         return False
     if age > STALE_AFTER_S:
         return True
-    if host != _HOST:
+    if host != HOST:
         return False
-    return pid == os.getpid() or not _pid_alive(pid)
+    return pid == os.getpid() or not pid_alive(pid)
 
 
 def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:

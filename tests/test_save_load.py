@@ -391,7 +391,7 @@ def test_stale_temporaries_are_removed_but_not_a_live_writers(tmp_path, frozen_p
         check=True,
     )
     dead_pid = int(gone.stdout)
-    host = _files._HOST
+    host = _files.HOST
     stale = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
     live = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{os.getppid()}-0123abcd.tmp"
     other_target = tmp_path / f".other.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
