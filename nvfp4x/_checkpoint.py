@@ -533,7 +533,14 @@ class TrainingCheckpointer:
             create=True,
         )
         self._ocp = ocp
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
+            raise ValueError(
+                f"`{self.directory}` cannot be opened: a step's Orbax metadata is corrupted"
+                f"{_damaged_steps(self.directory)} ({type(e).__name__}: {e}). Move that "
+                "step's folder away, or restore it from a good copy."
+            ) from e
         self._pending: list[_Pending] = []  # saves not yet confirmed, oldest first
         self._closed = False
         _close_at_exit(self)
@@ -603,6 +610,7 @@ class TrainingCheckpointer:
                 for (_, spec), checksum in zip(saved, checksums(values), strict=True)
             ],
         }
+        metadata["digest"] = _metadata_digest(metadata)
         args: dict[str, Any] = {"nvfp4x": self._ocp.args.JsonSave(metadata)}
         if values:
             args["state"] = self._ocp.args.StandardSave(values)
@@ -809,6 +817,24 @@ class TrainingCheckpointer:
         return path
 
 
+def _damaged_steps(directory: str) -> str:
+    """`" (step 5)"` where one step's `_CHECKPOINT_METADATA` is not a JSON object (for
+    an error message: which step made Orbax fail), else `""`."""
+    damaged = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.isdigit():
+                continue
+            try:
+                raw = read_regular(os.path.join(directory, name, "_CHECKPOINT_METADATA"))
+                ok = isinstance(json.loads(raw), dict)
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                damaged.append(int(name))
+    return f" (step {damaged[0]})" if len(damaged) == 1 else ""
+
+
 @dataclasses.dataclass
 class _Pending:
     """A save started and not yet confirmed."""
@@ -896,6 +922,16 @@ def _close_at_exit(checkpointer: TrainingCheckpointer) -> None:
             register(close)
 
 
+_METADATA_KEYS = {"format", "version", "step", "writer", "layers", "leaves", "digest"}
+
+
+def _metadata_digest(metadata: dict) -> str:
+    """The sha256 of the step's nvfp4x metadata, all of it but the digest itself (steps
+    written before nvfp4x recorded it have none, and no `writer`)."""
+    rest = {k: v for k, v in metadata.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
 def _parse_metadata(where: str, metadata: Any, step: int, fix: str) -> list["_Record"]:
     """The step's leaf records, every field checked: a damaged metadata file is refused
     as corrupted, naming the folder and the step, never a `KeyError` later."""
@@ -905,6 +941,14 @@ def _parse_metadata(where: str, metadata: Any, step: int, fix: str) -> list["_Re
 
     if not isinstance(metadata, dict):
         raise corrupted(f"is a {type(metadata).__name__}, not an object")
+    unknown = sorted(set(metadata) - _METADATA_KEYS)
+    if unknown:
+        raise corrupted(f"has unknown entries {unknown}")
+    if "digest" in metadata:
+        if metadata["digest"] != _metadata_digest(metadata):
+            raise corrupted("fails its sha256 digest")
+    elif "writer" in metadata:  # written with a digest, which was lost
+        raise corrupted("has lost its sha256 digest")
     if metadata.get("format") != _STATE_FORMAT:
         raise ValueError(
             f"{where} was not written by `nvfp4x.TrainingCheckpointer`, or is corrupted "
