@@ -31,7 +31,7 @@ NAMES = {"layers[0]": "model.layers.0.mlp.up_proj", "layers[1]": "model.layers.0
 WRITTEN = ("model.safetensors", "hf_quant_config.json", "config.json")
 RECIPES = {"w4a16": "nvfp4_weight_only", "w4a4": "nvfp4_inference"}
 AMAX = {"w4a16": None, "w4a4": {"layers[0]": 2.0, "layers[1]": 3.5}}
-KILL_SECONDS = 2.0  # the kill loop's length here; `benchmarks/kill_loops.py` runs longer
+KILL_SECONDS = float(os.environ.get("NVFP4X_KILL_SECONDS", "2"))  # longer: benchmarks/kill_loops.py
 TIMEOUT = 60
 
 

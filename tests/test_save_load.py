@@ -486,3 +486,16 @@ def test_version_1_file_loads_with_a_warning(tmp_path, frozen_pair):
     assert_same_bits(loaded, old, "version-1 file")
     nvfp4x.save(path, loaded)  # saving it again gives a version-2 file
     assert header_of(path.read_bytes())[0]["format_version"] == 2
+
+
+def test_save_under_jit_names_the_traced_leaf(tmp_path):
+    path = tmp_path / "model.nvfp4x"
+
+    @jax.jit
+    def step(w):
+        nvfp4x.save(path, {"w": w})
+        return w
+
+    with pytest.raises(TypeError, match=r"nvfp4x\.save: the leaf `\[w\]` is traced.*outside"):
+        step(jnp.ones(3))
+    assert not path.exists()
