@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 
 from . import _files
 from ._files import atomic_write, load_json, read_regular, remove_stale_temporaries
@@ -580,7 +581,7 @@ class TrainingCheckpointer:
         that another process is writing; `RuntimeError` if an earlier background save
         failed; `TypeError` for a traced state (call it outside `jax.jit`).
         """
-        if isinstance(step, jax.core.Tracer):
+        if isinstance(step, Tracer):
             raise TypeError(_TRACED.format(what="`step`"))
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise TypeError(f"`step` must be a non-negative int, got {step!r}.")
@@ -854,7 +855,7 @@ _TRACED = (
 
 def _refuse_traced(tree: Any, who: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, Tracer):
             raise TypeError(f"{who}: " + _TRACED.format(what=f"the leaf `{path_str(path)}`"))
 
 
