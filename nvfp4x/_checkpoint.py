@@ -18,6 +18,7 @@ import re
 import secrets
 import sys
 import threading
+import time
 import warnings
 import weakref
 from typing import Any
@@ -738,8 +739,9 @@ class TrainingCheckpointer:
             except Exception as e:
                 _release_waiters([p.operation for p in pending])
                 raise self._failed(", ".join(str(p.step) for p in pending), e) from e
-            for p in pending:
-                self._confirm(p)
+            if jax.process_count() == 1:  # one run's processes: Orbax coordinates them
+                for p in pending:
+                    self._confirm(p)
         finally:
             for p in pending:
                 _release(p.claim)
@@ -868,6 +870,11 @@ def _claim_holder(path: str) -> str | None:
     except (OSError, ValueError):
         return None  # a claim cut short by a kill (or gone)
     if host == _files.HOST and not _files.pid_alive(pid_number):
+        return None
+    try:
+        if time.time() - os.stat(path).st_mtime > _files.STALE_AFTER_S:
+            return None  # another host's claim, untouched for a day
+    except OSError:
         return None
     return f"host {host}, pid {pid}"
 

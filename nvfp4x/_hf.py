@@ -1068,6 +1068,8 @@ def export_hf(
 
     hf_quant = _hf_quant_config({n: g.algo for n, g in layers.items()}, unquantised)
     hf_quant_bytes = (json.dumps(hf_quant, indent=4) + "\n").encode()
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{who}: `{directory}` is a file, not a folder; export into a folder.")
     existing = os.listdir(directory) if os.path.isdir(directory) else []
     stray = sorted(
         f for f in existing if (f.endswith(".safetensors") and f != WEIGHTS) or f == INDEX
