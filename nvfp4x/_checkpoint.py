@@ -589,7 +589,6 @@ class TrainingCheckpointer:
         step = int(step)
         _refuse_traced(state, "TrainingCheckpointer.save")
         self._surface(wait=True)  # Orbax waits for the previous save anyway
-        self._manager.reload()  # steps another process committed meanwhile
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
             raise ValueError(
@@ -755,15 +754,12 @@ class TrainingCheckpointer:
         )
 
     def _confirm(self, pending: "_Pending") -> None:
-        self._manager.reload()
-        if pending.step in self._manager.all_steps():
+        if os.path.isdir(self._step_dir(pending.step)):
             try:
-                item = self._ocp.args.JsonRestore()
-                metadata = self._manager.restore(
-                    pending.step, args=self._ocp.args.Composite(nvfp4x=item)
-                )["nvfp4x"]
+                path = os.path.join(self._step_dir(pending.step), "nvfp4x", "metadata")
+                metadata = load_json(read_regular(path), f"`{path}`")
                 writer = metadata.get("writer") if isinstance(metadata, dict) else None
-            except Exception:  # unreadable: not ours either
+            except (OSError, ValueError):  # unreadable: not ours either
                 writer = None
             if writer == pending.token:
                 return
@@ -777,12 +773,13 @@ class TrainingCheckpointer:
             "is not in the folder after the save ended."
         )
 
+    def _step_dir(self, step: int) -> str:
+        """The folder of a committed step (Orbax names it by the step's number)."""
+        return os.path.join(self.directory, str(step))
+
     def _has_item(self, step: int) -> bool:
         """Whether the step has an `nvfp4x` item (a step nvfp4x wrote, even damaged)."""
-        return any(
-            os.path.isdir(os.path.join(self.directory, name, "nvfp4x"))
-            for name in (str(step), f"step_{step}")
-        )
+        return os.path.isdir(os.path.join(self._step_dir(step), "nvfp4x"))
 
     def _claim(self, step: int, token: str) -> str | None:
         """Claim `step` for this process (a lock file, single-process runs): refuse it
@@ -810,8 +807,7 @@ class TrainingCheckpointer:
             break
         else:
             raise ValueError(f"`{self.directory}`: could not claim step {step} (contended).")
-        self._manager.reload()
-        if step in self._manager.all_steps():
+        if os.path.isdir(self._step_dir(step)):
             _release(path)
             raise ValueError(
                 f"`{self.directory}` already has a checkpoint of step {step} (written by "
