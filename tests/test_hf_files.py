@@ -386,6 +386,15 @@ def test_a_flip_in_the_checksum_metadata_never_switches_verification_off(copy):
         path.write_bytes(flip(damaged, at))
         with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}`"):
             read()
+    # The producer's name in the config flipped as well as the checksums' key: the
+    # config's checksum entry, still there, refuses the file.
+    path.write_bytes(flip(damaged, data.index(b'"nvfp4x.sha256"', 8, 8 + n) + 3))
+    config = target / "hf_quant_config.json"
+    text = config.read_bytes()
+    config.write_bytes(flip(text, text.index(b'"nvfp4x"') + 1))
+    with pytest.raises(ValueError, match=r"no complete nvfp4x checksums.*one of nvfp4x's two"):
+        read()
+    config.write_bytes(text)
     path.write_bytes(data)
     read()
 
