@@ -247,9 +247,12 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
     one, never a mix, also after a kill at any moment (the next call removes what a
     killed one left). If the block raises, `directory` is left as it was.
 
-    Where the swap is impossible (Windows, a file system without it, a folder that is
-    a mount point or whose parent is not writable), the files are written into
-    `directory` itself, one atomic file at a time, with a `UserWarning` saying why.
+    On a file system without an atomic swap, two renames (the old folder aside, the new
+    one in its place): a reader may then find no folder for a moment, never a mix, and
+    a kill between the two is undone by the next call. Where no rename can do it
+    (Windows, a folder that is a mount point or whose parent is not writable), the files
+    are written into `directory` itself, one atomic file at a time, with a `UserWarning`
+    saying why.
 
     **Arguments:**
 
@@ -263,6 +266,7 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
     target = os.path.realpath(os.fspath(directory))
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
+    recover_folder(target)
     remove_stale_temporaries(target)
     exists = os.path.isdir(target)
     if exists and os.path.ismount(target):
@@ -284,7 +288,7 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
         yield target
         return
     mode = (os.stat(target).st_mode & 0o7777) if exists else (0o777 & ~_UMASK)
-    with _temporary(target, "new") as staging:
+    with _temporary(target, "new") as staging, _temporary(target, "old") as old:
         os.mkdir(staging, 0o700)
         try:
             if exists:
@@ -294,16 +298,46 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
             yield staging
             os.chmod(staging, mode)
             fsync_directory(staging)
+            leftover = None
             if not exists:
                 os.rename(staging, target)  # fails if another writer made it meanwhile
-            elif not _exchange(staging, target):
-                raise OSError(errno.ENOTSUP, f"the file system cannot swap `{target}` atomically")
+            elif _exchange(staging, target):
+                leftover = staging  # now holding the old contents
+            else:  # two renames: a reader may find no folder in between, never a mix
+                os.rename(target, old)
+                os.rename(staging, target)
+                leftover = old
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         fsync_directory(parent)
-        if exists:  # `staging` now holds the old contents
-            shutil.rmtree(staging, ignore_errors=True)
+        if leftover is not None:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def recover_folder(directory: str | os.PathLike) -> None:
+    """Put back the previous folder where a kill fell between the two renames of a swap
+    without `renameat2` (the folder gone, its old contents under a temporary name).
+    `atomic_folder` does it first; call it before reading the folder to write anew."""
+    target = os.path.realpath(os.fspath(directory))
+    if os.path.lexists(target):
+        return
+    directory, base = os.path.split(target)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    olds = []
+    for name in names:
+        m = _TEMPORARY.fullmatch(name)
+        if m is None or m["target"] != base or m["kind"] != "old":
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and _is_stale(path, m["host"], int(m["pid"])):
+            olds.append((os.stat(path).st_mtime, path))
+    if olds:
+        with contextlib.suppress(OSError):
+            os.rename(max(olds)[1], target)
 
 
 def write_folder(directory: str | os.PathLike, files: Mapping[str, bytes]) -> None:

@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from ._array import NVFP4Array, to_nvfp4
-from ._files import MAX_JSON_BYTES, load_json, read_regular, write_folder
+from ._files import MAX_JSON_BYTES, load_json, read_regular, recover_folder, write_folder
 from ._format._constants import BLOCK, NVFP4_RANGE
 from ._format._nvfp4 import tensor_scales
 from ._frozen import FrozenWeight
@@ -1068,6 +1068,7 @@ def export_hf(
 
     hf_quant = _hf_quant_config({n: g.algo for n, g in layers.items()}, unquantised)
     hf_quant_bytes = (json.dumps(hf_quant, indent=4) + "\n").encode()
+    recover_folder(directory)  # a previous export killed half-way through its swap
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"{who}: `{directory}` is a file, not a folder; export into a folder.")
     existing = os.listdir(directory) if os.path.isdir(directory) else []

@@ -164,6 +164,39 @@ def test_export_keeps_the_folder_and_its_other_files(exports, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
 
 
+def dead_pid() -> int:
+    """The id of a process of this host that has ended."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+def test_without_an_atomic_swap_a_kill_between_two_renames_is_undone(
+    exports, tmp_path, monkeypatch
+):
+    """On a file system without `renameat2`'s exchange the swap is two renames; a kill
+    between them leaves the previous folder aside, which the next export puts back
+    (keeping its other files) before replacing its export."""
+    target = tmp_path / "served"
+    shutil.copytree(exports["w4a16"][0], target)
+    (target / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(_files, "_exchange", lambda a, b: False)
+    _, _, frozen = exports["w4a4"]
+    nvfp4x.export_hf(frozen, target, names=NAMES, input_amax=AMAX["w4a4"])
+    assert read_either(target, exports) == "w4a4"
+    assert os.listdir(tmp_path) == ["served"]
+    target.rename(tmp_path / f".served.nvfp4x-{_files.HOST}-{dead_pid()}-0123abcd.old")
+    _, _, frozen = exports["w4a16"]
+    nvfp4x.export_hf(frozen, target, names=NAMES)
+    assert read_either(target, exports) == "w4a16"
+    assert os.listdir(tmp_path) == ["served"]
+    assert (target / "tokenizer.json").read_text() == "{}"
+
+
 def test_a_failed_export_leaves_the_previous_one(exports, tmp_path, monkeypatch):
     directory, _, _ = exports["w4a16"]
     target = tmp_path / "served"
