@@ -1309,9 +1309,11 @@ def _import_plain(entry: _Entry, reader: _Reader) -> Any:
 
 def _read_checkpoint(directory: str) -> tuple[_QuantConfig, _Reader]:
     """The config and tensors of the checkpoint in `directory`, all from one export: read
-    through one handle of the folder, and read again if `export_hf` swapped a new export
-    in meanwhile."""
-    for attempt in range(3):
+    through one handle of the folder. A folder `export_hf` swaps out is only ever
+    emptied, never mixed, so a read that succeeds is of one export; one that fails
+    because the folder was swapped meanwhile is read again."""
+    error: Exception | None = None
+    for _ in range(_READ_ATTEMPTS):
         folder = _Folder(directory)
         try:
             config = _read_quant_config(folder)
@@ -1324,17 +1326,21 @@ def _read_checkpoint(directory: str) -> tuple[_QuantConfig, _Reader]:
                         f"`{config.file}` fails the sha256 checksum recorded in the weights at "
                         "export: it was changed or corrupted. Export the checkpoint again."
                     )
-        except (OSError, ValueError):
-            if attempt < 2 and folder.changed():
-                continue
-            raise
-        else:
-            if attempt < 2 and folder.changed():
-                continue
             return config, reader
+        except (OSError, ValueError) as e:
+            if not folder.changed():
+                raise
+            error = e
         finally:
             folder.close()
-    raise AssertionError("unreachable")  # pragma: no cover
+    raise ValueError(
+        f"`{directory}` was replaced {_READ_ATTEMPTS} times while it was being read (exports "
+        "written into it one after another): read it when they are done."
+    ) from error
+
+
+#: How many times `import_hf` reads a folder that exports keep replacing.
+_READ_ATTEMPTS = 10
 
 
 def import_hf(
