@@ -906,7 +906,7 @@ def _release_waiters(operations: list[str | None]) -> None:
             continue
         operation = getattr(thread, "_operation_id", None)
         if operation in wanted:
-            thread._cancelled = True  # it returns without running its target
+            setattr(thread, "_cancelled", True)  # noqa: B010 - it returns without running its target
             with contextlib.suppress(Exception):
                 set_signals(getattr(thread, "_receive_signals", ()), operation_id=operation)
 

@@ -965,8 +965,10 @@ def export_hf(
     files too (hard links), which is then swapped with `directory` in one atomic rename
     (Linux, macOS). A reader (a serving stack, `import_hf`) sees the old export or the
     new one, never the weights of one with the configs of the other, also if the export
-    is killed; what a killed export left is removed by the next. Where the swap is
-    impossible (another OS, `directory` a mount point, its parent not writable) the
+    is killed; what a killed export left is removed by the next. On a file system
+    without an atomic swap it takes two renames (a reader may find no folder for a
+    moment, never a mix; a kill between them is undone by the next export). Where no
+    rename can do it (Windows, `directory` a mount point, its parent not writable) the
     files are written in place one at a time, with a `UserWarning`.
 
     Serving stacks fuse q/k/v and gate/up projections (checkpoint names ending in
