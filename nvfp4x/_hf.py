@@ -21,6 +21,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -35,7 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from ._array import NVFP4Array, to_nvfp4
-from ._checkpoint import atomic_write
+from ._files import MAX_JSON_BYTES, load_json, read_regular, recover_folder, write_folder
 from ._format._constants import BLOCK, NVFP4_RANGE
 from ._format._nvfp4 import tensor_scales
 from ._frozen import FrozenWeight
@@ -360,11 +361,6 @@ def _unquantised_layers(model: Any, entries: list[_Entry]) -> set[str]:
 # --- safetensors, read and written ---
 
 
-def _write(path: str, data: bytes) -> None:
-    with atomic_write(path) as f:  # temporary file, fsync, rename into place
-        f.write(data)
-
-
 @dataclasses.dataclass
 class _Tensor:
     """A tensor of a safetensors file: dtype code, shape and its raw bytes."""
@@ -382,50 +378,80 @@ class _Tensor:
         return np.frombuffer(self.data, dtype=np.uint8).reshape(self.shape)
 
 
-def _read_safetensors(path: str) -> tuple[dict[str, _Tensor], dict[str, str]]:
-    """Parse a safetensors file by hand (8-byte little-endian header length, JSON header,
-    raw little-endian bytes): the `safetensors` numpy loader cannot read F8_E4M3."""
-    with open(path, "rb") as f:
-        data = memoryview(f.read())
+#: The largest safetensors header accepted (the safetensors library's limit).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _read_safetensors(path: str, raw: bytes) -> tuple[dict[str, _Tensor], dict[str, str]]:
+    """Parse the safetensors file `raw` (read from `path`) by hand (8-byte little-endian
+    header length, JSON header, raw little-endian bytes): the `safetensors` numpy loader
+    cannot read F8_E4M3. The header is checked as strictly as the safetensors library
+    checks it: a plausible length, tensors that tile the payload from its first byte to
+    its last in offset order (no overlap, no gap, no trailing bytes), each spanning the
+    bytes of its dtype and shape."""
+    data = memoryview(raw)
     size = len(data)
     if size < 8:
         raise ValueError(f"`{path}` is truncated: {size} bytes, shorter than a safetensors header.")
     n = int.from_bytes(data[:8], "little")
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"`{path}`: the safetensors header claims {n:,} bytes, more than the "
+            f"{MAX_HEADER_BYTES:,} allowed (corrupted, or not a safetensors file)."
+        )
     if 8 + n > size:
         raise ValueError(
             f"`{path}` is truncated: its header claims {n} bytes but the file has {size} in "
             "all. Copy or export the checkpoint again."
         )
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except ValueError as e:
-        raise ValueError(f"`{path}`: the safetensors header is not valid JSON (corrupted).") from e
+    header = load_json(bytes(data[8 : 8 + n]), f"`{path}`: the safetensors header")
     if not isinstance(header, dict):
         raise ValueError(f"`{path}`: the safetensors header is not a JSON object (corrupted).")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ValueError(f"`{path}`: `__metadata__` must map strings to strings (corrupted).")
     body = data[8 + n :]
-    tensors = {}
+    spans = []
     for name, info in header.items():
-        malformed = f"`{path}`: the header entry of tensor `{name}` is malformed."
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(malformed) from None
-        if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+        malformed = f"`{path}`: the header entry of tensor `{name}` is malformed (corrupted)."
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(malformed)
-        if dtype not in DTYPES:
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
+            raise ValueError(malformed)
+        if not all(type(d) is int and d >= 0 for d in (*shape, *offsets)):
+            raise ValueError(malformed)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(
                 f"`{path}`: tensor `{name}` has dtype `{dtype}`, which nvfp4x does not read "
                 f"(it reads {sorted(DTYPES)})."
             )
-        if end > len(body) or begin > end:
+        spans.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
+    spans.sort()
+    for begin, end, name, _, _ in spans:
+        if end > len(body) or end < begin:
             raise ValueError(
                 f"`{path}` is truncated: tensor `{name}` lies at bytes {begin}..{end} of a "
                 f"payload of {len(body)}. Copy or export the checkpoint again."
+            )
+    for (_, before_end, before, _, _), (begin, end, name, _, _) in itertools.pairwise(spans):
+        if begin < before_end:
+            raise ValueError(
+                f"`{path}`: tensor `{name}` at bytes {begin}..{end} overlaps tensor `{before}` "
+                f"(which ends at {before_end}): corrupted or crafted header."
+            )
+    tensors = {}
+    end_of_last = 0
+    for begin, end, name, dtype, shape in spans:
+        if begin != end_of_last:
+            raise ValueError(
+                f"`{path}`: tensor `{name}` at bytes {begin}..{end} leaves a gap of "
+                f"{begin - end_of_last} bytes before it (the tensors must tile the payload, as "
+                "the safetensors format requires): corrupted or crafted header."
             )
         if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
             raise ValueError(
@@ -433,6 +459,12 @@ def _read_safetensors(path: str) -> tuple[dict[str, _Tensor], dict[str, str]]:
                 "not the size of its shape (corrupted header)."
             )
         tensors[name] = _Tensor(path, dtype, shape, body[begin:end])
+        end_of_last = end
+    if end_of_last != len(body):
+        raise ValueError(
+            f"`{path}`: {len(body) - end_of_last} bytes after the last tensor belong to none "
+            "(the safetensors format allows no trailing bytes): corrupted or crafted file."
+        )
     _verify_checksums(path, tensors, metadata)
     return tensors, metadata
 
@@ -463,6 +495,28 @@ def _verify_checksums(path: str, tensors: dict[str, _Tensor], metadata: dict[str
             )
 
 
+def _check_checksums_present(path: str, metadata: dict[str, str], config: "_QuantConfig") -> None:
+    """Fail closed: a file nvfp4x wrote carries both of its checksum entries, so one
+    without the other, or none where the config names nvfp4x as the producer, is a file
+    whose metadata was damaged (a flipped byte in a key would otherwise switch the
+    verification off), not a file from another writer."""
+    has = [key in metadata for key in (CHECKSUMS_KEY, CONFIG_CHECKSUM_KEY)]
+    if all(has):
+        return
+    if any(has):
+        lost = CONFIG_CHECKSUM_KEY if has[0] else CHECKSUMS_KEY
+        why = f"it has one of nvfp4x's two checksum entries but not `{lost}`"
+    elif config.producer == "nvfp4x":
+        why = f"`{config.file}` names nvfp4x as its producer, and nvfp4x records them"
+    else:
+        return  # another writer's file (Model Optimizer's): no checksums to verify
+    raise ValueError(
+        f"`{path}` carries no complete nvfp4x checksums, but {why}: its metadata is damaged "
+        "and it cannot be verified. Export the checkpoint again, or restore it from a good "
+        "copy."
+    )
+
+
 def _serialise(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
     try:  # an optional dependency: only writing needs it
         import safetensors.numpy
@@ -486,6 +540,7 @@ class _QuantConfig:
     algo: str  # W4A4, W4A16 or MIXED
     exclude: list[str]
     layers: dict[str, str] | None  # MIXED: checkpoint module name -> algo
+    producer: str | None  # `producer.name` ("nvfp4x" for `export_hf`'s files)
 
     def algo_of(self, name: str) -> str | None:
         """The layer's `quant_algo`, None for a layer kept unquantised."""
@@ -535,11 +590,17 @@ def _check_group_size(size: Any, file: str, where: str = "") -> None:
         )
 
 
-def _read_quant_config(directory: str) -> _QuantConfig:
-    hq = os.path.join(directory, HF_QUANT_CONFIG)
-    cj = os.path.join(directory, CONFIG)
-    if os.path.exists(hq):
-        file, raw = hq, _load_json(hq)
+def _producer(raw: Any) -> str | None:
+    producer = raw.get("producer") if isinstance(raw, dict) else None
+    return producer.get("name") if isinstance(producer, dict) else None
+
+
+def _read_quant_config(folder: "_Folder") -> _QuantConfig:
+    directory = folder.directory
+    hq = folder.path(HF_QUANT_CONFIG)
+    cj = folder.path(CONFIG)
+    if folder.exists(HF_QUANT_CONFIG):
+        file, raw = hq, folder.json(HF_QUANT_CONFIG)
         q = raw.get("quantization") if isinstance(raw, dict) else None
         if not isinstance(q, dict):
             raise ValueError(f"`{hq}` has no `quantization` object (not a Model Optimizer config).")
@@ -549,8 +610,9 @@ def _read_quant_config(directory: str) -> _QuantConfig:
             q.get("group_size"),
         )
         exclude, per_layer = q.get("exclude_modules") or [], q.get("quantized_layers")
+        producer = _producer(raw)
     else:
-        raw = _load_json(cj) if os.path.exists(cj) else {}
+        raw = folder.json(CONFIG) if folder.exists(CONFIG) else {}
         q = raw.get("quantization_config") if isinstance(raw, dict) else None
         if not isinstance(q, dict):
             raise ValueError(
@@ -558,6 +620,7 @@ def _read_quant_config(directory: str) -> _QuantConfig:
                 "`quantization_config`: not a quantised Hugging Face checkpoint."
             )
         file = cj
+        producer = _producer(q)
         method = str(q.get("quant_method", ""))
         if not method.lower().startswith("modelopt"):
             raise ValueError(
@@ -595,18 +658,28 @@ def _read_quant_config(directory: str) -> _QuantConfig:
             _check_group_size(cfg.get("group_size"), file, f" (layer `{name}`)")
             if cfg.get("pre_quant_scale"):
                 _check_algo(f"{cfg.get('quant_algo')}_AWQ", file, f" (layer `{name}`)")
-        return _QuantConfig(file, MIXED, exclude, layers)
+        return _QuantConfig(file, MIXED, exclude, layers, producer)
     algo = _check_algo(algo, file)
     _check_group_size(group_size, file)
-    return _QuantConfig(file, algo, exclude, None)
+    return _QuantConfig(file, algo, exclude, None, producer)
 
 
-def _load_json(path: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except ValueError as e:
-        raise ValueError(f"`{path}` is not valid JSON (corrupted or truncated).") from e
+def _check_config_json_agrees(folder: "_Folder", config: _QuantConfig) -> None:
+    """A serving stack may read `config.json`'s `quantization_config` and nvfp4x reads
+    `hf_quant_config.json`: where both are present they must name one algorithm."""
+    if not (config.file.endswith(HF_QUANT_CONFIG) and folder.exists(CONFIG)):
+        return
+    raw = folder.json(CONFIG)
+    block = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if block is None:
+        return
+    theirs = block.get("quant_algo") if isinstance(block, dict) else block
+    if str(theirs).upper() != config.algo:
+        raise ValueError(
+            f"`{folder.path(CONFIG)}` says `quant_algo: {theirs}` but `{config.file}` says "
+            f"`quant_algo: {config.algo}`: the two configs of one checkpoint disagree (a "
+            "serving stack reading one would run the wrong algorithm). Export it again."
+        )
 
 
 def _hf_quant_config(algos: dict[str, str], exclude: set[str]) -> dict:
@@ -885,8 +958,18 @@ def export_hf(
     the frozen weight's values bit for bit. Every other array (embeddings, norms, biases,
     layers kept in bf16 or float32) is written in its dtype; linear layers not in NVFP4
     are listed in `exclude_modules`. Each tensor's sha256 goes into the safetensors
-    metadata, which [`nvfp4x.import_hf`][] verifies. Files are written to a temporary
-    file, fsynced and renamed into place, the weights first.
+    metadata, which [`nvfp4x.import_hf`][] verifies.
+
+    The export replaces the previous one in `directory` as a whole or not at all: the
+    files are written (and fsynced) into a new sibling folder holding the folder's other
+    files too (hard links), which is then swapped with `directory` in one atomic rename
+    (Linux, macOS). A reader (a serving stack, `import_hf`) sees the old export or the
+    new one, never the weights of one with the configs of the other, also if the export
+    is killed; what a killed export left is removed by the next. On a file system
+    without an atomic swap it takes two renames (a reader may find no folder for a
+    moment, never a mix; a kill between them is undone by the next export). Where no
+    rename can do it (Windows, `directory` a mount point, its parent not writable) the
+    files are written in place one at a time, with a `UserWarning`.
 
     Serving stacks fuse q/k/v and gate/up projections (checkpoint names ending in
     `q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj` under one parent) into one GEMM
@@ -987,52 +1070,135 @@ def export_hf(
 
     hf_quant = _hf_quant_config({n: g.algo for n, g in layers.items()}, unquantised)
     hf_quant_bytes = (json.dumps(hf_quant, indent=4) + "\n").encode()
-    os.makedirs(directory, exist_ok=True)
+    recover_folder(directory)  # a previous export killed half-way through its swap
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{who}: `{directory}` is a file, not a folder; export into a folder.")
+    existing = os.listdir(directory) if os.path.isdir(directory) else []
     stray = sorted(
-        f
-        for f in os.listdir(directory)
-        if (f.endswith(".safetensors") and f != WEIGHTS) or f == INDEX
+        f for f in existing if (f.endswith(".safetensors") and f != WEIGHTS) or f == INDEX
     )
     if stray:
         raise ValueError(
             f"{who}: `{directory}` already holds {stray}, weights of another checkpoint that "
             "loaders would read with these. Export into a folder without them."
         )
-    metadata = {"format": "pt", CONFIG_CHECKSUM_KEY: _digest(hf_quant_bytes)}
-    _write(os.path.join(directory, WEIGHTS), _serialise(tensors, metadata))
-    _write(os.path.join(directory, HF_QUANT_CONFIG), hf_quant_bytes)
     config_path = os.path.join(directory, CONFIG)
-    if hf_config is None and os.path.exists(config_path):
-        hf_config = _load_json(config_path)
+    if hf_config is None and CONFIG in existing:
+        hf_config = load_json(
+            read_regular(config_path, max_bytes=MAX_JSON_BYTES), f"`{config_path}`"
+        )
+        if not isinstance(hf_config, dict):
+            raise ValueError(f"{who}: `{config_path}` is not a JSON object; pass `hf_config`.")
+    files = {
+        WEIGHTS: _serialise(
+            tensors, {"format": "pt", CONFIG_CHECKSUM_KEY: _digest(hf_quant_bytes)}
+        ),
+        HF_QUANT_CONFIG: hf_quant_bytes,
+    }
     if hf_config is not None:
         config = {**dict(hf_config), "quantization_config": _config_json_block(hf_quant)}
-        _write(config_path, (json.dumps(config, indent=2) + "\n").encode())
+        files[CONFIG] = (json.dumps(config, indent=2) + "\n").encode()
+    # Written into a new folder swapped in whole: a reader (a serving stack, import_hf)
+    # sees the previous export or this one, never weights of one with configs of another.
+    write_folder(directory, files)
 
 
 # --- import ---
+
+
+class _Folder:
+    """A checkpoint folder, its files read through one open handle of it (where the OS
+    allows): while `export_hf` swaps a new export in, a reader keeps reading the folder
+    it opened, and `changed()` says that it should read again."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.fd: int | None = None
+        if os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY"):
+            self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def exists(self, name: str) -> bool:
+        try:
+            if self.fd is None:
+                os.stat(self.path(name))
+            else:
+                os.stat(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read(self, name: str, max_bytes: int | None = None) -> bytes:
+        if self.fd is None:
+            return read_regular(self.path(name), max_bytes=max_bytes)
+        return read_regular(name, dir_fd=self.fd, max_bytes=max_bytes, display=self.path(name))
+
+    def json(self, name: str) -> Any:
+        return load_json(self.read(name, MAX_JSON_BYTES), f"`{self.path(name)}`")
+
+    def changed(self) -> bool:
+        """Whether the folder at the path is no longer the one opened (swapped)."""
+        if self.fd is None:
+            return False
+        try:
+            now = os.stat(self.directory)
+        except FileNotFoundError:
+            return True
+        then = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+
+
+def _shard_name(name: Any, index: str) -> str:
+    """A `weight_map` file name, refused if it is not a relative path inside the folder
+    (an absolute path, `..`, a drive): an index must not make nvfp4x read other files."""
+    if not isinstance(name, str):
+        raise ValueError(f"`{index}`: the `weight_map` entry {name!r} is not a file name.")
+    parts = name.replace("\\", "/").split("/")
+    if (
+        not name
+        or "\0" in name
+        or os.path.isabs(name)
+        or name.startswith(("/", "\\"))
+        or os.path.splitdrive(name)[0]
+        or any(p in ("", "..") for p in parts)
+    ):
+        raise ValueError(
+            f"`{index}`: the `weight_map` names the file `{name}`, which is not inside the "
+            "checkpoint folder: refused (an index may only name files in its own folder)."
+        )
+    return name
 
 
 class _Reader:
     """The checkpoint's tensors (one file, or the shards an index lists) and what was
     taken from them."""
 
-    def __init__(self, directory: str):
-        index = os.path.join(directory, INDEX)
-        if os.path.exists(index):
-            raw = _load_json(index)
+    def __init__(self, folder: _Folder, config: _QuantConfig):
+        directory = folder.directory
+        index = folder.path(INDEX)
+        if folder.exists(INDEX):
+            raw = folder.json(INDEX)
             weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"`{index}` has no `weight_map` (corrupted).")
-            files = sorted(set(weight_map.values()))
+            files = sorted({_shard_name(f, index) for f in weight_map.values()})
         else:
             files = [WEIGHTS]
         self.tensors: dict[str, _Tensor] = {}
         self.config_digests: set[str] = set()
         for file in files:
-            path = os.path.join(directory, file)
-            if not os.path.exists(path):
+            path = folder.path(file)
+            if not folder.exists(file):
                 raise ValueError(f"`{directory}` has no `{file}`: the checkpoint is incomplete.")
-            tensors, metadata = _read_safetensors(path)
+            tensors, metadata = _read_safetensors(path, folder.read(file))
+            _check_checksums_present(path, metadata, config)
             for name, tensor in tensors.items():
                 if name in self.tensors:
                     raise ValueError(
@@ -1143,6 +1309,42 @@ def _import_plain(entry: _Entry, reader: _Reader) -> Any:
     return dataclasses.replace(leaf, packed=value) if isinstance(leaf, FrozenWeight) else value
 
 
+def _read_checkpoint(directory: str) -> tuple[_QuantConfig, _Reader]:
+    """The config and tensors of the checkpoint in `directory`, all from one export: read
+    through one handle of the folder. A folder `export_hf` swaps out is only ever
+    emptied, never mixed, so a read that succeeds is of one export; one that fails
+    because the folder was swapped meanwhile is read again."""
+    error: Exception | None = None
+    for _ in range(_READ_ATTEMPTS):
+        folder = _Folder(directory)
+        try:
+            config = _read_quant_config(folder)
+            _check_config_json_agrees(folder, config)
+            reader = _Reader(folder, config)
+            if config.file.endswith(HF_QUANT_CONFIG) and reader.config_digests:
+                digest = _digest(folder.read(HF_QUANT_CONFIG, MAX_JSON_BYTES))
+                if reader.config_digests != {digest}:
+                    raise ValueError(
+                        f"`{config.file}` fails the sha256 checksum recorded in the weights at "
+                        "export: it was changed or corrupted. Export the checkpoint again."
+                    )
+            return config, reader
+        except (OSError, ValueError) as e:
+            if not folder.changed():
+                raise
+            error = e
+        finally:
+            folder.close()
+    raise ValueError(
+        f"`{directory}` was replaced {_READ_ATTEMPTS} times while it was being read (exports "
+        "written into it one after another): read it when they are done."
+    ) from error
+
+
+#: How many times `import_hf` reads a folder that exports keep replacing.
+_READ_ATTEMPTS = 10
+
+
 def import_hf(
     directory: str | os.PathLike,
     like: Any,
@@ -1157,9 +1359,16 @@ def import_hf(
     (a 16x16-block layer of `like` needs the scales constant over each 16-row tile, as
     `export_hf` writes them). The activations' `input_scale` of a W4A4 layer is checked
     (present, positive) but not used: nvfp4x computes activation scales per call. The
-    safetensors header is parsed directly (its numpy loader cannot read F8_E4M3). Files
-    written by `export_hf` carry a sha256 of every tensor (and of `hf_quant_config.json`),
-    verified here; files from other writers have none and are read unverified.
+    safetensors header is parsed directly (its numpy loader cannot read F8_E4M3), and
+    checked as strictly as the safetensors library checks it (tensors that tile the
+    payload: no overlap, gap or trailing bytes). Files written by `export_hf` carry a
+    sha256 of every tensor (and of `hf_quant_config.json`), verified here; files from
+    other writers have none and are read unverified. A file that has lost part of
+    nvfp4x's checksums, or all of them while the config names nvfp4x as its producer, is
+    refused: verification fails closed. Only regular files inside `directory` are read
+    (an index naming `../x` or `/x` is refused; a symlink, as in Hugging Face's cache, is
+    followed), through one handle of the folder: an export swapped in meanwhile is read
+    again, whole.
 
     **Arguments:**
 
@@ -1177,8 +1386,10 @@ def import_hf(
     Raises `ValueError`, naming the file and tensor: a missing tensor, an unexpected one,
     a shape or dtype that does not match `like`, a layer quantised differently from
     `like`'s recipe, an unsupported quantisation config (MXFP4, AWQ variants, FP8, KV
-    cache quantisation, a group size other than 16), a truncated file, or a tensor whose
-    checksum fails.
+    cache quantisation, a group size other than 16), `config.json` and
+    `hf_quant_config.json` naming different algorithms, a truncated or malformed file, a
+    path outside the folder, something not a regular file (a FIFO, a device), or a
+    tensor whose checksum fails.
 
     ```python
     like = eqx.filter_eval_shape(lambda: nvfp4x.freeze(nvfp4x.quantize(build(), policy)))
@@ -1189,16 +1400,7 @@ def import_hf(
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise ValueError(f"{who}: `{directory}` is not a folder.")
-    config = _read_quant_config(directory)
-    reader = _Reader(directory)
-    if config.file.endswith(HF_QUANT_CONFIG) and reader.config_digests:
-        with open(config.file, "rb") as f:
-            digest = _digest(f.read())
-        if reader.config_digests != {digest}:
-            raise ValueError(
-                f"`{config.file}` fails the sha256 checksum recorded in the weights at export: "
-                "it was changed or corrupted. Export the checkpoint again."
-            )
+    config, reader = _read_checkpoint(directory)
     entries, treedef, leaves = _plan(like, names, who)
     leaves = list(leaves)
     for e in entries:

@@ -318,14 +318,18 @@ def test_mixed_policy_round_trip(tmp_path):
 
 
 def rewrite(path, drop=(), add=None, change=None):
-    """Write `path` again as another writer would (no nvfp4x metadata), with tensors
-    dropped, added or changed."""
+    """Write `path` again as another writer would (no nvfp4x metadata, another producer
+    in `hf_quant_config.json`), with tensors dropped, added or changed."""
     raw = read_raw(path)
     views = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
     tensors = {n: a.view(views.get(d, a.dtype)) for n, (d, a) in raw.items() if n not in drop}
     tensors.update(add or {})
     tensors.update(change or {})
     safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+    config = pathlib.Path(path).parent / "hf_quant_config.json"
+    raw = json.loads(config.read_text())
+    raw["producer"] = {"name": "modelopt", "version": "0.37.0"}
+    config.write_text(json.dumps(raw, indent=4))
 
 
 @pytest.fixture

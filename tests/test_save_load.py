@@ -41,7 +41,7 @@ from helpers import (
 )
 
 import nvfp4x
-from nvfp4x import _checkpoint
+from nvfp4x import _files
 
 TIMEOUT = 240  # seconds, for any subprocess
 
@@ -318,11 +318,11 @@ def test_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(
 
 def test_atomic_write_keeps_the_replaced_files_permissions(tmp_path):
     path = tmp_path / "file.bin"
-    with _checkpoint.atomic_write(path) as f:
+    with _files.atomic_write(path) as f:
         f.write(b"one")
-    assert path.stat().st_mode & 0o777 == 0o666 & ~_checkpoint._UMASK
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_files._UMASK
     path.chmod(0o640)
-    with _checkpoint.atomic_write(path) as f:
+    with _files.atomic_write(path) as f:
         f.write(b"two")
     assert path.read_bytes() == b"two"
     assert path.stat().st_mode & 0o777 == 0o640
@@ -369,9 +369,79 @@ def test_save_killed_mid_write_leaves_a_complete_checkpoint(tmp_path):
     i = int(loaded["i"])
     assert i >= 0 and np.all(np.asarray(loaded["w"]) == i), f"killed after {delay:.2f} s"
     assert i >= saves - 1, (i, saves)
-    # At most the killed write's temporary file is left next to it.
+    # At most the killed write's temporary file is left next to it, and the next save
+    # of that path removes it.
     others = [p for p in os.listdir(tmp_path) if p != "model.nvfp4x"]
-    assert len(others) <= 1 and all(re.fullmatch(r"\.model\.nvfp4x\..*\.tmp", p) for p in others)
+    temporary = rf"\.model\.nvfp4x\.nvfp4x-[0-9a-f]{{8}}-{proc.pid}-[0-9a-f]{{8}}\.tmp"
+    assert len(others) <= 1 and all(re.fullmatch(temporary, p) for p in others), others
+    nvfp4x.save(path, loaded)
+    assert os.listdir(tmp_path) == ["model.nvfp4x"]
+
+
+def test_stale_temporaries_are_removed_but_not_a_live_writers(tmp_path, frozen_pair):
+    """Temporaries named as `nvfp4x.save` names them: one of a process that is gone is
+    removed by the next save or load of that path; one of a live process (a concurrent
+    writer), one of another target and files nvfp4x did not make are kept."""
+    old, _ = frozen_pair
+    path, _ = saved_file(tmp_path, old)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(gone.stdout)
+    host = _files.HOST
+    stale = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
+    live = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{os.getppid()}-0123abcd.tmp"
+    other_target = tmp_path / f".other.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
+    not_ours = tmp_path / ".model.nvfp4x.Xy12ab.tmp"
+    for p in (stale, live, other_target, not_ours):
+        p.write_bytes(b"partial")
+    for use in ("load", "save"):
+        if use == "load":
+            nvfp4x.load(path, old)
+        else:
+            nvfp4x.save(path, old)
+        assert not stale.exists(), use
+        assert live.exists() and other_target.exists() and not_ours.exists(), use
+        stale.write_bytes(b"partial")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
+def test_load_refuses_what_is_not_a_regular_file(tmp_path, frozen_pair, kind):
+    """A FIFO would block a reader forever and `/dev/zero` never ends: both are refused
+    at once, naming the file (a symlink is followed to what it points at)."""
+    _, new = frozen_pair
+    path = tmp_path / "model.nvfp4x"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+    what = {"fifo": "FIFO", "dev-zero": "character device", "folder": "folder"}[kind]
+    with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is a {what}.*not a regular"):
+        nvfp4x.load(path, new)
+
+
+@pytest.mark.parametrize("header", ["deep", "duplicate-key", "huge-length"])
+def test_load_refuses_implausible_headers_naming_the_file(tmp_path, frozen_pair, header):
+    old, new = frozen_pair
+    path, data = saved_file(tmp_path, old)
+    _, start = header_of(data)
+    magic = data.index(b"\n") + 1
+    raw = {
+        "deep": b"[" * 100_000 + b"]" * 100_000,
+        "duplicate-key": b'{"format_version": 2, "format_version": 2, "layers": {}}',
+        "huge-length": None,
+    }[header]
+    if raw is None:
+        path.write_bytes(data[:magic] + (2**63).to_bytes(8, "little") + data[magic + 8 :])
+    else:
+        path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[start:])
+    with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}`.*(truncated or corrupt)"):
+        nvfp4x.load(path, new)
 
 
 def test_flipped_byte_anywhere_is_refused_naming_the_file(tmp_path, frozen_pair):
@@ -416,3 +486,16 @@ def test_version_1_file_loads_with_a_warning(tmp_path, frozen_pair):
     assert_same_bits(loaded, old, "version-1 file")
     nvfp4x.save(path, loaded)  # saving it again gives a version-2 file
     assert header_of(path.read_bytes())[0]["format_version"] == 2
+
+
+def test_save_under_jit_names_the_traced_leaf(tmp_path):
+    path = tmp_path / "model.nvfp4x"
+
+    @jax.jit
+    def step(w):
+        nvfp4x.save(path, {"w": w})
+        return w
+
+    with pytest.raises(TypeError, match=r"nvfp4x\.save: the leaf `\[w\]` is traced.*outside"):
+        step(jnp.ones(3))
+    assert not path.exists()
