@@ -30,8 +30,9 @@ from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
 from ._packed import PackedArray
 from ._policy import Recipe
-from ._prims import def_jvp, is_zero, primitive, shaped, zero_tangent
+from ._prims import def_jvp, is_zero, primitive, shaped, vmapped, zero_tangent
 from ._qweight import (
+    Layout,
     QWeight,
     WeightValue,
     as_qweight,
@@ -265,19 +266,29 @@ frozen_p = primitive(
 def_jvp(frozen_p, _frozen_jvp)
 
 
-def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout, nb: int) -> Array:
+def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout: Layout, nb: int) -> Array:
     leaves, wdef = jax.tree_util.tree_flatten(w.packed)
     if layout.stored:  # the stored layout: decode inside the primitive
         matmul = functools.partial(_matmul, wdef=wdef, recipe=w.recipe, fast=w.fast)
-        return explicit_axes_as_auto(matmul, x, tuple(leaves), (w.shape, leaves[0]))
+        # a stack (experts): each slice its own problem, with its own packed scales
+        return explicit_axes_as_auto(vmapped(matmul, nb), x, tuple(leaves), (w.shape, leaves[0]))
+    if layout.stack is None and len(w.shape) > 2:
+        raise ValueError(
+            f"nvfp4x: the frozen weight `{w.path}` {tuple(w.shape)} is a stack of "
+            "matrices packed slice by slice, but this product contracts or mixes its "
+            "leading (stack) axes; a frozen stack runs each slice as its own GEMM. Read the "
+            "weight per slice (`jax.vmap` over its leading axes, or an einsum that keeps "
+            "them as batch or output axes), or keep the layer out of the policy."
+        )
 
     def relaid(x, *leaves):
         wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), w.recipe)
+        ws = jnp.float32(1.0) if ws is None else layout.per_slice(ws)
         fn = functools.partial(fprop, recipe=w.recipe, dtype=gemm_dtype(w.fast))
         for _ in range(nb):
-            fn = jax.vmap(fn, in_axes=(0, 0, None))
+            fn = jax.vmap(fn, in_axes=(0, 0, 0 if ws.ndim else None))
         # exact values, rearranged exactly
-        return fn(x, layout(wv), jnp.float32(1.0) if ws is None else ws)
+        return fn(x, layout(wv), ws)
 
     return explicit_axes_as_auto(relaid, x, tuple(leaves), None)
 
