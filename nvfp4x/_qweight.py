@@ -47,8 +47,16 @@ from quax._values import _dense, _DenseArrayValue
 from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
 from ._policy import Recipe
-from ._prims import Jaxpr, eval_jaxpr, jaxprs_in_params, remat_p, shaped
+from ._prims import (
+    Jaxpr,
+    eval_jaxpr,
+    jaxprs_in_params,
+    ragged_dot_general_p,
+    remat_p,
+    shaped,
+)
 from ._probe import gemm_with_probe
+from ._ragged import grouped_qdot
 
 
 class WeightValue(quax.ArrayValue):
@@ -333,6 +341,57 @@ def _(lhs: QWeight, rhs: QWeight, **params):
     return _dot_rule(lhs, rhs, **params)
 
 
+def _ragged_rule(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **params):
+    """`lax.ragged_dot` / `ragged_dot_general` with a quantised expert weight `(G, n, k)`
+    or `(G, k, n)` (a mixture-of-experts layer: tokens `(T, k)` sorted by expert): the
+    NVFP4 grouped GEMM `grouped_qdot` (`_ragged.py`): fprop, dgrad and wgrad per expert
+    on its own tokens, each expert its own scales. Other layouts are reported and run
+    unquantised."""
+    dims = ragged_dot_dimension_numbers
+    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+    w, a = rhs, lhs
+    supported = (
+        isinstance(w, QWeight)
+        and not isinstance(a, quax.ArrayValue)
+        and params.get("group_offset") is None
+        and jnp.ndim(a) == 2
+        and w.array.ndim == 3
+        and tuple(dims.lhs_ragged_dimensions) == (0,)
+        and tuple(dims.rhs_group_dimensions) == (0,)
+        and not lb
+        and not rb
+        and tuple(lc) == (1,)
+        and tuple(rc) in ((1,), (2,))
+    )
+    dtype = gemm_out_dtype(lhs, rhs, params.get("preferred_element_type"))
+    if not supported or w.enabled is not None:
+        for v in (lhs, rhs):
+            if isinstance(v, WeightValue):
+                why = "a `ragged_dot` in a layout other than tokens `(T, k)` times experts "
+                why += "`(G, n, k)` or `(G, k, n)`, or with an `enabled` mask"
+                _report_unquantised(v.path, why)
+        arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v
+                  for v in (lhs, rhs, group_sizes)]  # fmt: skip
+        return ragged_dot_general_p.bind(
+            *arrays, ragged_dot_dimension_numbers=dims, **params
+        )
+    experts = w.array if rc == (2,) else jnp.swapaxes(w.array, 1, 2)  # (G, n, k)
+    y = grouped_qdot(
+        jnp.asarray(a), experts, group_sizes, recipe=w.recipe, fast=w.fast, name=w.path
+    )
+    return y.astype(dtype)
+
+
+@quax.register(ragged_dot_general_p)
+def _(lhs: ArrayLike, rhs: QWeight, group_sizes: ArrayLike, **params):
+    return _ragged_rule(lhs, rhs, group_sizes, **params)
+
+
+@quax.register(ragged_dot_general_p)
+def _(lhs: QWeight, rhs: ArrayLike | QWeight, group_sizes: ArrayLike, **params):
+    return _ragged_rule(lhs, rhs, group_sizes, **params)
+
+
 @quax.register(lax.conv_general_dilated_p)
 def _(
     lhs: ArrayLike,
@@ -446,11 +505,15 @@ def _holds_gemm(params: dict) -> bool:
     return False
 
 
+#: The JAX primitives that are GEMMs.
+GEMM_PRIMITIVES = (lax.dot_general_p, ragged_dot_general_p, lax.conv_general_dilated_p)
+
+
 def jaxpr_has_gemm(jaxpr) -> bool:
-    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a `dot_general` or
-    a convolution."""
+    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a `dot_general`, a
+    `ragged_dot` or a convolution."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
+        if eqn.primitive in GEMM_PRIMITIVES:
             return True
         for sub in jaxprs_in_params(eqn.params):
             if jaxpr_has_gemm(sub):
