@@ -16,6 +16,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
+from ._format._constants import TILE
 from ._format._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._formats import gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import (
@@ -30,7 +31,16 @@ from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
 from ._packed import PackedArray
 from ._policy import Recipe
-from ._prims import def_jvp, is_zero, primitive, shaped, vmapped, zero_tangent
+from ._prims import (
+    def_jvp,
+    is_zero,
+    primitive,
+    ragged_dot_general_p,
+    shaped,
+    vmapped,
+    zero_tangent,
+)
+from ._ragged import frozen_grouped_qdot
 from ._qweight import (
     Layout,
     QWeight,
@@ -38,6 +48,7 @@ from ._qweight import (
     as_qweight,
     default_rule,
     gemm_out_dtype,
+    ragged_rule,
     weight_gemm,
 )
 
@@ -326,3 +337,24 @@ def _(lhs: FrozenWeight, rhs: ArrayLike | quax.ArrayValue, **params):
 @quax.register(lax.dot_general_p)
 def _(lhs: ArrayLike | QWeight, rhs: FrozenWeight, **params):
     return _frozen_dot(lhs, rhs, **params)
+
+
+def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
+    """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
+    values of each expert's packed weight, the same values as the unfrozen experts'."""
+    if w.transposed or (w.recipe.weight is not None and w.recipe.weight.block not in (None, TILE)):
+        raise ValueError(
+            f"nvfp4x: the frozen experts `{w.path}` are packed in blocks along one axis "
+            f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "
+            "without blocks), read the same in either layout. Use such a recipe for them."
+        )
+    wv, ws = weight_operand(w.packed, w.recipe)
+    if experts_kn:
+        wv = jnp.swapaxes(wv, 1, 2)
+    ws = jnp.ones(wv.shape[:1], jnp.float32) if ws is None else ws
+    return frozen_grouped_qdot(x, wv, ws, sizes, recipe=w.recipe, fast=w.fast, name=w.path)
+
+
+@quax.register(ragged_dot_general_p)
+def _(lhs: ArrayLike, rhs: FrozenWeight, group_sizes: ArrayLike, **params):
+    return ragged_rule(lhs, rhs, group_sizes, _frozen_grouped, **params)

@@ -341,30 +341,32 @@ def _(lhs: QWeight, rhs: QWeight, **params):
     return _dot_rule(lhs, rhs, **params)
 
 
-def _ragged_rule(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **params):
-    """`lax.ragged_dot` / `ragged_dot_general` with a quantised expert weight `(G, n, k)`
-    or `(G, k, n)` (a mixture-of-experts layer: tokens `(T, k)` sorted by expert): the
-    NVFP4 grouped GEMM `grouped_qdot` (`_ragged.py`): fprop, dgrad and wgrad per expert
-    on its own tokens, each expert its own scales. Other layouts are reported and run
-    unquantised."""
+def ragged_rule(lhs, rhs, group_sizes, gemm: Callable, *, ragged_dot_dimension_numbers, **params):
+    """`lax.ragged_dot` / `ragged_dot_general` with a quantised expert weight (a mixture
+    of experts: tokens `(T, k)` sorted by expert times experts `(G, n, k)` or `(G, k, n)`),
+    run as `gemm(w, x, experts_kn, group_sizes)` (`experts_kn`: the weight is stored
+    `(G, k, n)`); for a `QWeight` the NVFP4 grouped GEMM (`_ragged.py`): fprop, dgrad and
+    wgrad per expert on its own tokens, each expert its own scales. Other layouts (the
+    weight as the ragged operand, batch or contracting raggedness, a `group_offset`) and
+    a stack with an `enabled` mask are reported and run unquantised."""
     dims = ragged_dot_dimension_numbers
     (lc, rc), (lb, rb) = dims.dot_dimension_numbers
     w, a = rhs, lhs
     supported = (
-        isinstance(w, QWeight)
+        isinstance(w, WeightValue)
         and not isinstance(a, quax.ArrayValue)
         and params.get("group_offset") is None
         and jnp.ndim(a) == 2
-        and w.array.ndim == 3
+        and len(w.shape) == 3
         and tuple(dims.lhs_ragged_dimensions) == (0,)
         and tuple(dims.rhs_group_dimensions) == (0,)
         and not lb
         and not rb
         and tuple(lc) == (1,)
         and tuple(rc) in ((1,), (2,))
+        and getattr(w, "enabled", None) is None
     )
-    dtype = gemm_out_dtype(lhs, rhs, params.get("preferred_element_type"))
-    if not supported or w.enabled is not None:
+    if not supported:
         for v in (lhs, rhs):
             if isinstance(v, WeightValue):
                 why = "a `ragged_dot` in a layout other than tokens `(T, k)` times experts "
@@ -372,24 +374,25 @@ def _ragged_rule(lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers, **param
                 _report_unquantised(v.path, why)
         arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v
                   for v in (lhs, rhs, group_sizes)]  # fmt: skip
-        return ragged_dot_general_p.bind(
-            *arrays, ragged_dot_dimension_numbers=dims, **params
-        )
-    experts = w.array if rc == (2,) else jnp.swapaxes(w.array, 1, 2)  # (G, n, k)
-    y = grouped_qdot(
-        jnp.asarray(a), experts, group_sizes, recipe=w.recipe, fast=w.fast, name=w.path
-    )
-    return y.astype(dtype)
+        return ragged_dot_general_p.bind(*arrays, ragged_dot_dimension_numbers=dims, **params)
+    dtype = gemm_out_dtype(lhs, rhs, params.get("preferred_element_type"))
+    sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    return gemm(w, jnp.asarray(a), tuple(rc) == (1,), sizes).astype(dtype)
+
+
+def _qweight_grouped(w: QWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
+    experts = jnp.swapaxes(w.array, 1, 2) if experts_kn else w.array  # (G, n, k)
+    return grouped_qdot(x, experts, sizes, recipe=w.recipe, fast=w.fast, name=w.path)
 
 
 @quax.register(ragged_dot_general_p)
 def _(lhs: ArrayLike, rhs: QWeight, group_sizes: ArrayLike, **params):
-    return _ragged_rule(lhs, rhs, group_sizes, **params)
+    return ragged_rule(lhs, rhs, group_sizes, _qweight_grouped, **params)
 
 
 @quax.register(ragged_dot_general_p)
 def _(lhs: QWeight, rhs: ArrayLike | QWeight, group_sizes: ArrayLike, **params):
-    return _ragged_rule(lhs, rhs, group_sizes, **params)
+    return ragged_rule(lhs, rhs, group_sizes, _qweight_grouped, **params)
 
 
 @quax.register(lax.conv_general_dilated_p)

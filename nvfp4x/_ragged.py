@@ -41,7 +41,6 @@ makes independent problems (the group sizes are per problem).
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -512,6 +511,11 @@ def grouped_qdot(
     )
 
 
-def grouped_flops(tokens: int, n: int, k: int) -> int:
-    """A grouped GEMM's FLOPs: `2 * tokens * n * k` (each token meets one expert)."""
-    return 2 * math.prod((tokens, n, k))
+def frozen_grouped_qdot(x, wv, ws, sizes, *, recipe: Recipe, fast: bool, name: str) -> Array:
+    """fprop of frozen experts, from their decoded weight `(wv, ws)`: `grouped_qdot`'s
+    primitive on the same values (a frozen model is not differentiated)."""
+    seed = jnp.zeros((2,), jnp.uint32)
+    return grouped_qdot_p.bind(
+        x, wv.astype(jnp.float32), wv, ws, sizes, seed, recipe=recipe, dtype=gemm_dtype(fast),
+        nbatch=0, name=name,
+    )  # fmt: skip
