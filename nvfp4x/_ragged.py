@@ -53,7 +53,7 @@ from ._format._constants import BLOCK, ROW_BLOCK
 from ._format._hadamard import rht
 from ._format._ieee import INF_BITS, abs_bits, from_bits
 from ._format._nvfp4 import expand, from_blocks, pad_to_blocks, scale_blocks, tensor_scales
-from ._formats import Format, batched_gemm_dtype, gemm_dtype
+from ._formats import Format, batched_gemm_dtype, gemm_dtype, widest_float
 from ._gemm import (
     batched_problem,
     dgrad,
@@ -205,7 +205,7 @@ def quantize_tokens(
     key = None if keys is None else keys[inside]
     in_axes = (0, 0, None if key is None else 0, 0)
     values, _ = jax.vmap(piece, in_axes=in_axes)(chunks, amax[inside], key, offset)
-    return values.reshape(a.shape), tensor_scales(amax)[1]  # each group's own
+    return values.reshape(a.shape), jax.vmap(tensor_scales)(amax)[1]  # each group's own
 
 
 def _fast(recipe: Recipe) -> bool:
@@ -236,7 +236,7 @@ def _operand_dtype(a: Array, b: Array, dtype):
     dtype = batched_gemm_dtype(dtype)
     if dtype is not None and a.dtype == bf16 and b.dtype == bf16:
         return dtype
-    return jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
+    return widest_float(a.dtype, b.dtype, jnp.float32)
 
 
 def _row_scales(a_scale, b_scale, inside: Array) -> Array | None:
@@ -420,10 +420,9 @@ grouped_wgrad_p = _make("nvfp4x_grouped_wgrad", grouped_wgrad, _wgrad_abstract)
 def _seeds(seed: Array, w: Array, recipe: Recipe) -> Array:
     """One seed per expert `(..., G, 2)`: the dense layer's, the seed mixed with a
     checksum of the expert's weight when the recipe rounds stochastically."""
-    seed = seed[..., None, :]
-    if needs_key(recipe):
-        return mix_weight(seed, w)
-    return jnp.broadcast_to(seed, w.shape[:-2] + (2,))
+    if needs_key(recipe):  # (each expert's checksum, as the dense layer's)
+        return jax.vmap(mix_weight, in_axes=(None, -3), out_axes=-2)(seed, w)
+    return jnp.broadcast_to(seed[..., None, :], w.shape[:-2] + (2,))
 
 
 def _jvp(primals, tangents, **params):

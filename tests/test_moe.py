@@ -1,0 +1,349 @@
+"""Mixture-of-experts layers (issue 23): the NVFP4 grouped GEMM behind `lax.ragged_dot`,
+experts vmapped inside a module, their freezing, telemetry and coverage, and a short
+training run against float32.
+
+The two MoE blocks are built as public code writes them: `RaggedMoE` as Levanter's MoE
+(router top-k, tokens sorted by expert, `group_sizes`, `lax.ragged_dot` with a haliax
+`MoELinear`-style `(experts, in, out)` weight, unsort); `VmappedExperts` with an
+`eqx.filter_vmap`-built stack of Linears called as `jax.vmap(lambda e: e(x))(experts)`.
+"""
+
+import functools
+import math
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_close, assert_same, normal
+from jax import lax
+
+import nvfp4x
+from nvfp4x import _ragged
+from nvfp4x._gemm import quantize_weight
+
+T, K, N, G = 40, 32, 24, 4
+
+# ---------------------------------------------------------------------------------------
+# The grouped GEMM against its reference (a loop over groups of the dense GEMMs).
+# ---------------------------------------------------------------------------------------
+
+SIZES = {
+    "uneven": [13, 0, 20, 7],  # non-multiples of 16, an empty group
+    "aligned-and-tail": [16, 16, 0, 2],  # whole blocks; 6 tokens of no group
+    "one-group": [0, 0, 0, 40],
+}
+CASES = [(s, m) for s in SIZES for m in ("eager", "jit")]
+
+
+def _operands(recipe):
+    x, w, dy = normal(0, (T, K)), normal(1, (G, N, K)), normal(2, (T, N))
+    quant = functools.partial(quantize_weight, recipe=recipe, axis=-1, dtype=jnp.float32)
+    wv, ws = jax.vmap(quant)(w)
+    seeds = jnp.stack([jnp.arange(G, dtype=jnp.uint32), 7 * jnp.arange(G, dtype=jnp.uint32)], 1)
+    return x, wv, ws, dy, seeds
+
+
+def _three(fprop, dgrad, wgrad, recipe, x, wv, ws, dy, sizes, seeds):
+    kw = dict(recipe=recipe, dtype=jnp.dtype(jnp.float32))
+    return (
+        fprop(x, wv, ws, sizes, **kw),
+        dgrad(dy, wv, ws, sizes, seeds, **kw),
+        wgrad(dy, x, sizes, seeds, **kw),
+    )
+
+
+_fast = functools.partial(
+    _three, _ragged.grouped_fprop, _ragged.grouped_dgrad, _ragged.grouped_wgrad
+)
+_reference = functools.partial(
+    _three, _ragged.reference_fprop, _ragged.reference_dgrad, _ragged.reference_wgrad
+)
+_jit_fast = jax.jit(_fast, static_argnums=0)
+_jit_reference = jax.jit(_reference, static_argnums=0)
+
+
+@pytest.mark.parametrize("sizes, mode", CASES, ids=[f"{s}-{m}" for s, m in CASES])
+def test_grouped_gemms_match_per_group_reference_bit_for_bit(sizes, mode):
+    """fprop, dgrad (stochastic rounding, per-group keys) and wgrad (RHT, 16-token blocks
+    within groups) of the fast path equal the per-group loop of dense GEMMs."""
+    recipe = nvfp4x.recipes.nvfp4_training()
+    x, wv, ws, dy, seeds = _operands(recipe)
+    s = jnp.asarray(SIZES[sizes], jnp.int32)
+    fast, ref = (_jit_fast, _jit_reference) if mode == "jit" else (_fast, _reference)
+    got, want = fast(recipe, x, wv, ws, dy, s, seeds), ref(recipe, x, wv, ws, dy, s, seeds)
+    for what, a, b in zip(("fprop", "dgrad", "wgrad"), got, want, strict=True):
+        assert_same(a, b, f"{sizes} {mode} {what}")
+    tail = int(s.sum())
+    assert not np.any(np.asarray(got[0][tail:])), "tokens of no group get zeros"
+
+
+def test_grouped_gemm_keeps_groups_apart():
+    """A group's outputs do not depend on another group's tokens (its own tensor scale,
+    blocks and RHT chunks): scaling up group 2's tokens changes group 0's nothing."""
+    recipe = nvfp4x.recipes.nvfp4_training()
+    x, wv, ws, dy, seeds = _operands(recipe)
+    s = jnp.asarray(SIZES["uneven"], jnp.int32)
+    louder = x.at[13:33].multiply(100.0)
+    a = _jit_fast(recipe, x, wv, ws, dy, s, seeds)
+    b = _jit_fast(recipe, louder, wv, ws, dy, s, seeds)
+    assert_same(a[0][:13], b[0][:13], "fprop of group 0")
+    assert_same(a[2][0], b[2][0], "wgrad of expert 0")
+    assert not np.array_equal(np.asarray(a[2][2]), np.asarray(b[2][2]))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4_inference"], ids=["mxfp8", "nvfp4_inference"])
+def test_other_recipes_run_the_reference(name):
+    """Recipes with other token-side formats run the per-group reference; an
+    unquantised dy (inference recipe) differs only in float32 summation order."""
+    recipe = getattr(nvfp4x.recipes, name)()
+    x, wv, ws, dy, seeds = _operands(recipe)
+    s = jnp.asarray(SIZES["uneven"], jnp.int32)
+    got, want = _jit_fast(recipe, x, wv, ws, dy, s, seeds), _jit_reference(
+        recipe, x, wv, ws, dy, s, seeds
+    )
+    for what, a, b in zip(("fprop", "dgrad", "wgrad"), got, want, strict=True):
+        assert_close(a, b, f"{name} {what}", rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# A Levanter-style ragged MoE block.
+# ---------------------------------------------------------------------------------------
+
+
+class MoELinear(eqx.Module):
+    """haliax's `MoELinear`: one weight `(experts, in, out)`, tokens sorted by expert."""
+
+    weight: jax.Array
+
+    def __init__(self, experts: int, din: int, dout: int, *, key):
+        self.weight = jax.random.normal(key, (experts, din, dout)) / math.sqrt(din)
+
+    def __call__(self, x, group_sizes):
+        return lax.ragged_dot(x, self.weight, group_sizes)
+
+
+class RaggedMoE(eqx.Module):
+    """Levanter's MoE MLP: route each token to its top-k experts, sort the copies by
+    expert, run the experts with `ragged_dot`, unsort and mix by the gate."""
+
+    router: eqx.nn.Linear
+    up: MoELinear
+    down: MoELinear
+    top_k: int = eqx.field(static=True)
+
+    def __init__(self, d: int, hidden: int, experts: int, top_k: int, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.router = eqx.nn.Linear(d, experts, use_bias=False, key=k1)
+        self.up = MoELinear(experts, d, hidden, key=k2)
+        self.down = MoELinear(experts, hidden, d, key=k3)
+        self.top_k = top_k
+
+    def __call__(self, x):
+        t, d = x.shape
+        logits = jax.vmap(self.router)(x)
+        gate, chosen = lax.top_k(logits, self.top_k)
+        gate = jax.nn.softmax(gate, axis=-1)
+        flat = chosen.reshape(-1)
+        order = jnp.argsort(flat)
+        group_sizes = jnp.bincount(flat, length=self.up.weight.shape[0])
+        h = jax.nn.gelu(self.up(x[order // self.top_k], group_sizes))
+        out = self.down(h, group_sizes)
+        back = jnp.zeros_like(out).at[order].set(out)
+        return jnp.sum(back.reshape(t, self.top_k, d) * gate[..., None], axis=1)
+
+
+def _count(jaxpr, name: str) -> int:
+    return str(jaxpr).count(f" {name}[")
+
+
+def _loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+
+@functools.cache
+def _ragged_models():
+    model = RaggedMoE(K, 48, G, 2, key=jax.random.key(3))
+    return model, nvfp4x.quantize(model, "nvfp4_training")
+
+
+def test_ragged_moe_runs_every_gemm_in_nvfp4():
+    model, qmodel = _ragged_models()
+    x = normal(4, (T, K))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fwd = jax.make_jaxpr(lambda m, x: m(x))(qmodel, x)
+        grad = jax.make_jaxpr(eqx.filter_grad(_loss))(qmodel, x)
+    for jaxpr in (fwd, grad):
+        assert _count(jaxpr, "ragged_dot_general") == 0 and _count(jaxpr, "dot_general") == 0
+        assert _count(jaxpr, "nvfp4x_grouped_qdot") == 2 and _count(jaxpr, "nvfp4x_qdot") == 1
+    assert _count(grad, "nvfp4x_grouped_wgrad") == 2 and _count(grad, "nvfp4x_grouped_dgrad") == 1
+    summary = str(nvfp4x.summary(qmodel))
+    assert "up" in summary and "(4, 32, 48)" in summary
+
+
+def test_coverage_counts_grouped_gemms_by_tokens():
+    model, qmodel = _ragged_models()
+    x = normal(4, (T, K))
+    step = lambda m, x: eqx.filter_grad(_loss)(m, x)
+    report = nvfp4x.coverage(step, qmodel, x)
+    assert report.share("nvfp4") == 1.0 and not report.unquantised
+    rows = {(r.path, r.pass_): r for r in report.rows}
+    routed = T * 2  # tokens x top-k
+    assert rows[("up", "fprop")].flops == 2 * routed * K * 48  # not per expert
+    assert rows[("down", "wgrad")].flops == 2 * routed * 48 * K
+    plain = nvfp4x.coverage(lambda m, x: m(x), model, x)
+    ragged = [r for r in plain.rows if r.path in ("up", "down")]
+    assert [r.flops for r in ragged] == [2 * routed * K * 48] * 2
+    assert not any(r.quantised for r in ragged)
+
+
+def test_ragged_moe_frozen_equals_unfrozen():
+    _, qmodel = _ragged_models()
+    x = normal(5, (T, K))
+    frozen = nvfp4x.freeze(qmodel)
+    assert isinstance(frozen.up.weight, nvfp4x.FrozenWeight)
+    call = eqx.filter_jit(lambda m, x: m(x))
+    assert_same(frozen(x), qmodel(x), "frozen ragged MoE, eager")
+    assert_same(call(frozen, x), call(qmodel, x), "frozen ragged MoE, jit")
+
+
+def test_unsupported_ragged_layout_warns_and_runs_float():
+    """A `ragged_dot` layout the grouped GEMM does not take (here a batch of token
+    arrays) is reported, naming the weight, and runs unquantised."""
+    layer = MoELinear(G, K, N, key=jax.random.key(6))
+    qlayer = nvfp4x.quantize(layer, "nvfp4_training")
+    x, s = normal(7, (2, T, K)), jnp.asarray([10, 10, 10, 10], jnp.int32)
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((2,), (1,)), ((), ())),
+        lhs_ragged_dimensions=(1,),
+        rhs_group_dimensions=(0,),
+    )
+    f = lambda m: lax.ragged_dot_general(x, m.weight, s, dims)
+    with pytest.warns(UserWarning, match="weight `` selected by the policy reached a `ragged_dot`"):
+        y = nvfp4x.quantized(f)(qlayer)
+    assert_same(y, f(layer), "the float product")
+
+
+# ---------------------------------------------------------------------------------------
+# Experts vmapped inside a module.
+# ---------------------------------------------------------------------------------------
+
+
+class VmappedExperts(eqx.Module):
+    experts: eqx.nn.Linear  # stacked by eqx.filter_vmap: weight (E, out, in)
+    gate: eqx.nn.Linear
+
+    def __init__(self, d: int, hidden: int, experts: int, *, key):
+        k1, k2 = jax.random.split(key)
+        make = lambda k: eqx.nn.Linear(d, hidden, key=k)
+        self.experts = eqx.filter_vmap(make)(jax.random.split(k1, experts))
+        self.gate = eqx.nn.Linear(d, experts, key=k2)
+
+    def __call__(self, x):
+        ys = jax.vmap(lambda e: e(x))(self.experts)  # (E, T, hidden)
+        p = jax.nn.softmax(jax.vmap(self.gate)(x), axis=-1)
+        return jnp.einsum("eth,te->th", ys, p)
+
+
+def _expert(stack, i):
+    params, static = eqx.partition(stack, eqx.is_array)
+    return eqx.combine(jax.tree_util.tree_map(lambda a: a[i], params), static)
+
+
+@functools.cache
+def _vmapped_model():
+    return nvfp4x.quantize(VmappedExperts(K, 48, G, key=jax.random.key(8)), "nvfp4_training")
+
+
+def test_vmapped_experts_are_independent_problems():
+    """Each expert computes inside the module what it computes alone (its own scales),
+    forward and weight gradient, bit for bit."""
+    qmodel = _vmapped_model()
+    x, g = normal(9, (T, K)), normal(10, (G, T, 48))
+    inside = nvfp4x.quantized(lambda m: jax.vmap(lambda e: e(x))(m.experts))
+
+    def loss_inside(m):
+        return jnp.sum(inside(m) * g)
+
+    grads = eqx.filter_grad(loss_inside)(qmodel).experts.weight.array
+    ys = inside(qmodel)
+    for i in range(G):
+        one = _expert(qmodel.experts, i)
+        assert_same(ys[i], one(x), f"expert {i} forward")
+        alone = eqx.filter_grad(lambda e, i=i: jnp.sum(e(x) * g[i]))(one)
+        assert_same(grads[i], alone.weight.array, f"expert {i} weight gradient")
+    fwd = jax.make_jaxpr(lambda m, x: m(x))(qmodel, x)
+    grad = jax.make_jaxpr(eqx.filter_grad(_loss))(qmodel, x)
+    # the only float GEMMs: the gate's mixing einsum of activations, and its transposes
+    assert _count(fwd, "dot_general") == 1 and _count(grad, "dot_general") == 3
+    assert _count(fwd, "nvfp4x_qdot") == 2 and _count(grad, "nvfp4x_wgrad") == 2
+    experts = [e for e in grad.eqns if e.primitive.name == "nvfp4x_qdot"]
+    assert [e.params["nbatch"] for e in experts] == [1, 0]  # one problem per expert
+
+
+def test_vmapped_experts_frozen_and_telemetry():
+    qmodel = _vmapped_model()
+    x = normal(11, (T, K))
+    assert_same(nvfp4x.freeze(qmodel)(x), qmodel(x), "frozen vmapped experts")
+    probed = nvfp4x.telemetry.enable(qmodel)
+    stats = nvfp4x.telemetry.collect(eqx.filter_grad(_loss)(probed, x))
+    sqnr = np.asarray(stats["experts"]["fprop_x"]["sqnr_db"])
+    assert sqnr.shape == (G,) and np.all(np.isfinite(sqnr)) and np.all(sqnr > 10)
+
+
+class EinsumExperts(eqx.Module):
+    """Experts as one `(E, out, in)` weight read by an einsum with an expert axis."""
+
+    weight: jax.Array
+
+    def __call__(self, x):
+        return jnp.einsum("td,eod->teo", x, self.weight)
+
+
+def test_einsum_expert_axis_frozen_equals_unfrozen():
+    qmodel = nvfp4x.quantize(EinsumExperts(normal(12, (G, N, K))), "nvfp4_training")
+    x = normal(13, (T, K))
+    y = qmodel(x)
+    for i in range(G):  # each expert its own problem
+        one = nvfp4x.qdot(x, qmodel.weight.array[i], recipe=qmodel.weight.recipe)
+        assert_same(y[:, i], one, f"expert {i}")
+    assert_same(nvfp4x.freeze(qmodel)(x), y, "frozen einsum experts")
+
+
+# ---------------------------------------------------------------------------------------
+# Training: the loss of a short MoE run tracks float32.
+# ---------------------------------------------------------------------------------------
+
+
+def test_ragged_moe_training_tracks_float32():
+    model = RaggedMoE(16, 32, G, 2, key=jax.random.key(14))
+    x = normal(15, (64, 16))
+    target = jnp.tanh(x @ normal(16, (16, 16)))
+    opt = optax.adam(3e-3)
+
+    def run(m, steps=40):
+        params, static = eqx.partition(m, eqx.is_inexact_array)
+
+        @jax.jit
+        def step(params, state):
+            loss, grads = jax.value_and_grad(
+                lambda p: jnp.mean((eqx.combine(p, static)(x) - target) ** 2)
+            )(params)
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        state, losses = opt.init(params), []
+        # optax's bias correction computes `float ** int32`, which strict promotion rejects.
+        with jax.numpy_dtype_promotion("standard"):
+            for _ in range(steps):
+                params, state, loss = step(params, state)
+                losses.append(float(loss))
+        return np.asarray(losses)
+
+    ref, q = run(model), run(nvfp4x.quantize(model, "nvfp4_training"))
+    assert ref[-1] < 0.7 * ref[0], "the float32 run learns"
+    assert abs(q[-1] - ref[-1]) <= 0.05 * ref[-1], (q[-1], ref[-1])
