@@ -182,7 +182,9 @@ def quantize_rows(
     offset = g.row.astype(jnp.uint32) * jnp.uint32(width)
     piece = functools.partial(_nvfp4_piece, fmt=fmt, block=ROW_BLOCK)
     key = None if keys is None else keys[inside]
-    fn = jax.vmap(lambda r, m, k, o: piece(r[None], m, k, o), in_axes=(0, 0, None if key is None else 0, 0))
+    fn = jax.vmap(
+        lambda r, m, k, o: piece(r[None], m, k, o), in_axes=(0, 0, None if key is None else 0, 0)
+    )
     values, scale = fn(a.astype(jnp.float32), amax[inside], key, offset)
     return values[:, 0], scale
 

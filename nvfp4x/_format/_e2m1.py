@@ -93,9 +93,7 @@ def _fmix32(h: Array) -> Array:
     return h ^ (h >> 16)
 
 
-def uniform(
-    key: jax.Array, shape: tuple[int, ...], offset: ArrayLike = 0
-) -> Float[Array, "..."]:
+def uniform(key: jax.Array, shape: tuple[int, ...], offset: ArrayLike = 0) -> Float[Array, "..."]:
     """Uniform samples in (0, 1) for stochastic rounding: `(r + 1/2) / 2^16` with `r` 16
     bits of a counter-based hash of (element index, key).
 
