@@ -13,8 +13,7 @@ from jax import lax
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
-from ._prims import Literal, jaxprs_in_params
-from ._prims import ragged_dot_general_p
+from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
 from ._qweight import LAYOUT, QWeight, record_unquantised
 from ._ragged import (
     grouped_dgrad_p,

@@ -40,7 +40,6 @@ from ._prims import (
     vmapped,
     zero_tangent,
 )
-from ._ragged import frozen_grouped_qdot
 from ._qweight import (
     Layout,
     QWeight,
@@ -51,6 +50,7 @@ from ._qweight import (
     ragged_rule,
     weight_gemm,
 )
+from ._ragged import frozen_grouped_qdot
 
 PackedWeight = PackedArray | Array
 

@@ -373,11 +373,10 @@ def reference_wgrad(dy, x, sizes, seeds, *, recipe: Recipe, dtype):
     """`grouped_wgrad` as a loop over the groups: the dense `wgrad` of each group."""
     g = groups(sizes, dy.shape[0])
     rows = _capacity(dy.shape[0])
-    parts = [
-        wgrad(_gather(dy, g, sizes, e, rows), _gather(x, g, sizes, e, rows), seeds[e], recipe=recipe,
-              dtype=dtype)
-        for e in range(sizes.shape[0])
-    ]  # fmt: skip
+    parts = []
+    for e in range(sizes.shape[0]):
+        dy_e, x_e = _gather(dy, g, sizes, e, rows), _gather(x, g, sizes, e, rows)
+        parts.append(wgrad(dy_e, x_e, seeds[e], recipe=recipe, dtype=dtype))
     return jnp.stack(parts)
 
 
