@@ -34,6 +34,7 @@ BENCHMARKS = (
     "bench_sensitivity",
     "bench_sharding",
     "bench_export",
+    "bench_moe",
 )
 QUICK_CANDIDATES = (["--quick"], ["--smoke"])
 

@@ -294,12 +294,13 @@ def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout: Layout, nb: int) -> A
 
     def relaid(x, *leaves):
         wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), w.recipe)
-        ws = jnp.float32(1.0) if ws is None else layout.per_slice(ws)
+        scale = jnp.float32(1.0) if ws is None else layout.per_slice(ws)
+        assert scale is not None  # (for the type checker: `per_slice` keeps an array)
         fn = functools.partial(fprop, recipe=w.recipe, dtype=gemm_dtype(w.fast))
         for _ in range(nb):
-            fn = jax.vmap(fn, in_axes=(0, 0, 0 if ws.ndim else None))
+            fn = jax.vmap(fn, in_axes=(0, 0, 0 if scale.ndim else None))
         # exact values, rearranged exactly
-        return fn(x, layout(wv), ws)
+        return fn(x, layout(wv), scale)
 
     return explicit_axes_as_auto(relaid, x, tuple(leaves), None)
 

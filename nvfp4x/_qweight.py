@@ -371,7 +371,7 @@ def ragged_rule(lhs, rhs, group_sizes, gemm: Callable, *, ragged_dot_dimension_n
             if isinstance(v, WeightValue):
                 why = "a `ragged_dot` in a layout other than tokens `(T, k)` times experts "
                 why += "`(G, n, k)` or `(G, k, n)`, or with an `enabled` mask"
-                _report_unquantised(v.path, why)
+                _report_unquantised(getattr(v, "path", ""), why)
         arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v
                   for v in (lhs, rhs, group_sizes)]  # fmt: skip
         return ragged_dot_general_p.bind(*arrays, ragged_dot_dimension_numbers=dims, **params)
