@@ -85,9 +85,10 @@ def test_grouped_gemms_match_per_group_reference_bit_for_bit(sizes):
 
 def test_eager_grouped_qdot_and_its_gradients_match_reference():
     """Eagerly, through the primitives and their derivative rules (`jax.grad`): fprop,
-    dgrad and wgrad equal the reference with the dense layer's per-expert seeds."""
+    dgrad and wgrad equal the reference with the dense layer's per-expert seeds. A NaN
+    token stays in its row and its expert's weight gradient."""
     recipe = nvfp4x.recipes.nvfp4_training()
-    x, w, g = normal(0, (T, K)), normal(1, (G, N, K)), normal(2, (T, N))
+    x, w, g = normal(0, (T, K)).at[3, 5].set(jnp.nan), normal(1, (G, N, K)), normal(2, (T, N))
     s = jnp.asarray(SIZES["uneven"], jnp.int32)
 
     def f(x, w):
@@ -101,6 +102,8 @@ def test_eager_grouped_qdot_and_its_gradients_match_reference():
     want = _jit_reference(recipe, x, wv.astype(jnp.float32), ws, g, s, seeds)
     for what, a, b in zip(("fprop", "dgrad", "wgrad"), (y, dx, dw), want, strict=True):
         assert_same(a, b, f"eager {what}")
+    assert np.flatnonzero(np.isnan(np.asarray(y)).any(1)).tolist() == [3]
+    assert np.flatnonzero(np.isnan(np.asarray(dw)).any((1, 2))).tolist() == [0]
 
 
 def test_grouped_gemm_keeps_groups_apart():
