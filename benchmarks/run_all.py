@@ -35,6 +35,7 @@ BENCHMARKS = (
     "bench_sharding",
     "bench_export",
     "bench_conv",
+    "bench_moe",
 )
 QUICK_CANDIDATES = (["--quick"], ["--smoke"])
 

@@ -13,9 +13,16 @@ from jax import lax
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
-from ._prims import Literal, jaxprs_in_params
+from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
 from ._probe import layer_stats
 from ._qweight import LAYOUT, QWeight, record_unquantised
+from ._ragged import (
+    grouped_dgrad_p,
+    grouped_qdot_p,
+    grouped_tw_p,
+    grouped_tx_p,
+    grouped_wgrad_p,
+)
 from ._sites import is_qweight, path_str
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
@@ -144,6 +151,67 @@ def _quantised_row(eqn, repeats: int) -> CoverageRow:
     return CoverageRow(path, kind, shape, flops * batch * repeats, formats, True)
 
 
+_GROUPED_PASS = {grouped_qdot_p: "fprop", grouped_tx_p: "fprop (jvp)",
+                 grouped_tw_p: "fprop (jvp)", grouped_dgrad_p: "dgrad",
+                 grouped_wgrad_p: "wgrad"}  # fmt: skip
+
+
+def _grouped_row(eqn, repeats: int) -> CoverageRow:
+    """A grouped GEMM (`ragged_dot` on experts): each token meets one expert, so its
+    FLOPs are `2 * tokens * n * k` however many experts there are; the shape shows the
+    experts as `[G experts]`."""
+    p = eqn.params
+    recipe: Recipe = p["recipe"]
+    avals = [v.aval for v in eqn.invars]
+    nb = p["nbatch"]
+    batch = math.prod(avals[0].shape[:nb])
+    kind = _GROUPED_PASS[eqn.primitive]
+    if kind == "wgrad":  # ct (T, n), a (T, k), sizes (G,)
+        ct, a, sizes = avals[0], avals[1], avals[2]
+        m, n, k, g = ct.shape[-2], ct.shape[-1], a.shape[-1], sizes.shape[-1]
+        shape = f"({n}, {m}) x ({m}, {k}) [{g} experts]"
+        fa, fb = recipe.grad, recipe.input
+    else:  # x or ct (T, .), w (G, n, k)
+        a, w = avals[0], avals[1]
+        g, n, k = w.shape[-3], w.shape[-2], w.shape[-1]
+        m = a.shape[-2]
+        if kind == "dgrad":
+            shape = f"({m}, {n}) x ({n}, {k}) [{g} experts]"
+            fa, fb = recipe.grad, recipe.weight
+        else:
+            shape = f"({m}, {k}) x ({k}, {n}) [{g} experts]"
+            fa = None if eqn.primitive is grouped_tx_p else recipe.input
+            fb = None if eqn.primitive is grouped_tw_p else recipe.weight
+    if batch > 1:
+        shape += f" x{batch}"
+    dtype = _dtype_name(avals[0])
+    formats = (_fmt_name(fa) or dtype, _fmt_name(fb) or dtype)
+    path = p.get("name") or "(unnamed)"
+    return CoverageRow(path, kind, shape, 2 * m * n * k * batch * repeats, formats, True)
+
+
+def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
+    """A float `ragged_dot`: `2 * M * K * N` for each of its output's rows (each row is
+    one group's product), whichever of its three modes."""
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, _), _ = dims.dot_dimension_numbers
+    k = math.prod(lhs.shape[i] for i in lc)
+    if tuple(dims.lhs_ragged_dimensions)[0] in tuple(lc):  # ragged contraction: (G, ...)
+        flops = 2 * math.prod(out.shape[1:]) * k
+    else:
+        flops = 2 * math.prod(out.shape) * k
+    shape = f"ragged {lhs.shape} x {rhs.shape}"
+    backward = "transpose" in str(eqn.source_info.name_stack)
+    paths = [_origin(origin, v) for v in eqn.invars[:2]]
+    path = next((p for p in paths if p is not None), "(activations)")
+    formats = (_dtype_name(lhs), _dtype_name(rhs))
+    return CoverageRow(
+        path, "backward" if backward else "fprop", shape, flops * repeats, formats, False
+    )
+
+
 def _frozen_row(eqn, repeats: int) -> CoverageRow:
     p = eqn.params
     recipe: Recipe = p["recipe"]
@@ -195,6 +263,15 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
             continue
         if prim is frozen_p:
             rows.append(_frozen_row(eqn, repeats))
+            continue
+        if prim in _GROUPED_PASS:
+            rows.append(_grouped_row(eqn, repeats))
+            continue
+        if prim is ragged_dot_general_p:
+            row = _plain_ragged_row(eqn, repeats, origin)
+            rows.append(row)
+            if row.path in selected:
+                flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
             continue
         if prim in (lax.dot_general_p, lax.conv_general_dilated_p):
             row = _plain_row(eqn, repeats, origin)

@@ -16,6 +16,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
+from ._format._constants import TILE
 from ._format._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._formats import gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import (
@@ -30,8 +31,17 @@ from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
 from ._packed import PackedArray
 from ._policy import Recipe
-from ._prims import def_jvp, is_zero, primitive, shaped, zero_tangent
+from ._prims import (
+    def_jvp,
+    is_zero,
+    primitive,
+    ragged_dot_general_p,
+    shaped,
+    vmapped,
+    zero_tangent,
+)
 from ._qweight import (
+    Layout,
     QWeight,
     WeightValue,
     as_qweight,
@@ -40,8 +50,10 @@ from ._qweight import (
     default_rule,
     gemm_out_dtype,
     kernel_from_matrix,
+    ragged_rule,
     weight_gemm,
 )
+from ._ragged import frozen_grouped_qdot
 
 PackedWeight = PackedArray | Array
 
@@ -284,19 +296,30 @@ frozen_p = primitive(
 def_jvp(frozen_p, _frozen_jvp)
 
 
-def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout, nb: int) -> Array:
+def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout: Layout, nb: int) -> Array:
     leaves, wdef = jax.tree_util.tree_flatten(w.packed)
     if layout.stored:  # the stored layout: decode inside the primitive
         matmul = functools.partial(_matmul, wdef=wdef, recipe=w.recipe, fast=w.fast)
-        return explicit_axes_as_auto(matmul, x, tuple(leaves), (w.shape, leaves[0]))
+        # a stack (experts): each slice its own problem, with its own packed scales
+        return explicit_axes_as_auto(vmapped(matmul, nb), x, tuple(leaves), (w.shape, leaves[0]))
+    if layout.stack is None and len(w.shape) > 2:
+        raise ValueError(
+            f"nvfp4x: the frozen weight `{w.path}` {tuple(w.shape)} is a stack of "
+            "matrices packed slice by slice, but this product contracts or mixes its "
+            "leading (stack) axes; a frozen stack runs each slice as its own GEMM. Read the "
+            "weight per slice (`jax.vmap` over its leading axes, or an einsum that keeps "
+            "them as batch or output axes), or keep the layer out of the policy."
+        )
 
     def relaid(x, *leaves):
         wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), w.recipe)
+        scale = jnp.float32(1.0) if ws is None else layout.per_slice(ws)
+        assert scale is not None  # (for the type checker: `per_slice` keeps an array)
         fn = functools.partial(fprop, recipe=w.recipe, dtype=gemm_dtype(w.fast))
         for _ in range(nb):
-            fn = jax.vmap(fn, in_axes=(0, 0, None))
+            fn = jax.vmap(fn, in_axes=(0, 0, 0 if scale.ndim else None))
         # exact values, rearranged exactly
-        return fn(x, layout(wv), jnp.float32(1.0) if ws is None else ws)
+        return fn(x, layout(wv), scale)
 
     return explicit_axes_as_auto(relaid, x, tuple(leaves), None)
 
@@ -352,3 +375,24 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
 
     shape = tuple(rhs.shape)
     return conv_gemm(lhs, shape, gemm, path=rhs.path, rhs_dtype=rhs.packed.dtype, **params)
+
+
+def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
+    """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
+    values of each expert's packed weight, the same values as the unfrozen experts'."""
+    if w.transposed or (w.recipe.weight is not None and w.recipe.weight.block not in (None, TILE)):
+        raise ValueError(
+            f"nvfp4x: the frozen experts `{w.path}` are packed in blocks along one axis "
+            f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "
+            "without blocks), read the same in either layout. Use such a recipe for them."
+        )
+    wv, ws = weight_operand(w.packed, w.recipe)
+    if experts_kn:
+        wv = jnp.swapaxes(wv, 1, 2)
+    ws = jnp.ones(wv.shape[:1], jnp.float32) if ws is None else ws
+    return frozen_grouped_qdot(x, wv, ws, sizes, recipe=w.recipe, fast=w.fast, name=w.path)
+
+
+@quax.register(ragged_dot_general_p)
+def _(lhs: ArrayLike, rhs: FrozenWeight, group_sizes: ArrayLike, **params):
+    return ragged_rule(lhs, rhs, group_sizes, _frozen_grouped, **params)

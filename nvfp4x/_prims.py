@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import ad_checkpoint
+from jax._src.lax import lax as _lax
 from jax.core import ShapedArray, Tracer, eval_jaxpr
 from jax.extend.core import Jaxpr, Literal, Primitive, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
@@ -48,6 +49,7 @@ __all__ = [
     "is_zero",
     "jaxprs_in_params",
     "primitive",
+    "ragged_dot_general_p",
     "remat_p",
     "shaped",
     "vmapped",
@@ -57,6 +59,9 @@ __all__ = [
 
 #: `jax.checkpoint`'s primitive (quax needs a rule for it).
 remat_p = ad_checkpoint.remat_p
+#: `lax.ragged_dot` / `ragged_dot_general`'s primitive (not exported by `jax.lax` or
+#: `jax.extend` in jax 0.10).
+ragged_dot_general_p = _lax.ragged_dot_general_p
 
 
 def shaped(shape: tuple, dtype) -> ShapedArray:

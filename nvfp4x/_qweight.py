@@ -23,6 +23,7 @@ function raises JAX's `TypeError` (its repr names the weight's path), so a silen
 GEMM is never possible. `nvfp4x.quantized(fn)` makes any function interpreted.
 """
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -47,8 +48,16 @@ from quax._values import _dense, _DenseArrayValue
 from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
 from ._policy import Recipe
-from ._prims import Jaxpr, eval_jaxpr, jaxprs_in_params, remat_p, shaped
+from ._prims import (
+    Jaxpr,
+    eval_jaxpr,
+    jaxprs_in_params,
+    ragged_dot_general_p,
+    remat_p,
+    shaped,
+)
 from ._probe import gemm_with_probe
+from ._ragged import grouped_qdot
 
 
 class WeightValue(quax.ArrayValue):
@@ -229,52 +238,97 @@ class _Interpreted:
 # --- the GEMM rule ---
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How `weight_gemm` arranges a weight for its GEMM: `layout(e)` is the weight array
+    `e` as `(batch..., N, K)`, its axes taken in `order` (batch axes, output features,
+    contraction) and reshaped to `shape`.
+
+    The batch axes are the `dot_general`'s batch axes of the weight, then its *stack*
+    axes: the leading axes (all but the last two) that the product leaves free. A weight
+    of more than two axes is a stack of matrices (`eqx.filter_vmap`-built layers,
+    experts), each slice an independent problem with its own scales, as `freeze`,
+    telemetry and `QWeight.enabled` count it; a `jax.vmap` over such a stack inside a
+    quantised module arrives here as those free leading axes. `stack` is the order of
+    the weight's leading axes as batch axes when the batch axes are exactly those (a
+    per-slice array, the probe or the mask, is then arranged by `per_slice`), else None.
+    `stored`: the arranged weight is the stored array itself."""
+
+    order: tuple[int, ...]
+    shape: tuple[int, ...]
+    stored: bool
+    stack: tuple[int, ...] | None
+
+    def __call__(self, e: Array) -> Array:
+        if self.stored:
+            return e
+        return jnp.transpose(e, self.order).reshape(self.shape)
+
+    def per_slice(self, p: Array | None) -> Array | None:
+        """A per-slice array (leading axes: the weight's stack axes) in batch order."""
+        if p is None or self.stack is None or self.stack == tuple(range(len(self.stack))):
+            return p
+        return jnp.transpose(p, (*self.stack, *range(len(self.stack), p.ndim)))
+
+
 def weight_gemm(
     shape: tuple, a: ArrayLike, w_is_lhs: bool, dimension_numbers, out_dtype, gemm: Callable
 ) -> Array:
     """`dot_general` of a weight of shape `shape` with the activation `a`, as one GEMM
-    `gemm(x, layout, nbatch)` on `x: (batch..., tokens..., K)`; `layout(e)` arranges the
-    weight array `e` as `(batch..., N, K)` (`layout.stored`: it already is, the weight's
-    own `(N, K)`). The output is put back in `dot_general`'s layout."""
+    `gemm(x, layout, nbatch)` on `x: (batch..., tokens..., K)`, `layout` a `Layout` (the
+    weight as `(batch..., N, K)`; its stack axes are batch axes, `x` broadcast along
+    them). The output is put back in `dot_general`'s layout."""
     (lc, rc), (lb, rb) = dimension_numbers
     wc, ac = (lc, rc) if w_is_lhs else (rc, lc)
     wb, ab = (lb, rb) if w_is_lhs else (rb, lb)
     a = jnp.asarray(a)
     ndim = len(shape)
-    wf = [i for i in range(ndim) if i not in wc and i not in wb]
+    free = [i for i in range(ndim) if i not in wc and i not in wb]
+    stack = [i for i in free if i < ndim - 2]  # each slice its own problem
+    wf = [i for i in free if i >= ndim - 2]
     af = [i for i in range(a.ndim) if i not in ac and i not in ab]
     k = math.prod(shape[i] for i in wc)
     n_shape = tuple(shape[i] for i in wf)
+    batch = (*wb, *stack)
+    batch_shape = tuple(shape[i] for i in batch)
     x = jnp.transpose(a, (*ab, *af, *ac))
     x = x.reshape(x.shape[: len(ab) + len(af)] + (k,))
-    stored = ndim == 2 and tuple(wc) == (1,) and not wb
-
-    def layout(e):
-        if stored:
-            return e
-        return jnp.transpose(e, (*wb, *wf, *wc)).reshape(
-            tuple(shape[i] for i in wb) + (math.prod(n_shape), k)
-        )
-
-    layout.stored = stored
-
-    y = gemm(x, layout, len(wb))  # (batch..., tokens..., N)
+    if stack:  # the activation is shared by every slice of the stack
+        x = jnp.expand_dims(x, tuple(range(len(ab), len(batch))))
+        x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch) :])
+    order = (*batch, *wf, *wc)
+    arranged = batch_shape + (math.prod(n_shape), k)
+    leading = tuple(range(ndim - 2))
+    layout = Layout(
+        order=order,
+        shape=arranged,
+        stored=order == tuple(range(ndim)) and arranged == tuple(shape),
+        stack=batch if sorted(batch) == list(leading) else None,
+    )
+    y = gemm(x, layout, len(batch))  # (batch..., tokens..., N)
     y = y.reshape(y.shape[:-1] + n_shape)
-    if w_is_lhs:  # dot_general's layout: (batch..., lhs free..., rhs free...)
-        nb, nt, nn = len(wb), len(af), len(n_shape)
-        perm = (*range(nb), *range(nb + nt, nb + nt + nn), *range(nb, nb + nt))
-        y = jnp.transpose(y, perm)
-    return y.astype(out_dtype)
+    nb, ns, nt, nn = len(wb), len(stack), len(af), len(n_shape)
+    # dot_general's layout: (batch..., lhs free..., rhs free...), the weight's free axes
+    # being its stack axes, then its other free axes.
+    tokens = tuple(range(nb + ns, nb + ns + nt))
+    stacked = tuple(range(nb, nb + ns))
+    features = tuple(range(nb + ns + nt, nb + ns + nt + nn))
+    if w_is_lhs:
+        perm = (*range(nb), *stacked, *features, *tokens)
+    else:
+        perm = (*range(nb), *tokens, *stacked, *features)
+    return jnp.transpose(y, perm).astype(out_dtype)
 
 
-def _qweight_gemm(w: QWeight, x: Array, layout: Callable, nb: int) -> Array:
+def _qweight_gemm(w: QWeight, x: Array, layout: Layout, nb: int) -> Array:
     """The quantised GEMM of a `QWeight` (its array arranged by `layout`)."""
     wm = layout(w.array)
+    probe, enabled = layout.per_slice(w.probe), layout.per_slice(w.enabled)
     fn = functools.partial(_gemm, recipe=w.recipe, fast=w.fast, name=w.path)
     for _ in range(nb):
-        axes = (None if v is None else 0 for v in (w.probe, w.enabled))
+        axes = (None if v is None else 0 for v in (probe, enabled))
         fn = jax.vmap(fn, in_axes=(0, 0, *axes))
-    return fn(x, wm, w.probe, w.enabled)
+    return fn(x, wm, probe, enabled)
 
 
 def _gemm(x, w, probe, enabled, *, recipe: Recipe, fast: bool, name: str) -> Array:
@@ -319,6 +373,60 @@ def _(lhs: ArrayLike, rhs: QWeight, **params):
 @quax.register(lax.dot_general_p)
 def _(lhs: QWeight, rhs: QWeight, **params):
     return _dot_rule(lhs, rhs, **params)
+
+
+def ragged_rule(lhs, rhs, group_sizes, gemm: Callable, *, ragged_dot_dimension_numbers, **params):
+    """`lax.ragged_dot` / `ragged_dot_general` with a quantised expert weight (a mixture
+    of experts: tokens `(T, k)` sorted by expert times experts `(G, n, k)` or `(G, k, n)`),
+    run as `gemm(w, x, experts_kn, group_sizes)` (`experts_kn`: the weight is stored
+    `(G, k, n)`); for a `QWeight` the NVFP4 grouped GEMM (`_ragged.py`): fprop, dgrad and
+    wgrad per expert on its own tokens, each expert its own scales. Other layouts (the
+    weight as the ragged operand, batch or contracting raggedness, a `group_offset`) and
+    a stack with an `enabled` mask are reported and run unquantised."""
+    dims = ragged_dot_dimension_numbers
+    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+    w, a = rhs, lhs
+    supported = (
+        isinstance(w, WeightValue)
+        and not isinstance(a, quax.ArrayValue)
+        and params.get("group_offset") is None
+        and jnp.ndim(a) == 2
+        and len(w.shape) == 3
+        and tuple(dims.lhs_ragged_dimensions) == (0,)
+        and tuple(dims.rhs_group_dimensions) == (0,)
+        and not lb
+        and not rb
+        and tuple(lc) == (1,)
+        and tuple(rc) in ((1,), (2,))
+        and getattr(w, "enabled", None) is None
+    )
+    if not supported:
+        for v in (lhs, rhs):
+            if isinstance(v, WeightValue):
+                why = "a `ragged_dot` in a layout other than tokens `(T, k)` times experts "
+                why += "`(G, n, k)` or `(G, k, n)`, or with an `enabled` mask"
+                _report_unquantised(getattr(v, "path", ""), why)
+        arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v
+                  for v in (lhs, rhs, group_sizes)]  # fmt: skip
+        return ragged_dot_general_p.bind(*arrays, ragged_dot_dimension_numbers=dims, **params)
+    dtype = gemm_out_dtype(lhs, rhs, params.get("preferred_element_type"))
+    sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    return gemm(w, jnp.asarray(a), tuple(rc) == (1,), sizes).astype(dtype)
+
+
+def _qweight_grouped(w: QWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
+    experts = jnp.swapaxes(w.array, 1, 2) if experts_kn else w.array  # (G, n, k)
+    return grouped_qdot(x, experts, sizes, recipe=w.recipe, fast=w.fast, name=w.path)
+
+
+@quax.register(ragged_dot_general_p)
+def _(lhs: ArrayLike, rhs: QWeight, group_sizes: ArrayLike, **params):
+    return ragged_rule(lhs, rhs, group_sizes, _qweight_grouped, **params)
+
+
+@quax.register(ragged_dot_general_p)
+def _(lhs: QWeight, rhs: ArrayLike | QWeight, group_sizes: ArrayLike, **params):
+    return ragged_rule(lhs, rhs, group_sizes, _qweight_grouped, **params)
 
 
 # --- convolutions: their GEMM ---
@@ -540,11 +648,15 @@ def _holds_gemm(params: dict) -> bool:
     return False
 
 
+#: The JAX primitives that are GEMMs.
+GEMM_PRIMITIVES = (lax.dot_general_p, ragged_dot_general_p, lax.conv_general_dilated_p)
+
+
 def jaxpr_has_gemm(jaxpr) -> bool:
-    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a `dot_general` or
-    a convolution."""
+    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a `dot_general`, a
+    `ragged_dot` or a convolution."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p):
+        if eqn.primitive in GEMM_PRIMITIVES:
             return True
         for sub in jaxprs_in_params(eqn.params):
             if jaxpr_has_gemm(sub):

@@ -8,7 +8,7 @@ lands on the value with an even code).
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, ArrayLike, Float, UInt8
 
 from ._constants import E2M1_MAX
 
@@ -93,7 +93,7 @@ def _fmix32(h: Array) -> Array:
     return h ^ (h >> 16)
 
 
-def uniform(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "..."]:
+def uniform(key: jax.Array, shape: tuple[int, ...], offset: ArrayLike = 0) -> Float[Array, "..."]:
     """Uniform samples in (0, 1) for stochastic rounding: `(r + 1/2) / 2^16` with `r` 16
     bits of a counter-based hash of (element index, key).
 
@@ -103,9 +103,14 @@ def uniform(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "..."]:
     loop; like it, the samples depend only on the key and the element's position, so
     they are reproducible for a key and identical under any sharding. The probability of
     rounding up differs from the exact position by less than 2^-16.
+
+    `offset` is added to every flat index (modulo 2^32): a piece of a larger array,
+    starting at flat index `offset` of it, draws what the larger array draws there (the
+    grouped GEMM quantises each group's rows with its group's key and their positions
+    in the group).
     """
     seed = jax.random.bits(key, (2,), jnp.uint32)
-    index = jnp.zeros(shape, jnp.uint32)
+    index = jnp.zeros(shape, jnp.uint32) + jnp.asarray(offset).astype(jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
