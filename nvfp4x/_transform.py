@@ -12,6 +12,7 @@ from ._linear import QuantizedLinear
 from ._policy import Policy, PolicyLike, Recipe, as_recipe
 from ._qweight import QWeight, base_class, interpreted_class, with_class
 from ._sites import (
+    at_path,
     children,
     is_conv,
     is_layer,
@@ -174,7 +175,7 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                     " or leave the layer out of the policy."
                 )
             weight = QWeight(source, recipe, p, fast, scale_group=group(p))
-            inner = eqx.tree_at(lambda t, k=spots[0]: _at(t, k), inner, weight)
+            inner = eqx.tree_at(lambda t, k=spots[0]: at_path(t, k), inner, weight)
         return eqx.tree_at(lambda s: s.pytree, shared, inner)
 
     out = visit(model, ())
@@ -205,17 +206,6 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                 "`nvfp4x.summary(model)`. Pass `Policy(..., strict=False)` to allow it."
             )
     return out
-
-
-def _at(tree: Any, keys: tuple) -> Any:
-    for k in keys:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            tree = getattr(tree, k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            tree = tree[k.idx]
-        else:
-            tree = tree[k.key]
-    return tree
 
 
 def _interpreted(module: Any) -> Any:

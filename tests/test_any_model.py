@@ -343,12 +343,11 @@ def test_tied_weights_through_shared():
         list(stats) == ["shared.pytree[1]"]
         and float(stats["shared.pytree[1]"]["weight"]["amax"]) > 0
     )
-    # Frozen, the tied table is packed once: the head's GEMM decodes it (bit-exact
-    # quantised weight) and the embedding lookup reads the decoded values.
+    # Frozen, the head's GEMM decodes the packed table (bit-exact quantised weight) and
+    # the embedding lookup reads the master values it keeps (tests/test_tied.py).
     frozen = nvfp4x.freeze(qmodel)
     assert str(jax.make_jaxpr(frozen)(tokens)).count("nvfp4x_frozen_qdot[") == 1
-    y, y_frozen = qmodel(tokens), frozen(tokens)
-    np.testing.assert_allclose(y_frozen, y, atol=0.1 * float(jnp.abs(y).max()))
+    np.testing.assert_array_equal(frozen(tokens), qmodel(tokens))
     assert "nvfp4 16x16" in nvfp4x.summary(frozen)
     assert eqx.tree_equal(nvfp4x.dequantize(qmodel), model)
     report = nvfp4x.sensitivity(model, lambda m, t: jnp.mean(m(t) ** 2), tokens)
