@@ -352,6 +352,10 @@ def test_tied_weights_through_shared():
     assert eqx.tree_equal(nvfp4x.dequantize(qmodel), model)
     report = nvfp4x.sensitivity(model, lambda m, t: jnp.mean(m(t) ** 2), tokens)
     assert [r.path for r in report.rows] == ["shared.pytree[1]"]
+    # The tied weight's gradient is found where the table sits (issue 23: it was NaN);
+    # the table is the model's only float array, so both errors are its.
+    [row] = report.rows
+    assert 0 < row.weight_grad_error == pytest.approx(row.grad_error, rel=1e-6)
 
 
 def test_spectral_norm_trains_and_freezes():
