@@ -14,7 +14,7 @@ from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import Literal, jaxprs_in_params
-from ._qweight import LAYOUT, QWeight, record_unquantised
+from ._qweight import LAYOUT, NORMALISER, QWeight, record_unquantised
 from ._sites import is_qweight, path_str
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
@@ -28,7 +28,8 @@ class CoverageRow:
     - `path`: the layer (or weight) it consumes, as the policy matches it; for a GEMM
       of two activations (attention's QK and PV) `(activations)`.
     - `pass_`: `"fprop"`, `"dgrad"`, `"wgrad"` for nvfp4x's GEMMs; `"fprop"` or
-      `"backward"` for plain ones.
+      `"backward"` for plain ones, `"normaliser"` for the matrix-vector products that
+      estimate a weight's normaliser from its master values (`eqx.nn.SpectralNorm`'s σ).
     - `shape`: `(M, K) x (K, N)` with batch dimensions folded into `M`, `batch` times.
     - `flops`: `2 * M * K * N * batch * repeats` (`repeats`: scan iterations).
     - `formats`: `(a, b)`, the format of each operand (`"nvfp4 1x16"`, `"float32"`...).
@@ -171,13 +172,14 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
         out = eqn.outvars[0].aval
         flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[0]
         shape = f"conv {lhs.shape} * {rhs.shape}"
-    backward = "transpose" in str(eqn.source_info.name_stack)
+    scope = str(eqn.source_info.name_stack)
+    pass_ = "backward" if "transpose" in scope else "fprop"
+    if NORMALISER in scope:  # e.g. SpectralNorm's σ, read from the master weight
+        pass_ = "normaliser"
     paths = [_origin(origin, v) for v in eqn.invars[:2]]
     path = next((p for p in paths if p is not None), "(activations)")
     formats = (_dtype_name(lhs), _dtype_name(rhs))
-    return CoverageRow(
-        path, "backward" if backward else "fprop", shape, flops * repeats, formats, False
-    )
+    return CoverageRow(path, pass_, shape, flops * repeats, formats, False)
 
 
 def _origin(origin: dict, var) -> str | None:
@@ -198,7 +200,7 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
         if prim in (lax.dot_general_p, lax.conv_general_dilated_p):
             row = _plain_row(eqn, repeats, origin)
             rows.append(row)
-            if row.path in selected:
+            if row.path in selected and row.pass_ != "normaliser":
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
             continue
         if prim in LAYOUT and _origin(origin, eqn.invars[0]) is not None:

@@ -368,9 +368,23 @@ def test_spectral_norm_trains_and_freezes():
     def run(m, s):
         return jax.vmap(m, in_axes=(0, None), out_axes=(0, None), axis_name="b")(x, s)
 
+    # The layer's GEMM is quantised; σ (the power iteration and `u W v`) is computed from
+    # the master weight, as Equinox computes it on the float layer (issue 23: σ ran as a
+    # 1-token NVFP4 GEMM), so the state is Equinox's bit for bit, and the output is the
+    # quantised GEMM of `W / σ`.
     jaxpr = eqx.filter_make_jaxpr(run)(qlayer, state)[0]
-    assert str(jaxpr).count("nvfp4x_qdot[") >= 1
-    y, _ = run(qlayer, state)
+    assert str(jaxpr).count("nvfp4x_qdot[") == 1
+    y, new_state = run(qlayer, state)
+    _, float_state = run(layer, state)
+    u, v = new_state.get(layer.uv_index)
+    for a, b in zip((u, v), float_state.get(layer.uv_index), strict=True):
+        np.testing.assert_array_equal(a, b)
+    w = layer.layer.weight
+    scaled = eqx.tree_at(lambda m: m.weight, layer.layer, w / jnp.einsum("i,ij,j->", u, w, v))
+    np.testing.assert_array_equal(y, jax.vmap(nvfp4x.quantize(scaled, TRAIN))(x))
+    report = nvfp4x.coverage(run, qlayer, state)
+    assert not report.unquantised
+    assert {r.pass_ for r in report.rows if not r.quantised} == {"normaliser"}
     g = eqx.filter_grad(lambda m: jnp.sum(run(m, state)[0] ** 2))(qlayer)
     assert np.all(np.isfinite(g.layer.weight.array))
     y_frozen, _ = run(nvfp4x.freeze(qlayer), state)
