@@ -183,7 +183,8 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
         warnings.warn(
             "nvfp4x.quantize: the model holds no `eqx.nn.Linear` (nor a subclass of it, nor a "
             "module with a 2-D floating-point `weight` that its call reads in a GEMM); it is "
-            "returned unchanged.",
+            "returned unchanged. For weights held as raw arrays, call `nvfp4x.qdot(x, w, "
+            "recipe=...)` where the model multiplies by them.",
             UserWarning,
             stacklevel=2,
         )
