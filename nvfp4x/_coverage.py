@@ -288,7 +288,7 @@ def _layer_of(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
-def _si(flops: float) -> str:
+def _si(flops: int | float) -> str:
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if flops >= size:
             return f"{flops / size:.3g} {unit}"
