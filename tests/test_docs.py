@@ -125,3 +125,41 @@ def test_page_snippets_run(page, tmp_path, monkeypatch):
             except Exception as e:
                 raise AssertionError(f"{where} fails: {type(e).__name__}: {e}") from e
     assert os.getcwd() == str(tmp_path)
+
+
+_STACKED = """
+class Stack(eqx.Module):
+    blocks: eqx.nn.Linear  # eqx.filter_vmap-built: weight (3, 32, 32), run by lax.scan
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        step = lambda h, block: (jnp.tanh(eqx.combine(block, static)(h)), None)
+        return self.head(jax.lax.scan(step, x, dynamic)[0])
+
+keys = jax.random.split(jax.random.key(0), 3)
+stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(keys)
+model = Stack(stack, eqx.nn.Linear(32, 8, key=keys[0]))
+rules = [(r"head", nvfp4x.recipes.bf16()), (r".*", nvfp4x.recipes.nvfp4_training())]
+policy = nvfp4x.Policy(rules)
+qmodel = nvfp4x.quantize(model, policy)
+x, y = jnp.ones((8, 32)), jnp.zeros((8, 8))
+loss_fn = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+names = {"blocks": "layers.{i}", "head": "head"}
+"""
+
+
+def test_calibration_snippet_runs_on_stacked_layers(tmp_path, monkeypatch):
+    """deploying.md's W4A4 calibration (its page runs it on the README's model) on a
+    `filter_vmap` stack scanned over, with a bf16 head: one amax per slice."""
+    [block] = [
+        b for b in python_blocks((ROOT / "docs/deploying.md").read_text()) if "input_amax" in b.code
+    ]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(_PRELUDE + _STACKED, namespace)
+    with jax.numpy_dtype_promotion("standard"):
+        exec(block.code, namespace)
+    assert namespace["amax"]["blocks"].shape == (3,)
+    assert set(namespace["amax"]) == {"blocks"}
+    assert (tmp_path / "out" / "w4a4" / "model.safetensors").exists()
