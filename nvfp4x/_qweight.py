@@ -520,7 +520,7 @@ def _spectral_norm_call(self, x, state, *, key=None, inference=None):
         inference = self.inference
     with jax.named_scope(NORMALISER):
         if not inference:
-            stop = lax.stop_gradient(master)
+            stop = lax.stop_gradient(jnp.asarray(master))
             for _ in range(self.num_power_iterations):
                 u, v = _power_iteration(stop, u, v, self.eps)
             state = state.set(self.uv_index, (u, v))
