@@ -114,6 +114,10 @@ def test_property_tie_frozen_with_tied_equals_trained(head, read):
     qmodel = nvfp4x.quantize(ESM2Like(jax.random.key(0), read), policy(head, "head"))
     frozen = nvfp4x.freeze(qmodel, tied=["head"])
     assert frozen.head.weight.master is qmodel.head.weight.array
+    # The summary's bytes held count the kept master values; its GEMM bytes do not.
+    row = next(line for line in nvfp4x.summary(frozen).splitlines() if line.startswith("head"))
+    packed = sum(v.nbytes for v in jax.tree.leaves(frozen.head.weight.packed))
+    assert row.split()[-2:] == [f"{packed + V * D * 4:,}", f"{packed:,}"], row
     assert jnp.dtype(frozen.embedding(0).dtype) == jnp.float32
     assert_frozen_equals_trained(qmodel, frozen)
 
