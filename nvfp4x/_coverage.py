@@ -15,7 +15,7 @@ from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
 from ._probe import layer_stats
-from ._qweight import LAYOUT, QWeight, record_unquantised
+from ._qweight import LAYOUT, NORMALISER, QWeight, record_unquantised
 from ._ragged import (
     grouped_dgrad_p,
     grouped_qdot_p,
@@ -36,7 +36,8 @@ class CoverageRow:
     - `path`: the layer (or weight) it consumes, as the policy matches it; for a GEMM
       of two activations (attention's QK and PV) `(activations)`.
     - `pass_`: `"fprop"`, `"dgrad"`, `"wgrad"` for nvfp4x's GEMMs; `"fprop"` or
-      `"backward"` for plain ones.
+      `"backward"` for plain ones, `"normaliser"` for the matrix-vector products that
+      estimate a weight's normaliser from its master values (`eqx.nn.SpectralNorm`'s σ).
     - `shape`: `(M, K) x (K, N)` with batch dimensions folded into `M`, `batch` times.
     - `flops`: `2 * M * K * N * batch * repeats` (`repeats`: scan iterations).
     - `formats`: `(a, b)`, the format of each operand (`"nvfp4 1x16"`, `"float32"`...).
@@ -240,13 +241,14 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
         out = eqn.outvars[0].aval
         flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[0]
         shape = f"conv {lhs.shape} * {rhs.shape}"
-    backward = "transpose" in str(eqn.source_info.name_stack)
+    scope = str(eqn.source_info.name_stack)
+    pass_ = "backward" if "transpose" in scope else "fprop"
+    if NORMALISER in scope:  # e.g. SpectralNorm's σ, read from the master weight
+        pass_ = "normaliser"
     paths = [_origin(origin, v) for v in eqn.invars[:2]]
     path = next((p for p in paths if p is not None), "(activations)")
     formats = (_dtype_name(lhs), _dtype_name(rhs))
-    return CoverageRow(
-        path, "backward" if backward else "fprop", shape, flops * repeats, formats, False
-    )
+    return CoverageRow(path, pass_, shape, flops * repeats, formats, False)
 
 
 def _origin(origin: dict, var) -> str | None:
@@ -276,7 +278,7 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
         if prim in (lax.dot_general_p, lax.conv_general_dilated_p):
             row = _plain_row(eqn, repeats, origin)
             rows.append(row)
-            if row.path in selected:
+            if row.path in selected and row.pass_ != "normaliser":
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
             continue
         if eqn.params.get("name") == layer_stats.__name__:  # telemetry's, not the model's
@@ -372,7 +374,7 @@ def _layer_of(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
-def _si(flops: float) -> str:
+def _si(flops: int | float) -> str:
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if flops >= size:
             return f"{flops / size:.3g} {unit}"

@@ -2,8 +2,10 @@
 parameter) and drop the master copy, making the layers of `_frozen.py`."""
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from ._linear import QuantizedLinear
 from ._policy import Recipe
 from ._prims import is_traced, vmapped
 from ._qweight import QWeight, gemm_matrix
-from ._sites import qweights
+from ._sites import at_path, is_conv, is_layer, is_qweight, qweights
 
 
 def weight_matrix(w: QWeight) -> Array:
@@ -82,7 +84,7 @@ def _group_amaxes(model: Any) -> dict[str, Array]:
     return amaxes
 
 
-def freeze(model: Any) -> Any:
+def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     """Pack every quantised weight for inference: a [`nvfp4x.QuantizedLinear`][] becomes
     a [`nvfp4x.FrozenLinear`][], any other quantised weight (user linear classes,
     subclasses, tied weights) a [`nvfp4x.FrozenWeight`][]; the weight is held in its
@@ -106,9 +108,22 @@ def freeze(model: Any) -> Any:
     [`nvfp4x.export_hf`][]. Eager calls are jitted (one compiled packing per weight shape
     and recipe).
 
+    A weight tied to an embedding (the LM head's weight is also the input embedding
+    table) is read two ways: its GEMM ran quantised, its lookup read the master values.
+    Such a weight keeps its master array besides the packed one (`FrozenWeight.master`:
+    the memory of an untied model, embedding table plus packed head), so the frozen
+    lookup reads what training's did and the forward stays bit for bit. Ties through
+    `eqx.nn.Shared` that place the weight in a module other than a linear layer (an
+    `eqx.nn.Embedding`) are found; name other ties in `tied` (a property building an
+    `eqx.nn.Embedding` from the head's weight, as esm2quinox does). A frozen weight
+    without its master values raises if a lookup reads it, naming it and `tied`.
+
     **Arguments:**
 
     - `model`: a model returned by [`nvfp4x.quantize`][] (trained or not).
+    - `tied`: paths of quantised weights (as [`nvfp4x.summary`][] lists them) that the
+      model also reads outside GEMMs, e.g. `["logit_head.linear2"]`: they keep their
+      master values for those reads.
 
     **Returns:** the frozen model.
 
@@ -118,17 +133,22 @@ def freeze(model: Any) -> Any:
     """
 
     amaxes = _group_amaxes(model)
+    tied = _tied_paths(model, tied)
 
     def packed(w: QWeight) -> PackedWeight:
         _refuse_unquantised_slices(w)
         amax = None if w.scale_group is None else amaxes.get(w.scale_group)
         return pack_weight(weight_matrix(w), w.recipe, amax)
 
+    def frozen(w: QWeight) -> FrozenWeight:
+        master = w.array if w.path in tied else None
+        return FrozenWeight(packed(w), w.recipe, w.path, w.fast, master=master)
+
     def one(leaf):
         if isinstance(leaf, QuantizedLinear):
             w = leaf.weight
             return FrozenLinear(
-                weight=FrozenWeight(packed(w), w.recipe, w.path, w.fast),
+                weight=frozen(w),
                 bias=leaf.bias,
                 in_features=leaf.in_features,
                 out_features=leaf.out_features,
@@ -147,7 +167,7 @@ def freeze(model: Any) -> Any:
                 groups=leaf.groups,
             )
         if isinstance(leaf, QWeight):
-            return FrozenWeight(packed(leaf), leaf.recipe, leaf.path, leaf.fast)
+            return frozen(leaf)
         return leaf
 
     is_leaf = lambda x: isinstance(x, QuantizedLinear | QWeight)
@@ -170,3 +190,30 @@ def _refuse_unquantised_slices(w: QWeight) -> None:
         "all true to freeze them quantised, or hold those layers outside the stack and "
         "leave them out of the policy."
     )
+
+
+def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
+    """The paths of the quantised weights that keep their master values: those in
+    `named` and those that an `eqx.nn.Shared` places in a module other than a linear
+    layer or convolution (an embedding: a read that is not a GEMM)."""
+    if isinstance(named, str):
+        raise TypeError(f"`tied` must be a list of weight paths, e.g. `[{named!r}]`.")
+    named = frozenset(named)
+    paths = {w.path for _, w in qweights(model)}
+    unknown = sorted(named - paths)
+    if unknown:
+        raise ValueError(
+            f"nvfp4x.freeze: `tied` names {unknown}, which are not quantised weights of the "
+            f"model; its quantised weights are {sorted(paths)}."
+        )
+    found = set(named)
+    shared = lambda x: isinstance(x, eqx.nn.Shared)
+    for node in jax.tree_util.tree_leaves(model, is_leaf=shared):
+        if not shared(node):
+            continue
+        expanded = node()  # the sources placed in the slots: every spot of a tied weight
+        for keys, w in jax.tree_util.tree_flatten_with_path(expanded, is_leaf=is_qweight)[0]:
+            holder = at_path(expanded, keys[:-1])
+            if is_qweight(w) and not (is_layer(holder) or is_conv(holder)):
+                found.add(w.path)
+    return frozenset(found)

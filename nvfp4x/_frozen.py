@@ -63,13 +63,21 @@ class FrozenWeight(WeightValue):
     class, a subclass of `eqx.nn.Linear`, a tied weight), packed by [`nvfp4x.freeze`][]:
     the [`nvfp4x.QWeight`][] of inference. Every GEMM that consumes it decodes the packed
     weight (the same values as the unfrozen forward quantised, bit for bit, when it is
-    used in its stored layout `x @ w.T` / `w @ x`); other uses see the decoded values.
+    used in its stored layout `x @ w.T` / `w @ x`).
+
+    Other uses (an embedding lookup, a norm) read what training read there, the master
+    values, when the weight keeps them: a weight tied to an embedding (see `freeze`'s
+    `tied`) holds `master` besides `packed`, as much memory as an untied model's
+    embedding table plus its packed head. Without `master`, other uses see the decoded
+    values, and an embedding lookup (a row gather of a 2-D weight) raises: training's
+    lookup read the master values, which were dropped.
 
     **Fields:** `packed` (an [`nvfp4x.NVFP4Array`][], [`nvfp4x.MXFP8Array`][],
     [`nvfp4x.FP8Array`][] or array), `recipe`, `path`, `fast` (static); for a
     convolution kernel, packed as its GEMM matrix `(out, in x window)` (per feature
     group: `(groups, out / groups, in / groups x window)`), also `kernel_shape` (the
-    kernel's shape, per layer), `kernel_axes` and `groups` (as the `QWeight`'s).
+    kernel's shape, per layer), `kernel_axes` and `groups` (as the `QWeight`'s); `master`: the
+    master weight of a tied weight, or None.
     """
 
     packed: Any
@@ -77,6 +85,7 @@ class FrozenWeight(WeightValue):
     path: str = eqx.field(static=True)
     fast: bool = eqx.field(static=True, default=True)
     transposed: bool = eqx.field(static=True, default=False)
+    master: Array | None = None
     kernel_shape: tuple[int, ...] | None = eqx.field(static=True, default=None)
     kernel_axes: tuple[int, ...] | None = eqx.field(static=True, default=None)
     groups: int = eqx.field(static=True, default=1)
@@ -98,10 +107,14 @@ class FrozenWeight(WeightValue):
         shape = tuple(self.packed.shape)
         if self.kernel_shape is not None:
             shape = self._stack() + self.kernel_shape
-        return shaped(shape[::-1] if self.transposed else shape, self.packed.dtype)
+        dtype = self.packed.dtype if self.master is None else self.master.dtype
+        return shaped(shape[::-1] if self.transposed else shape, dtype)
 
     def materialise(self) -> Array:
-        """The decoded weight: `(value x block scale) x tensor scale` (spec §2)."""
+        """What reads other than GEMMs see: the master weight if it is kept, else the
+        decoded weight, `(value x block scale) x tensor scale` (spec §2)."""
+        if self.master is not None:
+            return self.master.T if self.transposed else self.master
         wv, ws = weight_operand(self.packed, self.recipe)
         out = wv.astype(jnp.float32) if ws is None else wv.astype(jnp.float32) * ws
         out = out.astype(self.packed.dtype)
@@ -111,14 +124,35 @@ class FrozenWeight(WeightValue):
 
     @staticmethod
     def default(primitive, values, params):
+        for v in values:
+            if isinstance(v, FrozenWeight) and v.master is None:
+                _refuse_lookup(v, primitive)
         return default_rule(primitive, values, params)
 
     def __getattr__(self, name: str) -> Any:
         # The packed array's own fields and methods (`codes`, `scales`, `block`,
-        # `operand()`...) read through.
-        if name == "packed":
+        # `operand()`...) read through. Dunder names do not: a plain packed array (a
+        # bf16/float32 weight format) under `jax.jit` is a tracer, whose
+        # `__jax_array__` would make the weight look like an array to quax.
+        if name == "packed" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.packed, name)
+
+
+def _refuse_lookup(w: FrozenWeight, primitive) -> None:
+    """Raise for an embedding lookup (rows gathered from a 2-D weight) of a frozen weight
+    without its master values: training's lookup read them (a tie `freeze` did not see,
+    such as an `eqx.nn.Embedding` built from the head's weight in a property)."""
+    lookup = primitive in (lax.gather_p, lax.dynamic_slice_p)
+    if not lookup or len(w.aval().shape) != 2:  # a stack's slice is not a lookup
+        return
+    raise ValueError(
+        f"nvfp4x: the frozen weight `{w.path}` is read by `{primitive.name}`, as an "
+        "embedding lookup tied to it does; the trained model's lookup read its master "
+        "values, which `nvfp4x.freeze` dropped. Freeze with "
+        f'`nvfp4x.freeze(qmodel, tied=["{w.path}"])` to keep them for such reads (the '
+        "memory of an untied embedding table), or untie the embedding."
+    )
 
 
 class FrozenLinear(eqx.Module):

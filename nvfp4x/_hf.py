@@ -291,6 +291,14 @@ def _plan(model: Any, names: Any, who: str) -> tuple[list[_Entry], Any, list]:
                 )
             if leaf.transposed:
                 raise ValueError(f"{who}: `{path}` is a transposed view of a frozen weight.")
+            if leaf.master is not None:
+                raise ValueError(
+                    f"{who}: `{path}` is tied to an embedding (it keeps its master values "
+                    "for the lookup, `FrozenWeight.master`); the checkpoint format holds one "
+                    "tensor per weight, and serving stacks keep a tied LM head unquantised. "
+                    f"Leave `{leaf.path}` out of the NVFP4 policy, or write the model with "
+                    "`nvfp4x.save`, which keeps both."
+                )
         elif not _is_array(leaf):
             continue  # not a tensor (a Python scalar, a string...): not checkpoint data
         module = path_str(keys[:-1]) if keys else ""

@@ -13,6 +13,7 @@ inside a module's `__call__` (see `interpreted`) and in its own operators (`w.T`
 - Layout and linear elementwise primitives (transpose, reshape, slicing, dtype casts,
   `w * g`, `w / norm`, ...) give a `QWeight` of their result: the effective weight of
   `eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm` or a user's scaling is what gets quantised.
+  (SpectralNorm's normaliser σ is computed from the master weight: `_spectral_norm_call`.)
 - Anything else (reductions, gathers such as an embedding lookup, `stop_gradient`)
   reads the master array: those are not GEMMs.
 - `jax.checkpoint` and `jax.custom_vjp` bodies are looked into; a primitive nvfp4x
@@ -740,12 +741,60 @@ def as_qweight(x: Any) -> Any:
 _M = TypeVar("_M", bound=eqx.Module)
 
 
+#: The name scope of a weight's normaliser (`eqx.nn.SpectralNorm`'s σ): its
+#: matrix-vector products read the master weight on purpose (`nvfp4x.coverage` lists
+#: them as `normaliser` GEMMs, not as a selected weight that reached a GEMM unquantised).
+NORMALISER = "nvfp4x_normaliser"
+
+
+def _power_iteration(weight: Array, u: Array, v: Array, eps: float) -> tuple[Array, Array]:
+    # Equinox's `eqx.nn.SpectralNorm` power iteration, the same arithmetic.
+    u = weight @ v
+    u = u / jnp.maximum(eps, jnp.sqrt(jnp.sum(u**2)))
+    v = weight.T @ u
+    v = v / jnp.maximum(eps, jnp.sqrt(jnp.sum(v**2)))
+    return u, v
+
+
+def _spectral_norm_call(self, x, state, *, key=None, inference=None):
+    """`eqx.nn.SpectralNorm.__call__` with σ, the estimate of the weight's largest
+    singular value, computed from the master weight (for a frozen weight, what it reads
+    outside GEMMs): σ normalises the weight, its matrix-vector products are not a GEMM of
+    the layer. Only the layer's own GEMM, on `W / σ`, is quantised."""
+    del key
+    u, v = state.get(self.uv_index)
+    weight = getattr(self.layer, self.weight_name)
+    weight_shape = weight.shape
+    weight = jnp.reshape(weight, (weight.shape[0], -1))
+    value = as_qweight(weight)
+    master = type(value).materialise(value) if isinstance(value, WeightValue) else weight
+    if inference is None:
+        inference = self.inference
+    with jax.named_scope(NORMALISER):
+        if not inference:
+            stop = lax.stop_gradient(jnp.asarray(master))
+            for _ in range(self.num_power_iterations):
+                u, v = _power_iteration(stop, u, v, self.eps)
+            state = state.set(self.uv_index, (u, v))
+        sigma = jnp.einsum("i,ij,j->", u, master, v)
+    layer = eqx.tree_at(
+        lambda m: getattr(m, self.weight_name),
+        self.layer,
+        jnp.reshape(weight / sigma, weight_shape),
+    )
+    return layer(x), state
+
+
 @functools.cache
 def interpreted_class(cls: type) -> type:
     """A subclass of the module class `cls`, named like it, whose `__call__` runs under
     `quantized`: every read of a quantised weight inside it is seen. `isinstance` and
-    attribute reads behave as for `cls`; `nvfp4x.dequantize` restores `cls`."""
+    attribute reads behave as for `cls`; `nvfp4x.dequantize` restores `cls`.
+    (`eqx.nn.SpectralNorm` computes its normaliser σ from the master weight: see
+    `_spectral_norm_call`.)"""
     base_call = cls.__call__
+    if base_call is eqx.nn.SpectralNorm.__call__:
+        base_call = _spectral_norm_call
 
     def __call__(self, *args, **kwargs):  # noqa: N807
         return _Interpreted(base_call)(self, *args, **kwargs)

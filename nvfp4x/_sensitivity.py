@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 from ._coverage import coverage
 from ._policy import Policy, Recipe, recipes
 from ._qweight import QWeight
-from ._sites import is_qweight, layers, path_str
+from ._sites import is_qweight, layers, path_str, qweights
 from ._transform import quantize
 
 
@@ -213,8 +213,11 @@ def _leaf_index(tree: Any, path: str) -> int | None:
     return paths.index(path) if path in paths else None
 
 
-def _weight_path(path: str) -> str:
-    return f"{path}.weight" if path else "weight"
+def _weight_leaves(qmodel: Any) -> dict[str, str]:
+    """`{layer path: path of its weight's leaf in the unquantised model}`: where the
+    quantised weight sits (`layer.weight`; for a weight tied with `eqx.nn.Shared`, the
+    source it was quantised at, e.g. the embedding's)."""
+    return {w.path: p for p, w in qweights(qmodel)}
 
 
 def _ratio(num: float, den: float) -> float:
@@ -236,10 +239,13 @@ def _rel_error(g: Any, g_ref: Any) -> float:
     return _ratio(num, den)
 
 
-def _loop_row(params, static, batch, loss_fn, target, recipe, base, g_ref) -> SensitivityRow:
-    """The reference: quantise `target` alone, one compiled pass."""
+def _loop_row(
+    params, static, batch, loss_fn, target, recipe, base, g_ref, where: str
+) -> SensitivityRow:
+    """The reference: quantise `target` (its weight's leaf at `where`) alone, one
+    compiled pass."""
     loss, g = _value_and_grad(params, static, batch, loss_fn, target, recipe)
-    w, w_ref = _leaf_by_path(g, _weight_path(target)), _leaf_by_path(g_ref, _weight_path(target))
+    w, w_ref = _leaf_by_path(g, where), _leaf_by_path(g_ref, where)
     return SensitivityRow(
         path=target,
         loss_delta=float(loss) - base,
@@ -343,8 +349,13 @@ def sensitivity(
         )
     base = float(base_loss)
 
+    every = quantize(model, lambda path, _: recipe if path in paths else None)
+    where = _weight_leaves(every)
     if layers_per_pass is None:
-        rows = [_loop_row(params, static, batch, loss_fn, t, recipe, base, g_ref) for t in paths]
+        rows = [
+            _loop_row(params, static, batch, loss_fn, t, recipe, base, g_ref, where[t])
+            for t in paths
+        ]
     else:
         losses, err, ref = _sweep(
             params, static, batch, loss_fn, tuple(paths), recipe, g_ref, layers_per_pass
@@ -352,7 +363,7 @@ def sensitivity(
         losses, err, ref = (np.asarray(a, np.float64) for a in (losses, err, ref))
         rows = []
         for i, target in enumerate(paths):
-            w = _leaf_index(g_ref, _weight_path(target))
+            w = _leaf_index(g_ref, where[target])
             rows.append(
                 SensitivityRow(
                     path=target,
@@ -362,7 +373,6 @@ def sensitivity(
                 )
             )
     # Which layers' GEMMs run in `loss_fn` at all (traced, not run).
-    every = quantize(model, lambda path, _: recipe if path in paths else None)
     reached = {r.path for r in coverage(loss_fn, every, batch).rows if r.quantised}
     for r in rows:
         if r.path not in reached:

@@ -63,6 +63,18 @@ def path_str(path: tuple) -> str:
     return out
 
 
+def at_path(tree: Any, keys: tuple) -> Any:
+    """The node of `tree` at `keys` (a path of `jax.tree_util.tree_flatten_with_path`)."""
+    for k in keys:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            tree = getattr(tree, k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            tree = tree[k.idx]
+        else:
+            tree = tree[k.key]
+    return tree
+
+
 def _is_weight_array(w: Any) -> bool:
     if isinstance(w, WeightValue):
         return True

@@ -23,12 +23,11 @@ def _row(path: str, w: Any) -> tuple:
     of a layer's weight: a `QWeight`, a frozen layer or a plain array."""
     if isinstance(w, FrozenLinear | FrozenWeight):
         r = w.recipe
-        held = sum(
-            v.nbytes
-            for v in jax.tree_util.tree_leaves(w.weight if isinstance(w, FrozenLinear) else w)
-        )
+        weight = w.weight if isinstance(w, FrozenLinear) else w
+        held = sum(v.nbytes for v in jax.tree_util.tree_leaves(weight))  # with a tie's master
+        packed = sum(v.nbytes for v in jax.tree_util.tree_leaves(weight.packed))
         shape = tuple(w.weight_shape if isinstance(w, FrozenLinear) else w.shape)
-        return (path, str(shape), _fmt(r.weight) + " (frozen)", _fmt(r.input), "-", held, held)
+        return (path, str(shape), _fmt(r.weight) + " (frozen)", _fmt(r.input), "-", held, packed)
     array = w.array if isinstance(w, QWeight) else w
     shape = tuple(array.shape)
     master = int(np.prod(shape)) * np.dtype(array.dtype).itemsize
@@ -60,8 +59,9 @@ def rows(model: Any) -> list[tuple]:
 
 def summary(model: Any) -> str:
     """A table of every linear layer: path, weight shape, the formats of weight, input
-    and output gradient, bytes held (master weights; packed weights once frozen) and the
-    weight's bytes in its GEMM format, with totals.
+    and output gradient, bytes held (master weights; packed weights once frozen, plus the
+    master values a tied weight keeps for its embedding lookup) and the weight's bytes in
+    its GEMM format, with totals.
 
     **Arguments:**
 

@@ -12,6 +12,7 @@ from ._linear import QuantizedLinear
 from ._policy import Policy, PolicyLike, Recipe, as_recipe
 from ._qweight import QWeight, base_class, interpreted_class, with_class
 from ._sites import (
+    at_path,
     children,
     conv_kernel,
     is_conv,
@@ -181,7 +182,7 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                     " or leave the layer out of the policy."
                 )
             weight = QWeight(source, recipe, p, fast, scale_group=group(p))
-            inner = eqx.tree_at(lambda t, k=spots[0]: _at(t, k), inner, weight)
+            inner = eqx.tree_at(lambda t, k=spots[0]: at_path(t, k), inner, weight)
         return eqx.tree_at(lambda s: s.pytree, shared, inner)
 
     out = visit(model, ())
@@ -195,7 +196,8 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
         warnings.warn(
             "nvfp4x.quantize: the model holds no `eqx.nn.Linear` (nor a subclass of it, nor a "
             "module with a 2-D floating-point `weight` that its call reads in a GEMM); it is "
-            "returned unchanged." + hint,
+            "returned unchanged. For weights held as raw arrays, call `nvfp4x.qdot(x, w, "
+            "recipe=...)` where the model multiplies by them." + hint,
             UserWarning,
             stacklevel=2,
         )
@@ -218,17 +220,6 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
                 "`nvfp4x.summary(model)`. Pass `Policy(..., strict=False)` to allow it."
             )
     return out
-
-
-def _at(tree: Any, keys: tuple) -> Any:
-    for k in keys:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            tree = getattr(tree, k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            tree = tree[k.idx]
-        else:
-            tree = tree[k.key]
-    return tree
 
 
 def _interpreted(module: Any) -> Any:

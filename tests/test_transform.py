@@ -515,3 +515,9 @@ def test_classifier_nvfp4_training_close_to_float32():
     assert all(t is eqx.nn.Linear for t, _ in layers_of(back))
     for a, b in zip(back.layers, qmodel.layers, strict=True):
         assert a.weight is b.weight.array and a.bias is b.bias
+
+
+def test_no_linear_warning_points_raw_weights_to_qdot():
+    params = {"w": jnp.ones((D, D)), "b": jnp.zeros((D,))}  # a model of raw arrays
+    with pytest.warns(UserWarning, match=r"raw arrays, call `nvfp4x.qdot\(x, w, recipe=...\)`"):
+        assert tree_equal(nvfp4x.quantize(params, TRAIN), params)
