@@ -33,10 +33,10 @@ if [ "$TESTS" != none ]; then
     # -W: hypothesis imports a module that warns at import; with warnings as errors that
     # would hide a failing property test behind an INTERNALERROR.
     # shellcheck disable=SC2086
-    timeout "$test_s" python3 -m pytest -q -n "${WORKERS:-12}" --dist loadfile -rfE \
+    timeout "$test_s" python3 -m pytest -v --tb=short -n "${WORKERS:-12}" --dist loadfile -rfE \
         -p no:cacheprovider -W ignore::DeprecationWarning $TESTS >"$OUT/tests.log" 2>&1
     echo "tests exit $?" >>"$OUT/tests.log"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-240 | head -50
+    grep -E "(FAILED|ERROR) tests/" "$OUT/tests.log" | cut -c1-240 | head -50
     tail -3 "$OUT/tests.log"
 fi
 if [ "$bench_s" -gt 0 ]; then
