@@ -5,6 +5,12 @@ tests then run it natively), on shapes with edges: rows and columns that are not
 multiples of the tile or of 16, NaN and inf blocks, all-zero blocks, subnormal inputs,
 tiny tensors (subnormal amax, subnormal tensor scale), given amax, stochastic rounding.
 It also lowers for CUDA here (Triton lowering and shape rules checked without a GPU).
+
+Two things the interpreter cannot show are checked on the kernel's body instead (they
+broke the kernel on an H200 while the interpreter was bit for bit): every read and write
+of a tile that overhangs its array is masked (Triton reads and writes such a tile at the
+flat offsets, over the next row and past the buffer, where the interpreter pads), and no
+float is negated (Triton's `-x` is `0 - x`: `-0.0` becomes `+0.0`).
 """
 
 import functools
@@ -80,6 +86,25 @@ def check_kernel(x, **kwargs) -> None:
     same_nvfp4(to_nvfp4(x, impl="pallas", **kwargs), want)
 
 
+def jit_with(impl: str, fn, *args):
+    """`jax.jit(fn)(*args)` traced with implementation `impl`, checked to have run the
+    kernel exactly when `impl` is `"pallas"` (`jax.jit` reuses the trace of a function
+    it traced before, outside `use`: pass a new function for each implementation)."""
+    with _kernels.use("nvfp4_quantize", impl):
+        traced = jax.jit(fn).trace(*args)
+    assert ("pallas_call" in str(traced.jaxpr)) == (impl == "pallas"), impl
+    return traced.lower().compile()(*args)
+
+
+def same_floats(got, want) -> None:
+    """The same float bits, NaN where NaN (any payload); `-0.0` is not `+0.0`."""
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(
+        np.nan_to_num(g).view(np.uint32), np.nan_to_num(w).view(np.uint32)
+    )
+
+
 @pytest.mark.parametrize(
     "dtype,block,rounding",
     [
@@ -115,16 +140,12 @@ def test_pallas_fake_quantize_equals_reference(dtype, scale):
     x = (jnp.where(jnp.isinf(x), 2.0, x) * scale).astype(dtype)  # an inf amax: s_dec = 1
     key = jax.random.key(2)
 
-    def fq(x, key):
-        return nvfp4x.fake_quantize(x, rounding="stochastic", key=key)
+    def fq():  # a new function per implementation (see `jit_with`)
+        return lambda x, key: nvfp4x.fake_quantize(x, rounding="stochastic", key=key)
 
-    want = np.asarray(jax.jit(fq)(*on_cpu((x, key))), np.float32)
-    with _kernels.use("nvfp4_quantize", "pallas"):
-        got = np.asarray(jax.jit(fq)(x, key), np.float32)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_array_equal(
-        np.nan_to_num(got).view(np.uint32), np.nan_to_num(want).view(np.uint32)
-    )
+    want = jit_with("xla", fq(), *on_cpu((x, key)))
+    assert np.any(np.signbit(want) & (want == 0))  # -0.0 among them
+    same_floats(jit_with("pallas", fq(), x, key), want)
 
 
 def test_pallas_to_nvfp4_given_amax_batched_and_vmapped():
@@ -142,19 +163,57 @@ def test_pallas_operand_equals_reference(block, rounding, axis):
     """The GEMM operand path: bfloat16 block values `e2m1 * scale_b` and the tensor
     scale, along the last axis (fprop's x, dgrad's dy), the leading one (wgrad's tokens)
     and in 16x16 tiles (weights)."""
+    check_operand(edge_array(jnp.bfloat16, rows=41, cols=40), block, rounding, axis)
+
+
+def check_operand(x, block, rounding, axis) -> None:
     fmt = Format("nvfp4", block=block, rounding=rounding)
-    x = edge_array(jnp.bfloat16, rows=41, cols=40)
     key = jax.random.key(3)
-    quantize = jax.jit(lambda x, key: quantize_operand(x, fmt, axis, key))
-    want = quantize(*on_cpu((x, key)))
-    with _kernels.use("nvfp4_quantize", "pallas"):
-        got = jax.jit(lambda x, key: quantize_operand(x, fmt, axis, key))(x, key)
+
+    def quantize():  # a new function per implementation (see `jit_with`)
+        return lambda x, key: quantize_operand(x, fmt, axis, key)
+
+    want = jit_with("xla", quantize(), *on_cpu((x, key)))
+    got = jit_with("pallas", quantize(), x, key)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_array_equal(
-        np.nan_to_num(g).view(np.uint32), np.nan_to_num(w).view(np.uint32)
-    )
+    values = np.asarray(want[0], np.float32)
+    assert np.any(np.signbit(values) & (values == 0))  # -0.0 among them
+    same_floats(got[0], want[0])
+
+
+@pytest.mark.parametrize(
+    "dtype,block,rounding",
+    [
+        (jnp.bfloat16, (1, 16), "stochastic"),
+        (jnp.float32, (16, 16), "stochastic"),
+        (jnp.bfloat16, (16, 1), "stochastic"),
+    ],
+    ids=["bfloat16_sr", "float32_16x16_sr", "bfloat16_16x1_sr_operand"],
+)
+def test_pallas_small_tiles_overhanging_both_edges(monkeypatch, dtype, block, rounding):
+    """Tiles of 32 columns and at most 1,024 elements on the edge array (37x100, padded
+    to its blocks): several programs along both axes, the last ones overhanging the array on
+    both: the same bits (SR thresholds by the element's index, whatever the tiling)."""
+    shape = {(1, 16): (37, 112), (16, 16): (48, 112), (16, 1): (48, 100)}[block]  # padded
+    tr, tc = _pallas_nvfp4._tile(*shape, block, 32, 1024)
+    assert shape[0] % tr and shape[1] % tc and shape[0] > tr and shape[1] > tc
+    calls = []
+
+    def small_tiles(*args, **kwargs):
+        calls.append(kwargs["block"])
+        return quantize_2d(*args, **kwargs, tiling=(32, 1024, 4))
+
+    quantize_2d = _pallas_nvfp4.quantize_2d
+    monkeypatch.setattr(_pallas_nvfp4, "quantize_2d", small_tiles)
+    x, key = edge_array(dtype), jax.random.key(7)
+    if block == (16, 1):  # the operand path along the leading axis (wgrad's tokens)
+        check_operand(x, (1, 16), rounding, 0)
+    else:
+        kwargs = {"key": key, "block": block, "rounding": rounding}
+        want = to_nvfp4(on_cpu(x), **on_cpu(kwargs), impl="xla")
+        to = lambda x, key: nvfp4x.to_nvfp4(x, block=block, rounding=rounding, key=key)
+        same_nvfp4(jit_with("pallas", to, x, key), want)
+    assert calls == [block]
 
 
 def test_qdot_with_the_pallas_quantisers_equals_reference():
@@ -182,8 +241,14 @@ def test_qdot_with_the_pallas_quantisers_equals_reference():
 
 
 def test_uncovered_cases_take_the_reference():
-    """float16 input, `scale_rounding="up"` and SR without a key: no kernel."""
+    """float16 input, `scale_rounding="up"`, SR without a key, and 16x1 blocks over an
+    odd number of columns (the codes pack pairs along the rows): no kernel."""
     x = jnp.ones((16, 32), jnp.float32)
+    with _kernels.use("nvfp4_quantize", "pallas"):
+        assert _kernels.nvfp4_quantizer(x, (16, 1), "nearest", "nearest", None, None)
+        odd = x[:, :31]
+        assert _kernels.nvfp4_quantizer(odd, (16, 1), "nearest", "nearest", None, None) is None
+        assert _kernels.nvfp4_operand(odd, (1, 16), "nearest", "nearest", 0, None) is None
     with _kernels.use("nvfp4_quantize", "pallas"):
         assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "nearest", None, None)
         assert _kernels.nvfp4_quantizer(x, (16, 16), "nearest", "nearest", None, None)
@@ -230,6 +295,59 @@ def test_pallas_kernel_lowers_for_cuda(dtype, block, rounding, values):
     )
     text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "nvfp4_quantize_2d" in text
+
+
+def kernel_body(shape, block, values: bool, dequantize: bool = False):
+    """The equations of the kernel's body (nested ones included) for a bfloat16 array
+    of `shape`, stochastic rounding (traced only)."""
+    fn = functools.partial(
+        _pallas_nvfp4.quantize_2d,
+        block=block,
+        rounding="stochastic",
+        values=values,
+        dequantize=dequantize,
+    )
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x: fn(x, None, jnp.zeros((2,), jnp.uint32)))(x).jaxpr
+
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from equations(sub)
+
+    (call,) = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+    return list(equations(call.params["jaxpr"]))
+
+
+@pytest.mark.parametrize(
+    "shape,block,values,dequantize,overhangs",
+    [
+        ((37, 112), (1, 16), False, False, True),
+        ((48, 112), (16, 16), True, True, True),
+        ((48, 40), (16, 1), True, False, True),
+        ((64, 512), (1, 16), True, True, False),
+    ],
+    ids=["1x16_codes", "16x16_dequantized", "16x1_values", "fitting_tiles"],
+)
+def test_pallas_kernel_body_is_safe_on_triton(shape, block, values, dequantize, overhangs):
+    """What the interpreter does not check: a tile that overhangs the array is read and
+    written only through masks (plain `ref[...]` where every tile fits, the fast path);
+    no float is negated (`-0.0` would become `+0.0`) nor divided (approximate there)."""
+    body = kernel_body(shape, block, values, dequantize)
+    tiles = 0
+    for eqn in body:
+        name = eqn.primitive.name
+        if name in ("get", "swap", "masked_load", "masked_swap"):
+            if len(eqn.invars[0].aval.shape) == 2:  # x and the outputs (not the parameters)
+                tiles += 1
+                assert name.startswith("masked") == overhangs, name
+            if name.startswith("masked"):
+                args = eqn.params["args_tree"].unflatten(eqn.invars)
+                assert (args[2 if name == "masked_load" else 3] is not None) == overhangs
+        if name in ("neg", "div"):
+            assert not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating), name
+    assert tiles == 3 + values  # x, codes, scales, values
 
 
 # The exact helpers against the reference's steps, on values that decide bits.
@@ -305,6 +423,6 @@ def test_element_steps_are_exact():
         np.asarray(reference(lambda g, u: _e2m1.encode(_e2m1.round_stochastic(g, u)), grid, u)),
     )
     codes = np.arange(16, dtype=np.int32)
-    np.testing.assert_array_equal(
-        bits(jitted(_exact.decode, codes)), bits(_e2m1.decode(jnp.asarray(codes, jnp.uint8)))
-    )
+    decoded = bits(jitted(_exact.decode, codes))
+    np.testing.assert_array_equal(decoded, bits(_e2m1.decode(jnp.asarray(codes, jnp.uint8))))
+    assert decoded[8] == 0x80000000  # code 8 is -0.0

@@ -19,12 +19,16 @@ Operations:
   applies it before). Other cases (float16, `scale_rounding="up"`) take the reference.
 
 The defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
-reference under `interpret=True` on the CPU and lowers for CUDA, but has not yet been
-run on a GPU; it is opt-in until it has (`with nvfp4x._kernels.use("nvfp4_quantize",
-"pallas"): ...`). Making it the GPU default is one entry in `DEFAULTS`,
-`{("nvfp4_quantize", "gpu"): "pallas"}`. The operand path's tensor scale comes from
-`_format._nvfp4.tensor_scales`, whose divisions are exact on every backend only once
-the reference's are (on an H200 XLA's float32 `/` was measured an ULP off).
+reference under `interpret=True` on the CPU and lowers for CUDA. Its one run on a GPU
+(an H200) matched the reference on large arrays but failed on arrays that its tiles
+overhang, and lost the sign of `-0.0` in block values (see `_pallas_nvfp4`); both are
+fixed and guarded by tests of the kernel's body, but not yet run on a GPU, so it stays
+opt-in until it has passed `tests/test_kernels.py` there (`with
+nvfp4x._kernels.use("nvfp4_quantize", "pallas"): ...`). Making it the GPU default is
+one entry in `DEFAULTS`, `{("nvfp4_quantize", "gpu"): "pallas"}`. The operand path's
+tensor scale comes from `_format._nvfp4.tensor_scales`, whose divisions are exact on
+every backend only once the reference's are (on an H200 XLA's float32 `/` was measured
+an ULP off).
 """
 
 import contextlib
@@ -116,6 +120,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         or scale_rounding != "nearest"
         or xp.dtype not in PALLAS_DTYPES
         or xp.size == 0
+        or xp.shape[-1] % 2  # (16x1 blocks: the codes pack pairs along the rows)
         or (rounding == "stochastic" and key is None)  # the reference raises
     ):
         return None

@@ -79,10 +79,12 @@ def encode_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Array:
 
 
 def decode(code: Array) -> Float[Array, "*s"]:
-    """`_format._e2m1.decode` of int32 codes: the float32 E2M1 values."""
+    """`_format._e2m1.decode` of int32 codes: the float32 E2M1 values, the sign set on
+    the bits (Triton's `-x` is `0 - x`, which would decode code 8 as `+0.0`)."""
+    code = code.astype(jnp.int32)
     m = (code & 7).astype(jnp.float32)
     mag = jnp.where(m <= 4.0, 0.5 * m, jnp.where(m == 7.0, 6.0, m - 2.0))
-    return jnp.where((code & 8) != 0, -mag, mag)
+    return from_bits(_bits(mag) | ((code & 8) << 28))
 
 
 def e4m3_bits(scale: Float[Array, "*s"]) -> Array:

@@ -11,6 +11,20 @@ Same bits as the reference (`nvfp4x._format._nvfp4`): the per-block and per-elem
 steps are the reference's, through `nvfp4x._format._ieee` where they lower on every
 backend and through `_exact` where the reference uses an operation Triton lacks (see
 there). Runs on the CPU with `interpret=True`, which the tests use.
+
+What the interpreter does not show, and the kernel must not rely on (both seen on an
+H200, jax 0.11, where the interpreter was bit for bit the reference):
+
+- Pallas Triton reads and writes a tile (`ref[...]`) at the flat offsets
+  `row * stride + col` with no bounds check. A tile that overhangs the array's last
+  column reads the next row's first elements and writes over them (another program's,
+  or its own, results); one that overhangs the last row reads and writes past the
+  buffer's end (other arrays). The interpreter pads instead, and drops what lands
+  outside. So a tile that overhangs is read and written with explicit masks (`_load`,
+  `_store`; the fill read outside is 0, and whole blocks are outside or inside, so it
+  never meets a block of the array); tiles that fit are read and written plainly.
+- Triton lowers `-x` as `0 - x`, which turns `-0.0` into `+0.0`: signs are set on the
+  bits (`_exact.decode`), never by negation.
 """
 
 import functools
@@ -69,6 +83,37 @@ def _views(tr: int, cols: int, block: Block):
     return (tr // BLOCK, BLOCK, cols), lambda b: jnp.max(b, axis=1), lambda g: g[:, None, :]
 
 
+def _inside(tile: tuple[int, int], shape: tuple[int, int]) -> Array | None:
+    """Which elements of this program's `tile` of an array of `shape` lie in the array,
+    or `None` where the tiles fit the array exactly (no mask needed)."""
+    (tr, tc), (rows, cols) = tile, shape
+    if rows % tr == 0 and cols % tc == 0:
+        return None
+    row = pl.program_id(0) * tr + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
+    col = pl.program_id(1) * tc + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+    return (row < rows) & (col < cols)
+
+
+def _load(ref, shape: tuple[int, int]) -> Array:
+    """This program's tile of the array `ref` (of `shape`), 0 where the tile overhangs
+    it (never read there: Triton would read the next row, or past the buffer)."""
+    mask = _inside(ref.shape, shape)
+    if mask is None:
+        return ref[...]
+    return pltriton.load(ref, mask=mask, other=jnp.zeros(ref.shape, ref.dtype))
+
+
+def _store(ref, value: Array, shape: tuple[int, int]) -> None:
+    """Write this program's tile of the array `ref` (of `shape`), nothing where the
+    tile overhangs it (Triton would write over the next row, or past the buffer)."""
+    value = value.astype(ref.dtype)
+    mask = _inside(ref.shape, shape)
+    if mask is None:
+        ref[...] = value
+    else:
+        pltriton.store(ref, value, mask=mask)
+
+
 def _kernel(
     params_ref,
     seed_ref,
@@ -78,12 +123,15 @@ def _kernel(
     rounding: Rounding,
     values: bool,
     dequantize: bool,
+    rows: int,
     cols: int,
 ):
-    """One tile: block maxima, block scales and their inverses, codes, and the outputs."""
+    """One tile of the `(rows, cols)` array: block maxima, block scales and their
+    inverses, codes, and the outputs."""
     tr, tc = x_ref.shape
+    br, bc = block
     view, block_max, per_element = _views(tr, tc, block)
-    x = x_ref[...].astype(jnp.float32)
+    x = _load(x_ref, (rows, cols)).astype(jnp.float32)
     c, c_sub, s_dec, tiny = (params_ref[i] for i in range(4))
     # Block maxima over the bits of |x| (NaN above inf, subnormals exact).
     bamax = from_bits(block_max(abs_bits(x).reshape(view)))
@@ -97,14 +145,14 @@ def _kernel(
         codes = _exact.encode_nearest(v)
     else:
         codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
-    out_refs[1][...] = _exact.e4m3_bits(scale_b).astype(jnp.uint8)
+    _store(out_refs[1], _exact.e4m3_bits(scale_b), (rows // br, cols // bc))
     if values:
         q = _exact.decode(codes) * per_element(scale_b)  # exact
         if dequantize:
             q = _exact.mul_exact(q, s_dec, tiny != 0.0)
-        out_refs[2][...] = q.reshape(tr, tc).astype(out_refs[2].dtype)
+        _store(out_refs[2], q.reshape(tr, tc), (rows, cols))
     lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
-    out_refs[0][...] = (lo | (hi << 4)).astype(jnp.uint8)
+    _store(out_refs[0], lo | (hi << 4), (rows, cols // 2))
 
 
 def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
@@ -182,7 +230,13 @@ def quantize_2d(
         out_shape.append(jax.ShapeDtypeStruct((rows, cols), dtype))
         out_specs.append(pl.BlockSpec((tr, tc), lambda i, j: (i, j)))
     kernel = functools.partial(
-        _kernel, block=block, rounding=rounding, values=values, dequantize=dequantize, cols=cols
+        _kernel,
+        block=block,
+        rounding=rounding,
+        values=values,
+        dequantize=dequantize,
+        rows=rows,
+        cols=cols,
     )
     outs = pl.pallas_call(
         kernel,
