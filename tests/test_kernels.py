@@ -277,17 +277,26 @@ def test_chooser_defaults_and_override():
 
 
 @pytest.mark.parametrize(
-    "dtype,block,rounding,values",
+    "dtype,block,rounding,values,shape",
     [
-        (jnp.float32, (1, 16), "nearest", False),
-        (jnp.bfloat16, (1, 16), "stochastic", True),
-        (jnp.float32, (16, 16), "nearest", False),
-        (jnp.bfloat16, (16, 1), "stochastic", True),
+        (jnp.float32, (1, 16), "nearest", False, (8192, 16384)),
+        (jnp.bfloat16, (1, 16), "stochastic", True, (8192, 16384)),
+        (jnp.float32, (16, 16), "nearest", False, (8192, 16384)),
+        (jnp.bfloat16, (16, 1), "stochastic", True, (8192, 16384)),
+        (jnp.bfloat16, (16, 16), "stochastic", True, (8208, 16400)),
     ],
-    ids=["float32_codes", "bfloat16_sr_values", "float32_16x16", "bfloat16_16x1_sr_values"],
+    ids=[
+        "float32_codes",
+        "bfloat16_sr_values",
+        "float32_16x16",
+        "bfloat16_16x1_sr_values",
+        "bfloat16_16x16_sr_values_overhanging",
+    ],
 )
-def test_pallas_kernel_lowers_for_cuda(dtype, block, rounding, values):
-    x = jax.ShapeDtypeStruct((8192, 16384), dtype)
+def test_pallas_kernel_lowers_for_cuda(dtype, block, rounding, values, shape):
+    """Triton lowering, tiles that fit and (the masked reads and writes) tiles that
+    overhang."""
+    x = jax.ShapeDtypeStruct(shape, dtype)
     fn = jax.jit(
         lambda x: _pallas_nvfp4.quantize_2d(
             x, None, jnp.zeros((2,), jnp.uint32), block=block, rounding=rounding, values=values
