@@ -236,6 +236,12 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
     pallas_tilings(s, table, bw)
 
 
+def _bits(a: jax.Array) -> bytes:
+    """An array's bytes: equal for the same bits (-0 is not +0; NaNs by payload)."""
+    a = np.ascontiguousarray(np.asarray(a))
+    return str(a.dtype).encode() + str(a.shape).encode() + a.tobytes()
+
+
 def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str) -> None:
     """Rows saying whether the Pallas kernel gave the reference's bits on this array."""
     for what in (
@@ -249,9 +255,7 @@ def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str
         try:
             a, b = jitted[f"{what} xla"](x), jitted[f"{what} pallas"](x)
             leaves = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
-            same = all(
-                np.array_equal(np.asarray(u), np.asarray(v), equal_nan=True) for u, v in leaves
-            )
+            same = all(_bits(u) == _bits(v) for u, v in leaves)
             table.add("quantize", f"{what} pallas == xla bit for bit, {name}", str(same))
         except Exception as e:  # noqa: BLE001
             table.add("quantize", f"{what} pallas == xla", "**error**", f"{type(e).__name__}: {e}")
