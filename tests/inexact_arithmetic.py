@@ -13,7 +13,12 @@ with `tests/` on the path), this plugin changes how XLA:CPU lowers two primitive
 - every float32 `dot_general` that does not ask for `precision=HIGHEST` on both
   operands rounds them to bfloat16's precision (8 significant bits, to nearest) first:
   coarser than TF32 (11), as some GPU dot algorithms are, so that exactly the operands
-  the library may leave at default precision (those exact in bfloat16) pass unchanged.
+  the library may leave at default precision (those exact in bfloat16) pass unchanged;
+- a float cast whose operand is a chain of float casts starting from its own type
+  (`f32 -> bf16 -> f32`) returns that start, unrounded, as XLA:GPU's
+  `simplify-fp-conversions` pass does (on by default, `xla_allow_excess_precision`): a
+  narrowing cast meant to round must be a `lax.reduce_precision`, which XLA keeps.
+  (Within one lowered function, as XLA's pass sees its program after inlining.)
 
 `tests/test_exactness.py` runs the format and GEMM tests under it in a subprocess: their
 bits must not change. Import-time side effect only; nothing here is part of nvfp4x.
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
+from jax._src.lib.mlir import ir
 
 #: `(int dtype, uint dtype, odd multiplier, shift, mantissa mask)` per float dtype: the
 #: quotient's bits times the multiplier, shifted down to 4 bits, pick the nudge (2 of 16).
@@ -89,3 +95,35 @@ def _inexact_dot(ctx, lhs, rhs, **params):
 
 mlir.register_lowering(lax_internal.div_p, _inexact_div, platform="cpu")
 mlir.register_lowering(lax.dot_general_p, _inexact_dot, platform="cpu")
+
+
+_exact_convert = _rule(
+    _cpu_rules.get(lax_internal.convert_element_type_p)
+    or mlir._lowerings[lax_internal.convert_element_type_p]
+)
+
+
+def _is_float(value) -> bool:
+    return ir.FloatType.isinstance(ir.RankedTensorType(value.type).element_type)
+
+
+def _float_convert(value):
+    """The `stablehlo.convert` producing `value` (a float), or None."""
+    owner = getattr(value, "owner", None)
+    op = getattr(owner, "operation", owner)
+    if getattr(op, "name", None) == "stablehlo.convert" and _is_float(value):
+        return op
+    return None
+
+
+def _eliding_convert(ctx, operand, **params):
+    start = operand
+    while (op := _float_convert(start)) is not None:
+        start = op.operands[0]
+    out = mlir.aval_to_ir_type(ctx.avals_out[0])
+    if start is not operand and _is_float(start) and start.type == out:
+        return [start]
+    return _exact_convert(ctx, operand, **params)
+
+
+mlir.register_lowering(lax_internal.convert_element_type_p, _eliding_convert, platform="cpu")
