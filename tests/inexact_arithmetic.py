@@ -15,10 +15,11 @@ with `tests/` on the path), this plugin changes how XLA:CPU lowers two primitive
   coarser than TF32 (11), as some GPU dot algorithms are, so that exactly the operands
   the library may leave at default precision (those exact in bfloat16) pass unchanged;
 - a float cast whose operand is a chain of float casts starting from its own type
-  (`f32 -> bf16 -> f32`) returns that start, unrounded, as XLA:GPU's
-  `simplify-fp-conversions` pass does (on by default, `xla_allow_excess_precision`): a
+  (`f32 -> bf16 -> f32`) reads that start, unrounded, as after XLA:GPU's
+  `simplify-fp-conversions` pass (on by default, `xla_allow_excess_precision`), so a
   narrowing cast meant to round must be a `lax.reduce_precision`, which XLA keeps.
-  (Within one lowered function, as XLA's pass sees its program after inlining.)
+  (Rewritten in each lowered program, function by function: XLA's pass also sees
+  chains through calls, after inlining.)
 
 `tests/test_exactness.py` runs the format and GEMM tests under it in a subprocess: their
 bits must not change. Import-time side effect only; nothing here is part of nvfp4x.
@@ -97,33 +98,40 @@ mlir.register_lowering(lax_internal.div_p, _inexact_div, platform="cpu")
 mlir.register_lowering(lax.dot_general_p, _inexact_dot, platform="cpu")
 
 
-_exact_convert = _rule(
-    _cpu_rules.get(lax_internal.convert_element_type_p)
-    or mlir._lowerings[lax_internal.convert_element_type_p]
-)
-
-
-def _is_float(value) -> bool:
-    return ir.FloatType.isinstance(ir.RankedTensorType(value.type).element_type)
-
-
-def _float_convert(value):
-    """The `stablehlo.convert` producing `value` (a float), or None."""
-    owner = getattr(value, "owner", None)
+def _float_convert(value) -> ir.Operation | None:
+    """The `stablehlo.convert` whose float result `value` is, or None."""
+    owner = value.owner
     op = getattr(owner, "operation", owner)
-    if getattr(op, "name", None) == "stablehlo.convert" and _is_float(value):
-        return op
-    return None
+    if not isinstance(op, ir.Operation) or op.name != "stablehlo.convert":
+        return None
+    return op if isinstance(ir.RankedTensorType(value.type).element_type, ir.FloatType) else None
 
 
-def _eliding_convert(ctx, operand, **params):
-    start = operand
-    while (op := _float_convert(start)) is not None:
-        start = op.operands[0]
-    out = mlir.aval_to_ir_type(ctx.avals_out[0])
-    if start is not operand and _is_float(start) and start.type == out:
-        return [start]
-    return _exact_convert(ctx, operand, **params)
+def _elide_cast_chains(op: ir.Operation) -> None:
+    """Within each function of `op`, a float cast whose operand is a chain of float
+    casts starting from its own type reads that start instead (XLA:GPU's
+    `simplify-fp-conversions`)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation
+                _elide_cast_chains(inner)
+                if inner.name != "stablehlo.convert" or _float_convert(inner.results[0]) is None:
+                    continue
+                start = inner.operands[0]
+                while (cast := _float_convert(start)) is not None:
+                    start = cast.operands[0]
+                if start != inner.operands[0] and start.type == inner.results[0].type:
+                    inner.results[0].replace_all_uses_with(start)
 
 
-mlir.register_lowering(lax_internal.convert_element_type_p, _eliding_convert, platform="cpu")
+_lower_jaxpr_to_module = mlir.lower_jaxpr_to_module
+
+
+def _lower_with_cast_chains_elided(*args, **kwargs):
+    result = _lower_jaxpr_to_module(*args, **kwargs)
+    _elide_cast_chains(result.module.operation)
+    return result
+
+
+mlir.lower_jaxpr_to_module = _lower_with_cast_chains_elided

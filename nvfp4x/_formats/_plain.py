@@ -15,11 +15,13 @@ def round_to(a: Array, dtype) -> Array:
     the type it started from (`f32 -> bf16 -> f32`, its `simplify-fp-conversions` pass,
     on by default with `xla_allow_excess_precision`), so a reference GEMM that promotes
     the cast operand back to float32 would multiply the unrounded values. XLA keeps a
-    `reduce_precision` (it exists to round), and the cast after it is exact."""
+    `reduce_precision` (it exists to round), and the cast after it is exact. (Where the
+    two types have the same exponent range, as float32 and bfloat16: there
+    `reduce_precision` rounds exactly as the cast does, subnormals included.)"""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize < a.dtype.itemsize:
-        info = jnp.finfo(dtype)
-        a = lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    narrow, wide = jnp.finfo(dtype), jnp.finfo(a.dtype)
+    if narrow.nmant < wide.nmant and narrow.nexp == wide.nexp:
+        a = lax.reduce_precision(a, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
     return a.astype(dtype)
 
 
