@@ -97,6 +97,21 @@ def test_divide_eagerly_and_broadcast():
         assert_bits(divide(jnp.float32(1.0), jnp.asarray(s)), F32(1) / s, "eager")
 
 
+def test_round_to_is_the_cast():
+    """`round_to` (the `bf16` format's rounding, kept by XLA:GPU) gives the cast's bits:
+    every sign and exponent (subnormals, inf, NaN) with random and tie mantissas."""
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, 2**16, dtype=np.uint32)
+    ties = (bits & ~np.uint32(0xFFFF)) | np.uint32(0x8000)  # exact halves of a bf16 step
+    a = np.concatenate([bits, ties, np.arange(0, 2**32, 2**16, dtype=np.uint32)]).view(F32)
+    got = np.asarray(jax.jit(lambda a: round_to(a, jnp.bfloat16))(a)).astype(F32)
+    with np.errstate(all="ignore"):
+        want = a.astype(jnp.bfloat16).astype(F32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    assert_bits(got[~nan], want[~nan], "round_to vs the cast")
+
+
 # ---------------------------------------------------------------------------------------
 # What XLA gets: no loose division, no loose float32 dot.
 # ---------------------------------------------------------------------------------------
