@@ -91,7 +91,8 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     recipe's weight format (NVFP4: 4.5 bits per parameter), master copy gone.
 
     The frozen forward equals the unfrozen one bit for bit wherever the weight is used
-    in its stored layout. A weight that a wrapper transforms before its GEMM
+    in its stored layout (on a GPU, up to float32 summation order: XLA:GPU picks each
+    program's GEMM algorithm). A weight that a wrapper transforms before its GEMM
     (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`) is decoded, transformed and quantised
     again at use: it runs, close to the unfrozen numbers but not bit-equal. Stacked
     layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the

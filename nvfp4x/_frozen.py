@@ -160,7 +160,8 @@ class FrozenLinear(eqx.Module):
     format (an [`nvfp4x.NVFP4Array`][] for NVFP4: codes, block scales, tensor scale) and
     dequantised inside the forward, one layer at a time. Made by [`nvfp4x.freeze`][].
 
-    Its forward equals the unfrozen layer's forward bit for bit. It cannot be
+    Its forward equals the unfrozen layer's forward bit for bit (on a GPU, up to float32
+    summation order: XLA:GPU picks each program's GEMM algorithm). It cannot be
     differentiated: the master weights are gone.
 
     **Fields:** `weight` (a [`nvfp4x.FrozenWeight`][] whose `packed` is the packed weight:

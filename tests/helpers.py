@@ -90,6 +90,29 @@ def assert_trees_same(a, b, what: str) -> None:
         assert_same(u, v, f"{what} (leaf {i})")
 
 
+#: Whether two programs that compute the same sums get the same bits: on a CPU, where
+#: XLA orders a GEMM or a reduction by its shapes and dtypes. Not on a GPU: XLA:GPU fuses
+#: each GEMM and reduction with its neighbours and picks its algorithm per fusion
+#: (autotuned), so another program (a frozen model, a rematerialised gradient) may sum in
+#: another order. Everything that decides bits before the sums is bit-exact everywhere
+#: (`docs/format.md`).
+SAME_SUMS_ACROSS_PROGRAMS = jax.default_backend() == "cpu"
+
+
+def assert_same_sums(a: Any, b: Any, what: str) -> None:
+    """Two programs' results, leaf by leaf: bit for bit where
+    `SAME_SUMS_ACROSS_PROGRAMS`, else up to float32 summation order (`RTOL`: a code or
+    scale that differed would move a leaf far more)."""
+    if SAME_SUMS_ACROSS_PROGRAMS:
+        assert_trees_same(a, b, what)
+        return
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb), what
+    for i, (u, v) in enumerate(zip(la, lb, strict=True)):
+        assert u.dtype == v.dtype and u.shape == v.shape, (what, i, u.dtype, v.dtype)
+        assert_close(u, v, f"{what} (leaf {i})")
+
+
 def leaves_bits(tree: Any) -> list:
     """Every leaf as `(type name, dtype, shape, bytes)` for arrays (key arrays by their
     key data) and as itself otherwise: equal lists mean equal bits."""

@@ -13,7 +13,13 @@ with `tests/` on the path), this plugin changes how XLA:CPU lowers two primitive
 - every float32 `dot_general` that does not ask for `precision=HIGHEST` on both
   operands rounds them to bfloat16's precision (8 significant bits, to nearest) first:
   coarser than TF32 (11), as some GPU dot algorithms are, so that exactly the operands
-  the library may leave at default precision (those exact in bfloat16) pass unchanged.
+  the library may leave at default precision (those exact in bfloat16) pass unchanged;
+- a float cast whose operand is a chain of float casts starting from its own type
+  (`f32 -> bf16 -> f32`) reads that start, unrounded, as after XLA:GPU's
+  `simplify-fp-conversions` pass (on by default, `xla_allow_excess_precision`), so a
+  narrowing cast meant to round must be a `lax.reduce_precision`, which XLA keeps.
+  (Rewritten in each lowered program, function by function: XLA's pass also sees
+  chains through calls, after inlining.)
 
 `tests/test_exactness.py` runs the format and GEMM tests under it in a subprocess: their
 bits must not change. Import-time side effect only; nothing here is part of nvfp4x.
@@ -23,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
+from jax._src.lib.mlir import ir
 
 #: `(int dtype, uint dtype, odd multiplier, shift, mantissa mask)` per float dtype: the
 #: quotient's bits times the multiplier, shifted down to 4 bits, pick the nudge (2 of 16).
@@ -89,3 +96,42 @@ def _inexact_dot(ctx, lhs, rhs, **params):
 
 mlir.register_lowering(lax_internal.div_p, _inexact_div, platform="cpu")
 mlir.register_lowering(lax.dot_general_p, _inexact_dot, platform="cpu")
+
+
+def _float_convert(value) -> ir.Operation | None:
+    """The `stablehlo.convert` whose float result `value` is, or None."""
+    owner = value.owner
+    op = getattr(owner, "operation", owner)
+    if not isinstance(op, ir.Operation) or op.name != "stablehlo.convert":
+        return None
+    return op if isinstance(ir.RankedTensorType(value.type).element_type, ir.FloatType) else None
+
+
+def _elide_cast_chains(op: ir.Operation) -> None:
+    """Within each function of `op`, a float cast whose operand is a chain of float
+    casts starting from its own type reads that start instead (XLA:GPU's
+    `simplify-fp-conversions`)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                inner = inner.operation
+                _elide_cast_chains(inner)
+                if inner.name != "stablehlo.convert" or _float_convert(inner.results[0]) is None:
+                    continue
+                start = inner.operands[0]
+                while (cast := _float_convert(start)) is not None:
+                    start = cast.operands[0]
+                if start != inner.operands[0] and start.type == inner.results[0].type:
+                    inner.results[0].replace_all_uses_with(start)
+
+
+_lower_jaxpr_to_module = mlir.lower_jaxpr_to_module
+
+
+def _lower_with_cast_chains_elided(*args, **kwargs):
+    result = _lower_jaxpr_to_module(*args, **kwargs)
+    _elide_cast_chains(result.module.operation)
+    return result
+
+
+mlir.lower_jaxpr_to_module = _lower_with_cast_chains_elided

@@ -21,6 +21,7 @@ from helpers import (
     TwoLayer,
     assert_close,
     assert_same,
+    assert_same_sums,
     assert_trees_same,
     cot_loss,
     fasts,
@@ -83,10 +84,13 @@ def test_grad_and_filter_grad():
 
 
 def test_checkpoint():
+    """Rematerialised, the gradient is the plain one: bit for bit on a CPU; on a GPU
+    another program may sum its GEMMs and the bias gradient (a float32 sum over the
+    tokens) in another order (`assert_same_sums`)."""
     layer = make_layer(TRAIN)
     x, g = jnp.asarray(normal_np(37, (T, K))), jnp.asarray(normal_np(38, (T, N)))
     got = jax.jit(jax.grad(jax.checkpoint(cot_loss), argnums=(0, 1)))(layer, x, g)
-    assert_trees_same(got, jit_grad_layer_x(layer, x, g), "jax.checkpoint")
+    assert_same_sums(got, jit_grad_layer_x(layer, x, g), "jax.checkpoint")
 
 
 def test_jvp_is_straight_through():

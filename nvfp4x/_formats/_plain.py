@@ -2,9 +2,27 @@
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float
 
 from ._spec import Format, FormatSpec
+
+
+def round_to(a: Array, dtype) -> Array:
+    """`a` cast to the float `dtype`, rounded to it on every backend.
+
+    A bare narrowing cast is not enough: XLA:GPU removes a pair of casts that returns to
+    the type it started from (`f32 -> bf16 -> f32`, its `simplify-fp-conversions` pass,
+    on by default with `xla_allow_excess_precision`), so a reference GEMM that promotes
+    the cast operand back to float32 would multiply the unrounded values. XLA keeps a
+    `reduce_precision` (it exists to round), and the cast after it is exact. (Where the
+    two types have the same exponent range, as float32 and bfloat16: there
+    `reduce_precision` rounds exactly as the cast does, subnormals included.)"""
+    dtype = jnp.dtype(dtype)
+    narrow, wide = jnp.finfo(dtype), jnp.finfo(a.dtype)
+    if narrow.nmant < wide.nmant and narrow.nexp == wide.nexp:
+        a = lax.reduce_precision(a, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
+    return a.astype(dtype)
 
 
 class Plain(FormatSpec):
@@ -23,7 +41,7 @@ class Plain(FormatSpec):
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
     ) -> tuple[Array, None]:
-        return a.astype(self.dtype), None
+        return round_to(a, self.dtype), None
 
 
 BF16 = Plain("bf16", jnp.bfloat16, "bfloat16, no scaling", 16.0)
