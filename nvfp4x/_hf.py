@@ -386,10 +386,6 @@ class _Tensor:
         return np.frombuffer(self.data, dtype=np.uint8).reshape(self.shape)
 
 
-#: The largest safetensors header accepted (the safetensors library's limit).
-MAX_HEADER_BYTES = 100_000_000
-
-
 def _read_safetensors(path: str, raw: bytes) -> tuple[dict[str, _Tensor], dict[str, str]]:
     """Parse the safetensors file `raw` (read from `path`) by hand (8-byte little-endian
     header length, JSON header, raw little-endian bytes): the `safetensors` numpy loader
@@ -402,10 +398,10 @@ def _read_safetensors(path: str, raw: bytes) -> tuple[dict[str, _Tensor], dict[s
     if size < 8:
         raise ValueError(f"`{path}` is truncated: {size} bytes, shorter than a safetensors header.")
     n = int.from_bytes(data[:8], "little")
-    if n > MAX_HEADER_BYTES:
+    if n > MAX_JSON_BYTES:
         raise ValueError(
             f"`{path}`: the safetensors header claims {n:,} bytes, more than the "
-            f"{MAX_HEADER_BYTES:,} allowed (corrupted, or not a safetensors file)."
+            f"{MAX_JSON_BYTES:,} allowed (corrupted, or not a safetensors file)."
         )
     if 8 + n > size:
         raise ValueError(
