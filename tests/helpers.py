@@ -310,3 +310,14 @@ def run_script(
         f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     )
     return proc
+
+
+def dead_pid() -> int:
+    """The id of a process of this host that has ended."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)

@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, dead_pid
 
 import nvfp4x
 from nvfp4x import _files
@@ -162,17 +162,6 @@ def test_export_keeps_the_folder_and_its_other_files(exports, tmp_path):
     ]
     assert read_either(link, exports) == "w4a16"
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
-
-
-def dead_pid() -> int:
-    """The id of a process of this host that has ended."""
-    done = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout)
 
 
 def test_without_an_atomic_swap_a_kill_between_two_renames_is_undone(

@@ -33,6 +33,7 @@ from helpers import (
     assert_same_bits,
     build_frozen,
     ckpt_policy,
+    dead_pid,
     freeze_jit,
     frozen_model,
     inputs,
@@ -384,17 +385,11 @@ def test_stale_temporaries_are_removed_but_not_a_live_writers(tmp_path, frozen_p
     writer), one of another target and files nvfp4x did not make are kept."""
     old, _ = frozen_pair
     path, _ = saved_file(tmp_path, old)
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead_pid = int(gone.stdout)
+    gone = dead_pid()
     host = _files.HOST
-    stale = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
+    stale = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{gone}-0123abcd.tmp"
     live = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{os.getppid()}-0123abcd.tmp"
-    other_target = tmp_path / f".other.nvfp4x.nvfp4x-{host}-{dead_pid}-0123abcd.tmp"
+    other_target = tmp_path / f".other.nvfp4x.nvfp4x-{host}-{gone}-0123abcd.tmp"
     not_ours = tmp_path / ".model.nvfp4x.Xy12ab.tmp"
     for p in (stale, live, other_target, not_ours):
         p.write_bytes(b"partial")
