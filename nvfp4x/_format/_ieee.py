@@ -36,6 +36,9 @@ MIN_NORMAL_BITS = 0x00800000
 #: Bits of +inf; `|x|` bits above it are NaN.
 INF_BITS = 0x7F800000
 
+#: The bits of 2^23.
+_BITS_2_23 = 0x4B000000
+
 
 def abs_bits(x: Float[Array, "*s"]) -> Int[Array, "*s"]:
     """The bits of `|x|` as int32: ordered as the magnitudes, NaN above +inf."""
@@ -65,9 +68,10 @@ def ldexp_normal(x: Float[Array, "*s"], k: int | Int[Array, "*s"]) -> Float[Arra
 
 def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
     """`c * 2^-149` for `mul_normal`: exact when `|c| >= 2^23` (a normal result), 0 for
-    smaller finite `c`, and `c` itself when inf or NaN."""
+    smaller finite `c`, and `c` itself when inf or NaN. (The threshold is an integer
+    constant: the Pallas kernel body calls this, and Triton does not bitcast constants.)"""
     bits = abs_bits(c)
-    ok = bits >= abs_bits(jnp.float32(2.0**23))
+    ok = bits >= _BITS_2_23
     out = jnp.where(ok, ldexp_normal(jnp.where(ok, c, 1.0), -149), 0.0)
     return jnp.where(bits >= INF_BITS, c, out)
 

@@ -9,7 +9,6 @@ Each function equals, bit for bit, the `nvfp4x._format` step it names (tested in
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 from .._format._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
@@ -19,11 +18,9 @@ from .._format._ieee import (
     abs_bits,
     from_bits,
     ldexp_normal,
+    scale_down_149 as scale_down_149,  # (Triton-safe as it is: the kernel body calls it)
     scale_up_149,
 )
-
-#: The bits of 2^23.
-_BITS_2_23 = int(np.float32(2.0**23).view(np.int32))
 
 
 def _bits(x: Array) -> Array:
@@ -131,15 +128,6 @@ def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     r_sub = jnp.where(overflow | (bits == 0), FLT_MAX, ldexp_normal(r_m, 149))
     r = jnp.where(sub, r_sub, _reciprocal_normal(jnp.where(sub, 1.0, p)))
     return jnp.where(bits > INF_BITS, p, jnp.minimum(r, FLT_MAX))
-
-
-def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`_format._ieee.scale_down_149(c)`, its threshold as an integer constant (Triton
-    does not bitcast constants)."""
-    bits = abs_bits(c)
-    ok = bits >= _BITS_2_23
-    out = jnp.where(ok, ldexp_normal(jnp.where(ok, c, 1.0), -149), 0.0)
-    return jnp.where(bits >= INF_BITS, c, out)
 
 
 def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Float[Array, "..."]:
