@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._format import _ieee
 from .._format._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
 from .._format._ieee import (
     INF_BITS,
@@ -19,7 +20,6 @@ from .._format._ieee import (
     from_bits,
     ldexp_normal,
     scale_down_149 as scale_down_149,  # (Triton-safe as it is: the kernel body calls it)
-    scale_up_149,
 )
 
 
@@ -134,20 +134,4 @@ def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Fl
     """`_format._ieee.mul_exact(p, s)` (see there for the method and preconditions), with
     `round_half_even` in place of `jnp.round`, and `tiny = is_tiny_scale(s)` given
     (Triton does not bitcast the constant it compares with)."""
-    sigma = jnp.where(tiny, scale_up_149(s), 1.0)
-    hi = from_bits(_bits(sigma) & ~0xFFF)
-    lo = sigma - hi
-    a = jnp.abs(p)
-    big_a, small_b = a * hi, a * lo
-    total = big_a + small_b
-    err = small_b - (total - big_a)
-    t = jnp.where(total < 2.0**23, total, 0.0)
-    r = round_half_even(t)
-    frac = t - r
-    n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
-    n = n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
-    sub = from_bits(n.astype(jnp.int32))
-    normal = total >= 2.0**23
-    mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)
-    y = from_bits(_bits(mag) | (_bits(p) & jnp.int32(-(2**31))))
-    return jnp.where(tiny & ~jnp.isnan(p), y, p * s)
+    return _ieee.mul_exact(p, s, tiny, rint=round_half_even)
