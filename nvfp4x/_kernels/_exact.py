@@ -98,7 +98,11 @@ def _reciprocal_normal(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     """The IEEE float32 `1 / p` for a normal `0 < p < 2^126` (a normal result), in
     integer arithmetic: with `p = M * 2^(E - 150)` (`M` the 24-bit significand), `1 / p`
     has the significand `RNE(2^47 / M)` (for `M > 2^23`), found by long division in
-    three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`."""
+    three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`.
+
+    Not `_format._ieee.reciprocal`: its quotient starts from a float `/` estimate, and
+    the kernel body may hold no float division (approximate on Triton; checked by
+    `test_pallas_kernel_body_is_safe_on_triton`)."""
     b = _bits(p)
     e = b >> 23
     m = ((b & 0x007FFFFF) | MIN_NORMAL_BITS).astype(jnp.uint32)
