@@ -25,6 +25,8 @@ chains of multiplications by constants: XLA's simplifier folds `(x * 2^75) * 2^7
 reads as 0).
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -35,6 +37,9 @@ from ._constants import FLT_MAX
 MIN_NORMAL_BITS = 0x00800000
 #: Bits of +inf; `|x|` bits above it are NaN.
 INF_BITS = 0x7F800000
+
+#: The bits of 2^23.
+_BITS_2_23 = 0x4B000000
 
 
 def abs_bits(x: Float[Array, "*s"]) -> Int[Array, "*s"]:
@@ -65,9 +70,10 @@ def ldexp_normal(x: Float[Array, "*s"], k: int | Int[Array, "*s"]) -> Float[Arra
 
 def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
     """`c * 2^-149` for `mul_normal`: exact when `|c| >= 2^23` (a normal result), 0 for
-    smaller finite `c`, and `c` itself when inf or NaN."""
+    smaller finite `c`, and `c` itself when inf or NaN. (The threshold is an integer
+    constant: the Pallas kernel body calls this, and Triton does not bitcast constants.)"""
     bits = abs_bits(c)
-    ok = bits >= abs_bits(jnp.float32(2.0**23))
+    ok = bits >= _BITS_2_23
     out = jnp.where(ok, ldexp_normal(jnp.where(ok, c, 1.0), -149), 0.0)
     return jnp.where(bits >= INF_BITS, c, out)
 
@@ -115,7 +121,12 @@ def is_tiny_scale(s: Float[Array, "*s"]) -> Bool[Array, "*s"]:
     return abs_bits(s) < abs_bits(jnp.float32(TINY_SCALE))
 
 
-def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."]) -> Float[Array, "..."]:
+def mul_exact(
+    p: Float[Array, "..."],
+    s: Float[Array, "..."],
+    tiny: Bool[Array, "..."] | None = None,
+    rint: Callable[[Array], Array] = jnp.round,
+) -> Float[Array, "..."]:
     """The IEEE float32 product `p * s`, subnormal results and operands included.
 
     Preconditions (true of every use in nvfp4x): `p` is 0, NaN, or normal with at most
@@ -127,10 +138,15 @@ def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."]) -> Float[Array, ".
     `p * sigma = A + B` with both products exact; `S + err = A + B` exactly (Fast2Sum),
     and the result is `S * 2^-149` when normal, or else the subnormal whose 23-bit field
     is `A + B` rounded to the nearest integer, ties to even, built from its bits.
+
+    The Pallas kernel body passes `tiny = is_tiny_scale(s)` (Triton does not bitcast the
+    constant it compares with) and `rint`, a half-to-even rounding of `0 <= t < 2^23`
+    without `jnp.round` (which Triton lacks).
     """
     p = p.astype(jnp.float32)
     s = jnp.asarray(s, jnp.float32)
-    tiny = is_tiny_scale(s)
+    if tiny is None:
+        tiny = is_tiny_scale(s)
     sigma = jnp.where(tiny, scale_up_149(s), 1.0)
     hi = from_bits(jax.lax.bitcast_convert_type(sigma, jnp.int32) & ~0xFFF)
     lo = sigma - hi  # exact: hi <= sigma < 2 hi
@@ -138,11 +154,11 @@ def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."]) -> Float[Array, ".
     big_a, small_b = a * hi, a * lo  # exact: at most 24 significant bits each
     total = big_a + small_b
     err = small_b - (total - big_a)  # Fast2Sum: total + err == big_a + small_b exactly
-    r = jnp.round(total)  # half to even
-    frac = total - r  # exact
+    t = jnp.where(total < 2.0**23, total, 0.0)  # (unused above: keeps `rint` in range)
+    r = rint(t)  # half to even
+    frac = t - r  # exact
     n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
     n = n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
-    n = jnp.where(total < 2.0**23, n, 0.0)  # (unused there: keeps the cast in range)
     sub = from_bits(n.astype(jnp.int32))
     normal = total >= 2.0**23
     mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)

@@ -9,9 +9,9 @@ Each function equals, bit for bit, the `nvfp4x._format` step it names (tested in
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
+from .._format import _ieee
 from .._format._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
 from .._format._ieee import (
     INF_BITS,
@@ -19,11 +19,8 @@ from .._format._ieee import (
     abs_bits,
     from_bits,
     ldexp_normal,
-    scale_up_149,
+    scale_down_149 as scale_down_149,  # (Triton-safe as it is: the kernel body calls it)
 )
-
-#: The bits of 2^23.
-_BITS_2_23 = int(np.float32(2.0**23).view(np.int32))
 
 
 def _bits(x: Array) -> Array:
@@ -101,7 +98,11 @@ def _reciprocal_normal(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     """The IEEE float32 `1 / p` for a normal `0 < p < 2^126` (a normal result), in
     integer arithmetic: with `p = M * 2^(E - 150)` (`M` the 24-bit significand), `1 / p`
     has the significand `RNE(2^47 / M)` (for `M > 2^23`), found by long division in
-    three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`."""
+    three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`.
+
+    Not `_format._ieee.reciprocal`: its quotient starts from a float `/` estimate, and
+    the kernel body may hold no float division (approximate on Triton; checked by
+    `test_pallas_kernel_body_is_safe_on_triton`)."""
     b = _bits(p)
     e = b >> 23
     m = ((b & 0x007FFFFF) | MIN_NORMAL_BITS).astype(jnp.uint32)
@@ -133,33 +134,8 @@ def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where(bits > INF_BITS, p, jnp.minimum(r, FLT_MAX))
 
 
-def scale_down_149(c: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`_format._ieee.scale_down_149(c)`, its threshold as an integer constant (Triton
-    does not bitcast constants)."""
-    bits = abs_bits(c)
-    ok = bits >= _BITS_2_23
-    out = jnp.where(ok, ldexp_normal(jnp.where(ok, c, 1.0), -149), 0.0)
-    return jnp.where(bits >= INF_BITS, c, out)
-
-
 def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Float[Array, "..."]:
     """`_format._ieee.mul_exact(p, s)` (see there for the method and preconditions), with
     `round_half_even` in place of `jnp.round`, and `tiny = is_tiny_scale(s)` given
     (Triton does not bitcast the constant it compares with)."""
-    sigma = jnp.where(tiny, scale_up_149(s), 1.0)
-    hi = from_bits(_bits(sigma) & ~0xFFF)
-    lo = sigma - hi
-    a = jnp.abs(p)
-    big_a, small_b = a * hi, a * lo
-    total = big_a + small_b
-    err = small_b - (total - big_a)
-    t = jnp.where(total < 2.0**23, total, 0.0)
-    r = round_half_even(t)
-    frac = t - r
-    n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
-    n = n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
-    sub = from_bits(n.astype(jnp.int32))
-    normal = total >= 2.0**23
-    mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)
-    y = from_bits(_bits(mag) | (_bits(p) & jnp.int32(-(2**31))))
-    return jnp.where(tiny & ~jnp.isnan(p), y, p * s)
+    return _ieee.mul_exact(p, s, tiny, rint=round_half_even)

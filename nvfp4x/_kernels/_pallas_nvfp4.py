@@ -140,7 +140,7 @@ def _kernel(
     t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
     scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
     inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
-    inv_sub = _exact.scale_down_149(inv_b)
+    inv_sub = scale_down_149(inv_b)
     v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
     if rounding == "nearest":
         codes = _exact.encode_nearest(v)
