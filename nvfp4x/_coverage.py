@@ -15,7 +15,7 @@ from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
 from ._probe import layer_stats
-from ._qweight import LAYOUT, NORMALISER, QWeight, record_unquantised
+from ._qweight import GEMM_PRIMITIVES, LAYOUT, NORMALISER, QWeight, record_unquantised
 from ._ragged import (
     grouped_dgrad_p,
     grouped_qdot_p,
@@ -204,13 +204,7 @@ def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
     else:
         flops = 2 * math.prod(out.shape) * k
     shape = f"ragged {lhs.shape} x {rhs.shape}"
-    backward = "transpose" in str(eqn.source_info.name_stack)
-    paths = [_origin(origin, v) for v in eqn.invars[:2]]
-    path = next((p for p in paths if p is not None), "(activations)")
-    formats = (_dtype_name(lhs), _dtype_name(rhs))
-    return CoverageRow(
-        path, "backward" if backward else "fprop", shape, flops * repeats, formats, False
-    )
+    return _float_row(eqn, origin, shape, flops * repeats)
 
 
 def _frozen_row(eqn, repeats: int) -> CoverageRow:
@@ -241,6 +235,13 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
         out = eqn.outvars[0].aval
         flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[0]
         shape = f"conv {lhs.shape} * {rhs.shape}"
+    return _float_row(eqn, origin, shape, flops * repeats)
+
+
+def _float_row(eqn, origin: dict, shape: str, flops: int) -> CoverageRow:
+    """The row of a float GEMM (`dot_general`, convolution, `ragged_dot`) of `shape` and
+    `flops`: its pass from its name scope, its path from its operands' origins."""
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
     scope = str(eqn.source_info.name_stack)
     pass_ = "backward" if "transpose" in scope else "fprop"
     if NORMALISER in scope:  # e.g. SpectralNorm's σ, read from the master weight
@@ -248,7 +249,7 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
     paths = [_origin(origin, v) for v in eqn.invars[:2]]
     path = next((p for p in paths if p is not None), "(activations)")
     formats = (_dtype_name(lhs), _dtype_name(rhs))
-    return CoverageRow(path, pass_, shape, flops * repeats, formats, False)
+    return CoverageRow(path, pass_, shape, flops, formats, False)
 
 
 def _origin(origin: dict, var) -> str | None:
@@ -269,14 +270,9 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
         if prim in _GROUPED_PASS:
             rows.append(_grouped_row(eqn, repeats))
             continue
-        if prim is ragged_dot_general_p:
-            row = _plain_ragged_row(eqn, repeats, origin)
-            rows.append(row)
-            if row.path in selected:
-                flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
-            continue
-        if prim in (lax.dot_general_p, lax.conv_general_dilated_p):
-            row = _plain_row(eqn, repeats, origin)
+        if prim in GEMM_PRIMITIVES:
+            ragged = prim is ragged_dot_general_p
+            row = (_plain_ragged_row if ragged else _plain_row)(eqn, repeats, origin)
             rows.append(row)
             if row.path in selected and row.pass_ != "normaliser":
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
