@@ -144,12 +144,18 @@ def _quantised_row(eqn, repeats: int) -> CoverageRow:
             fb = None
         if eqn.primitive is tx_p:
             fa = None
+    return _recipe_row(eqn, kind, shape, flops * repeats, batch, (fa, fb))
+
+
+def _recipe_row(eqn, kind: str, shape: str, flops: int, batch: int, fmts) -> CoverageRow:
+    """The row of one of nvfp4x's GEMMs: `shape` and `flops` of one problem, `batch`
+    problems, `fmts` the operands' formats from the recipe (None: the dtype)."""
     if batch > 1:
         shape += f" x{batch}"
-    dtype = _dtype_name(avals[0])
-    formats = (_fmt_name(fa) or dtype, _fmt_name(fb) or dtype)
-    path = p.get("name") or "(unnamed)"
-    return CoverageRow(path, kind, shape, flops * batch * repeats, formats, True)
+    dtype = _dtype_name(eqn.invars[0].aval)
+    formats = (_fmt_name(fmts[0]) or dtype, _fmt_name(fmts[1]) or dtype)
+    path = eqn.params.get("name") or "(unnamed)"
+    return CoverageRow(path, kind, shape, flops * batch, formats, True)
 
 
 _GROUPED_PASS = {grouped_qdot_p: "fprop", grouped_tx_p: "fprop (jvp)",
@@ -183,12 +189,7 @@ def _grouped_row(eqn, repeats: int) -> CoverageRow:
             shape = f"({m}, {k}) x ({k}, {n}) [{g} experts]"
             fa = None if eqn.primitive is grouped_tx_p else recipe.input
             fb = None if eqn.primitive is grouped_tw_p else recipe.weight
-    if batch > 1:
-        shape += f" x{batch}"
-    dtype = _dtype_name(avals[0])
-    formats = (_fmt_name(fa) or dtype, _fmt_name(fb) or dtype)
-    path = p.get("name") or "(unnamed)"
-    return CoverageRow(path, kind, shape, 2 * m * n * k * batch * repeats, formats, True)
+    return _recipe_row(eqn, kind, shape, 2 * m * n * k * repeats, batch, (fa, fb))
 
 
 def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
