@@ -147,14 +147,17 @@ def _quantised_row(eqn, repeats: int) -> CoverageRow:
     return _recipe_row(eqn, kind, shape, flops * repeats, batch, (fa, fb))
 
 
-def _recipe_row(eqn, kind: str, shape: str, flops: int, batch: int, fmts) -> CoverageRow:
+def _recipe_row(
+    eqn, kind: str, shape: str, flops: int, batch: int, fmts, path: str | None = None
+) -> CoverageRow:
     """The row of one of nvfp4x's GEMMs: `shape` and `flops` of one problem, `batch`
-    problems, `fmts` the operands' formats from the recipe (None: the dtype)."""
+    problems, `fmts` the operands' formats from the recipe (None: the dtype); `path`
+    the weight's (default: the primitive's `name`)."""
     if batch > 1:
         shape += f" x{batch}"
     dtype = _dtype_name(eqn.invars[0].aval)
     formats = (_fmt_name(fmts[0]) or dtype, _fmt_name(fmts[1]) or dtype)
-    path = eqn.params.get("name") or "(unnamed)"
+    path = path or eqn.params.get("name") or "(unnamed)"
     return CoverageRow(path, kind, shape, flops * batch, formats, True)
 
 
@@ -216,10 +219,8 @@ def _frozen_row(eqn, repeats: int) -> CoverageRow:
     n, k = w.shape[-2], w.shape[-1]
     nb = p["nbatch"]
     m, batch = math.prod(x.shape[nb:-1]), math.prod(x.shape[:nb])
-    dtype = _dtype_name(x)
-    formats = (_fmt_name(recipe.input) or dtype, (_fmt_name(recipe.weight) or dtype))
-    shape = f"({m}, {k}) x ({k}, {n})" + (f" x{batch}" if batch > 1 else "")
-    return CoverageRow("(frozen)", "fprop", shape, 2 * m * n * k * batch * repeats, formats, True)
+    shape, fmts = f"({m}, {k}) x ({k}, {n})", (recipe.input, recipe.weight)
+    return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts, "(frozen)")
 
 
 def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
