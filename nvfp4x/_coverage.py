@@ -15,7 +15,7 @@ from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
 from ._probe import layer_stats
-from ._qweight import LAYOUT, NORMALISER, QWeight, record_unquantised
+from ._qweight import GEMM_PRIMITIVES, LAYOUT, NORMALISER, QWeight, record_unquantised
 from ._ragged import (
     grouped_dgrad_p,
     grouped_qdot_p,
@@ -144,12 +144,21 @@ def _quantised_row(eqn, repeats: int) -> CoverageRow:
             fb = None
         if eqn.primitive is tx_p:
             fa = None
+    return _recipe_row(eqn, kind, shape, flops * repeats, batch, (fa, fb))
+
+
+def _recipe_row(
+    eqn, kind: str, shape: str, flops: int, batch: int, fmts, path: str | None = None
+) -> CoverageRow:
+    """The row of one of nvfp4x's GEMMs: `shape` and `flops` of one problem, `batch`
+    problems, `fmts` the operands' formats from the recipe (None: the dtype); `path`
+    the weight's (default: the primitive's `name`)."""
     if batch > 1:
         shape += f" x{batch}"
-    dtype = _dtype_name(avals[0])
-    formats = (_fmt_name(fa) or dtype, _fmt_name(fb) or dtype)
-    path = p.get("name") or "(unnamed)"
-    return CoverageRow(path, kind, shape, flops * batch * repeats, formats, True)
+    dtype = _dtype_name(eqn.invars[0].aval)
+    formats = (_fmt_name(fmts[0]) or dtype, _fmt_name(fmts[1]) or dtype)
+    path = path or eqn.params.get("name") or "(unnamed)"
+    return CoverageRow(path, kind, shape, flops * batch, formats, True)
 
 
 _GROUPED_PASS = {grouped_qdot_p: "fprop", grouped_tx_p: "fprop (jvp)",
@@ -183,12 +192,7 @@ def _grouped_row(eqn, repeats: int) -> CoverageRow:
             shape = f"({m}, {k}) x ({k}, {n}) [{g} experts]"
             fa = None if eqn.primitive is grouped_tx_p else recipe.input
             fb = None if eqn.primitive is grouped_tw_p else recipe.weight
-    if batch > 1:
-        shape += f" x{batch}"
-    dtype = _dtype_name(avals[0])
-    formats = (_fmt_name(fa) or dtype, _fmt_name(fb) or dtype)
-    path = p.get("name") or "(unnamed)"
-    return CoverageRow(path, kind, shape, 2 * m * n * k * batch * repeats, formats, True)
+    return _recipe_row(eqn, kind, shape, 2 * m * n * k * repeats, batch, (fa, fb))
 
 
 def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
@@ -204,13 +208,7 @@ def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
     else:
         flops = 2 * math.prod(out.shape) * k
     shape = f"ragged {lhs.shape} x {rhs.shape}"
-    backward = "transpose" in str(eqn.source_info.name_stack)
-    paths = [_origin(origin, v) for v in eqn.invars[:2]]
-    path = next((p for p in paths if p is not None), "(activations)")
-    formats = (_dtype_name(lhs), _dtype_name(rhs))
-    return CoverageRow(
-        path, "backward" if backward else "fprop", shape, flops * repeats, formats, False
-    )
+    return _float_row(eqn, origin, shape, flops * repeats)
 
 
 def _frozen_row(eqn, repeats: int) -> CoverageRow:
@@ -221,10 +219,8 @@ def _frozen_row(eqn, repeats: int) -> CoverageRow:
     n, k = w.shape[-2], w.shape[-1]
     nb = p["nbatch"]
     m, batch = math.prod(x.shape[nb:-1]), math.prod(x.shape[:nb])
-    dtype = _dtype_name(x)
-    formats = (_fmt_name(recipe.input) or dtype, (_fmt_name(recipe.weight) or dtype))
-    shape = f"({m}, {k}) x ({k}, {n})" + (f" x{batch}" if batch > 1 else "")
-    return CoverageRow("(frozen)", "fprop", shape, 2 * m * n * k * batch * repeats, formats, True)
+    shape, fmts = f"({m}, {k}) x ({k}, {n})", (recipe.input, recipe.weight)
+    return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts, "(frozen)")
 
 
 def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
@@ -241,6 +237,13 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
         out = eqn.outvars[0].aval
         flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[0]
         shape = f"conv {lhs.shape} * {rhs.shape}"
+    return _float_row(eqn, origin, shape, flops * repeats)
+
+
+def _float_row(eqn, origin: dict, shape: str, flops: int) -> CoverageRow:
+    """The row of a float GEMM (`dot_general`, convolution, `ragged_dot`) of `shape` and
+    `flops`: its pass from its name scope, its path from its operands' origins."""
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
     scope = str(eqn.source_info.name_stack)
     pass_ = "backward" if "transpose" in scope else "fprop"
     if NORMALISER in scope:  # e.g. SpectralNorm's σ, read from the master weight
@@ -248,7 +251,7 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
     paths = [_origin(origin, v) for v in eqn.invars[:2]]
     path = next((p for p in paths if p is not None), "(activations)")
     formats = (_dtype_name(lhs), _dtype_name(rhs))
-    return CoverageRow(path, pass_, shape, flops * repeats, formats, False)
+    return CoverageRow(path, pass_, shape, flops, formats, False)
 
 
 def _origin(origin: dict, var) -> str | None:
@@ -269,14 +272,9 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
         if prim in _GROUPED_PASS:
             rows.append(_grouped_row(eqn, repeats))
             continue
-        if prim is ragged_dot_general_p:
-            row = _plain_ragged_row(eqn, repeats, origin)
-            rows.append(row)
-            if row.path in selected:
-                flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
-            continue
-        if prim in (lax.dot_general_p, lax.conv_general_dilated_p):
-            row = _plain_row(eqn, repeats, origin)
+        if prim in GEMM_PRIMITIVES:
+            ragged = prim is ragged_dot_general_p
+            row = (_plain_ragged_row if ragged else _plain_row)(eqn, repeats, origin)
             rows.append(row)
             if row.path in selected and row.pass_ != "normaliser":
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))

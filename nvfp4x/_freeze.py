@@ -143,7 +143,17 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
 
     def frozen(w: QWeight) -> FrozenWeight:
         master = w.array if w.path in tied else None
-        return FrozenWeight(packed(w), w.recipe, w.path, w.fast, master=master)
+        conv = w.kernel_axes is not None  # packed as its GEMM matrix: keep the kernel's shape
+        return FrozenWeight(
+            packed(w),
+            w.recipe,
+            w.path,
+            w.fast,
+            master=master,
+            kernel_shape=tuple(w.array.shape[len(w.stack_shape) :]) if conv else None,
+            kernel_axes=w.kernel_axes,
+            groups=w.groups,
+        )
 
     def one(leaf):
         if isinstance(leaf, QuantizedLinear):
@@ -156,16 +166,6 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
                 use_bias=leaf.use_bias,
                 recipe=w.recipe,
                 fast=w.fast,
-            )
-        if isinstance(leaf, QWeight) and leaf.kernel_axes is not None:
-            return FrozenWeight(
-                packed(leaf),
-                leaf.recipe,
-                leaf.path,
-                leaf.fast,
-                kernel_shape=tuple(leaf.array.shape[len(leaf.stack_shape) :]),
-                kernel_axes=leaf.kernel_axes,
-                groups=leaf.groups,
             )
         if isinstance(leaf, QWeight):
             return frozen(leaf)
