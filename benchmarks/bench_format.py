@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import nvfp4x
-from nvfp4x._format._constants import ROW_BLOCK
-from nvfp4x._format._nvfp4 import block_absmax
+from nvfp4x._numerics._constants import ROW_BLOCK
+from nvfp4x._numerics._nvfp4 import block_absmax
 
 #: Arguments `benchmarks/run_all.py --quick` passes: small, to check that it runs.
 QUICK_ARGV = ["--size", "1024", "--repeats", "5"]

@@ -20,10 +20,10 @@ from ._checks import (
     check_rounding,
     check_scale_rounding,
 )
-from ._format import _e2m1
-from ._format._constants import BLOCK
-from ._format._ieee import is_tiny_scale, mul_exact
-from ._format._nvfp4 import (
+from ._numerics import _e2m1
+from ._numerics._constants import BLOCK
+from ._numerics._ieee import is_tiny_scale, mul_exact
+from ._numerics._nvfp4 import (
     Rounding,
     ScaleRounding,
     fake_quantize_blocks,
@@ -31,7 +31,7 @@ from ._format._nvfp4 import (
     scale_blocks,
     to_blocks,
 )
-from ._format._pack import pack, unpack
+from ._numerics._pack import pack, unpack
 from ._packed import PackedArray, as_bits
 
 

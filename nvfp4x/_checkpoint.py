@@ -33,7 +33,7 @@ from jax.core import Tracer
 
 from . import _files
 from ._files import atomic_write, load_json, read_regular, remove_stale_temporaries
-from ._format._constants import GOLDEN_RATIO_32
+from ._numerics._constants import GOLDEN_RATIO_32
 from ._sites import layers as site_layers, path_str
 
 # --- one-file model checkpoints ---

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._format._constants import BLOCK
-from ._format._nvfp4 import BLOCKS, ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
+from ._numerics._constants import BLOCK
+from ._numerics._nvfp4 import BLOCKS, ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
 from ._prims import is_traced
 
 _ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (

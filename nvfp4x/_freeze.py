@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._format._nvfp4 import tensor_amax
 from ._frozen import FrozenLinear, FrozenWeight, PackedWeight
 from ._linear import QuantizedLinear
+from ._numerics._nvfp4 import tensor_amax
 from ._policy import Recipe
 from ._prims import is_traced, vmapped
 from ._qweight import QWeight, gemm_matrix

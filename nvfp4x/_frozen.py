@@ -16,8 +16,6 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
-from ._format._constants import TILE
-from ._format._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._formats import gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import (
     CHUNK,
@@ -29,6 +27,8 @@ from ._formats._dot import (
 )
 from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
+from ._numerics._constants import TILE
+from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._packed import PackedArray
 from ._policy import Recipe
 from ._prims import (

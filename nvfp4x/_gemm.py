@@ -45,9 +45,9 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt32
 
 from ._checks import check_bool, check_float, check_str
-from ._format._constants import GOLDEN_RATIO_32, TILE
-from ._format._hadamard import rht
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
+from ._numerics._constants import GOLDEN_RATIO_32, TILE
+from ._numerics._hadamard import rht
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
     Primitive,

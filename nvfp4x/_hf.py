@@ -37,9 +37,9 @@ import numpy as np
 
 from ._array import NVFP4Array, to_nvfp4
 from ._files import MAX_JSON_BYTES, load_json, read_regular, recover_folder, write_folder
-from ._format._constants import BLOCK, NVFP4_RANGE
-from ._format._nvfp4 import tensor_scales
 from ._frozen import FrozenWeight
+from ._numerics._constants import BLOCK, NVFP4_RANGE
+from ._numerics._nvfp4 import tensor_scales
 from ._packed import PackedArray
 from ._qweight import QWeight
 from ._sites import is_weight, layers as site_layers, path_str

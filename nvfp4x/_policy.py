@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ._checks import check_bool, check_str
-from ._format._constants import ROW_BLOCK, TILE
 from ._formats import Format
+from ._numerics._constants import ROW_BLOCK, TILE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,11 +48,6 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int, UInt32
 
-from ._format import _e2m1
-from ._format._constants import BLOCK, ROW_BLOCK
-from ._format._hadamard import rht
-from ._format._ieee import INF_BITS, abs_bits, from_bits
-from ._format._nvfp4 import expand, from_blocks, pad_to_blocks, scale_blocks, tensor_scales
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, widest_float
 from ._gemm import (
     batched_problem,
@@ -65,6 +60,11 @@ from ._gemm import (
     shares_weight,
     wgrad,
 )
+from ._numerics import _e2m1
+from ._numerics._constants import BLOCK, ROW_BLOCK
+from ._numerics._hadamard import rht
+from ._numerics._ieee import INF_BITS, abs_bits, from_bits
+from ._numerics._nvfp4 import expand, from_blocks, pad_to_blocks, scale_blocks, tensor_scales
 from ._policy import Recipe
 from ._prims import (
     Primitive,

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from nvfp4x._format._constants import ROW_BLOCK, TILE
 from nvfp4x._formats import quantize_operand
+from nvfp4x._numerics._constants import ROW_BLOCK, TILE
 from nvfp4x._policy import Format
 
 CASES = {

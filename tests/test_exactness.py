@@ -31,8 +31,8 @@ from helpers import RECIPES
 from reference import F32, FLT_MAX, assert_bits, ref_nvfp4, unpack
 
 import nvfp4x
-from nvfp4x._format._ieee import EXACT_DIVISION, divide, reciprocal
 from nvfp4x._formats._plain import round_to
+from nvfp4x._numerics._ieee import EXACT_DIVISION, divide, reciprocal
 
 TESTS = Path(__file__).parent
 PLUGIN = "inexact_arithmetic"

@@ -463,7 +463,7 @@ def _e2m1_times_e4m3() -> np.ndarray:
 
 @MODES
 def test_mul_exact_matches_ieee(mode):
-    from nvfp4x._format._ieee import mul_exact
+    from nvfp4x._numerics._ieee import mul_exact
 
     rng = np.random.default_rng(9)
     p = _e2m1_times_e4m3()  # every block product (and E4M3 scales: times 1.0)
@@ -482,7 +482,7 @@ def test_mul_exact_matches_ieee(mode):
 
 @MODES
 def test_reciprocals_match_ieee(mode):
-    from nvfp4x._format._ieee import reciprocal, reciprocal_capped
+    from nvfp4x._numerics._ieee import reciprocal, reciprocal_capped
 
     rng = np.random.default_rng(10)
     # S_enc above 2^126 (subnormal reciprocal), every significand pattern class.
@@ -504,7 +504,7 @@ def test_reciprocals_match_ieee(mode):
 
 @MODES
 def test_mul_normal_matches_ieee(mode):
-    from nvfp4x._format._ieee import mul_normal
+    from nvfp4x._numerics._ieee import mul_normal
 
     rng = np.random.default_rng(11)
     x = np.concatenate(

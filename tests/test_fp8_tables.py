@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nvfp4x._format._e4m3 import round_e4m3, round_e5m2
-from nvfp4x._format._fp8 import quantize_fp8, quantize_mxfp8
+from nvfp4x._numerics._e4m3 import round_e4m3, round_e5m2
+from nvfp4x._numerics._fp8 import quantize_fp8, quantize_mxfp8
 
 CODES = np.arange(256)
 

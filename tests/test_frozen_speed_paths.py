@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import nvfp4x
-from nvfp4x._format import _e2m1
-from nvfp4x._format._pack import NIBBLE_SCALE, decode_e4m3, nibble_values, unpack
 from nvfp4x._formats._dot import CHUNKED_MAX_TOKENS
+from nvfp4x._numerics import _e2m1
+from nvfp4x._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values, unpack
 
 BYTES = jnp.arange(256, dtype=jnp.uint8)
 

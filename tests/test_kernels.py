@@ -22,11 +22,11 @@ import pytest
 
 import nvfp4x
 from nvfp4x import _kernels
-from nvfp4x._format import _e2m1
-from nvfp4x._format._e4m3 import round_e4m3
-from nvfp4x._format._ieee import mul_exact, reciprocal_capped, scale_down_149
 from nvfp4x._formats import Format, quantize_operand
 from nvfp4x._kernels import _exact, _pallas_nvfp4
+from nvfp4x._numerics import _e2m1
+from nvfp4x._numerics._e4m3 import round_e4m3
+from nvfp4x._numerics._ieee import mul_exact, reciprocal_capped, scale_down_149
 
 # jax 0.11 warns at every lowering of a Pallas Triton kernel that the backend is
 # deprecated (it will need a Mosaic GPU form before JAX drops Triton); only that warning.

@@ -32,8 +32,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import nvfp4x
-from nvfp4x._format._nvfp4 import scale_blocks
 from nvfp4x._formats import Format, quantize_operand
+from nvfp4x._numerics._nvfp4 import scale_blocks
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)

@@ -14,9 +14,9 @@ from jaxtyping import Array, Float, Shaped, UInt8
 
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_fp8_kind
-from .._format._fp8 import quantize_fp8
-from .._format._ieee import mul_exact
-from .._format._nvfp4 import tensor_amax
+from .._numerics._fp8 import quantize_fp8
+from .._numerics._ieee import mul_exact
+from .._numerics._nvfp4 import tensor_amax
 from .._packed import PackedArray, as_bits
 from ._spec import Format, FormatSpec
 

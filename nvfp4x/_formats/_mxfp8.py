@@ -14,9 +14,9 @@ from jaxtyping import Array, Float, Shaped, UInt8
 
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_ndim
-from .._format._constants import MX_BLOCK
-from .._format._fp8 import mx_pad, quantize_mxfp8
-from .._format._ieee import mul_exact
+from .._numerics._constants import MX_BLOCK
+from .._numerics._fp8 import mx_pad, quantize_mxfp8
+from .._numerics._ieee import mul_exact
 from .._packed import PackedArray, as_bits
 from ._spec import Format, FormatSpec
 

@@ -10,8 +10,8 @@ from jaxtyping import Array, Bool, Float
 
 from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
-from .._format._constants import BLOCK, E2M1_MAX, ROW_BLOCK, TILE
-from .._format._nvfp4 import (
+from .._numerics._constants import BLOCK, E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._nvfp4 import (
     SCALE_ROUNDINGS,
     Block,
     Rounding,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .._format._nvfp4 import SCALE_ROUNDINGS
+from .._numerics._nvfp4 import SCALE_ROUNDINGS
 
 FORMATS: dict[str, str] = {}  # filled by `register`
 """The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.

@@ -1,7 +1,7 @@
 """Per-backend implementations of nvfp4x's quantisers, and the one place that picks them.
 
 Each operation has a reference implementation, `"xla"` (plain `jax.numpy`, in
-`nvfp4x._format`), and may have faster ones for some backends: `"pallas"`, a Pallas
+`nvfp4x._numerics`), and may have faster ones for some backends: `"pallas"`, a Pallas
 Triton kernel for GPUs (`_pallas_nvfp4`; on a CPU it runs interpreted, for the tests).
 Every one gives the reference's bits. Callers ask `nvfp4_quantizer(...)` (`to_nvfp4`,
 `fake_quantize`)
@@ -26,7 +26,7 @@ fixed and guarded by tests of the kernel's body, but not yet run on a GPU, so it
 opt-in until it has passed `tests/test_kernels.py` there (`with
 nvfp4x._kernels.use("nvfp4_quantize", "pallas"): ...`). Making it the GPU default is
 one entry in `DEFAULTS`, `{("nvfp4_quantize", "gpu"): "pallas"}`. The operand path's
-tensor scale comes from `_format._nvfp4.tensor_scales`, whose divisions are exact on
+tensor scale comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on
 every backend only once the reference's are (on an H200 XLA's float32 `/` was measured
 an ULP off).
 """
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._format._constants import BLOCK, ROW_BLOCK, TILE
-from .._format._nvfp4 import pad_to_blocks
+from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
+from .._numerics._nvfp4 import pad_to_blocks
 
 #: The implementations of each operation, the reference (`"xla"`) first.
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}

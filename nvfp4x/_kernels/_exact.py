@@ -3,7 +3,7 @@ lowers (Triton has no `round`, no `reduce_precision`, and its float32 `/` is not
 IEEE one): integer operations on bit patterns, `floor`, and float products and sums
 whose results are exact, so that a fused multiply-add gives the same bits.
 
-Each function equals, bit for bit, the `nvfp4x._format` step it names (tested in
+Each function equals, bit for bit, the `nvfp4x._numerics` step it names (tested in
 `tests/test_kernels.py`), on every backend and in any subnormal mode.
 """
 
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._format import _ieee
-from .._format._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
-from .._format._ieee import (
+from .._numerics import _ieee
+from .._numerics._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
+from .._numerics._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
     abs_bits,
@@ -45,14 +45,14 @@ def round_mantissa(a: Float[Array, "*s"], mantissa_bits: int) -> Float[Array, "*
 
 
 def round_e4m3_nonneg(a: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`_format._e4m3.round_e4m3(a)` for `0 <= a <= 448` (NaN gives garbage: mask it)."""
+    """`_numerics._e4m3.round_e4m3(a)` for `0 <= a <= 448` (NaN gives garbage: mask it)."""
     normal = round_mantissa(a, 3)
     sub = round_half_even(a * 512.0) * (1.0 / 512.0)
     return jnp.where(a < E4M3_MIN_NORMAL, sub, jnp.minimum(normal, E4M3_MAX))
 
 
 def encode_nearest(v: Float[Array, "*s"]) -> Array:
-    """`_format._e2m1.encode_nearest(v)` as int32 codes (0..15)."""
+    """`_numerics._e2m1.encode_nearest(v)` as int32 codes (0..15)."""
     b = _bits(v)
     a = from_bits(b & 0x7FFFFFFF)
     big = round_mantissa(jnp.minimum(a, 7.0), 1)
@@ -64,7 +64,7 @@ def encode_nearest(v: Float[Array, "*s"]) -> Array:
 
 
 def encode_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Array:
-    """`_format._e2m1.encode(_e2m1.round_stochastic(v, u))` as int32 codes (NaN: 0)."""
+    """`_numerics._e2m1.encode(_e2m1.round_stochastic(v, u))` as int32 codes (NaN: 0)."""
     b = _bits(v)
     a = jnp.minimum(from_bits(b & 0x7FFFFFFF), E2M1_MAX)
     step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
@@ -76,7 +76,7 @@ def encode_stochastic(v: Float[Array, "*s"], u: Float[Array, "*s"]) -> Array:
 
 
 def decode(code: Array) -> Float[Array, "*s"]:
-    """`_format._e2m1.decode` of int32 codes: the float32 E2M1 values, the sign set on
+    """`_numerics._e2m1.decode` of int32 codes: the float32 E2M1 values, the sign set on
     the bits (Triton's `-x` is `0 - x`, which would decode code 8 as `+0.0`)."""
     code = code.astype(jnp.int32)
     m = (code & 7).astype(jnp.float32)
@@ -100,7 +100,7 @@ def _reciprocal_normal(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     has the significand `RNE(2^47 / M)` (for `M > 2^23`), found by long division in
     three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`.
 
-    Not `_format._ieee.reciprocal`: its quotient starts from a float `/` estimate, and
+    Not `_numerics._ieee.reciprocal`: its quotient starts from a float `/` estimate, and
     the kernel body may hold no float division (approximate on Triton; checked by
     `test_pallas_kernel_body_is_safe_on_triton`)."""
     b = _bits(p)
@@ -122,7 +122,7 @@ def _reciprocal_normal(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
 
 
 def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`_format._ieee.reciprocal_capped(p)` (`min(1 / p, FLT_MAX)`, IEEE, a subnormal `p`
+    """`_numerics._ieee.reciprocal_capped(p)` (`min(1 / p, FLT_MAX)`, IEEE, a subnormal `p`
     read exactly; 0 gives FLT_MAX, NaN stays NaN) for `0 <= p < 2^126` or NaN."""
     bits = abs_bits(p)
     sub = bits < MIN_NORMAL_BITS
@@ -135,7 +135,7 @@ def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
 
 
 def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Float[Array, "..."]:
-    """`_format._ieee.mul_exact(p, s)` (see there for the method and preconditions), with
+    """`_numerics._ieee.mul_exact(p, s)` (see there for the method and preconditions), with
     `round_half_even` in place of `jnp.round`, and `tiny = is_tiny_scale(s)` given
     (Triton does not bitcast the constant it compares with)."""
     return _ieee.mul_exact(p, s, tiny, rint=round_half_even)

@@ -7,8 +7,8 @@ codes (two per byte, element `2i` in the low nibble), the E4M3 block scales (as 
 bits) and, for the GEMM operand path, the block-scaled values `e2m1 * scale_b` in
 bfloat16 (exact there), with no intermediate array in memory.
 
-Same bits as the reference (`nvfp4x._format._nvfp4`): the per-block and per-element
-steps are the reference's, through `nvfp4x._format._ieee` where they lower on every
+Same bits as the reference (`nvfp4x._numerics._nvfp4`): the per-block and per-element
+steps are the reference's, through `nvfp4x._numerics._ieee` where they lower on every
 backend and through `_exact` where the reference uses an operation Triton lacks (see
 there). Runs on the CPU with `interpret=True`, which the tests use.
 
@@ -35,10 +35,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, UInt8
 
-from .._format._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
-from .._format._e2m1 import _fmix32
-from .._format._ieee import INF_BITS, abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
-from .._format._nvfp4 import Block, Rounding, tensor_scales
+from .._numerics._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._e2m1 import _fmix32
+from .._numerics._ieee import (
+    INF_BITS,
+    abs_bits,
+    from_bits,
+    is_tiny_scale,
+    mul_normal,
+    scale_down_149,
+)
+from .._numerics._nvfp4 import Block, Rounding, tensor_scales
 from . import _exact
 
 #: Columns of one tile (a power of two, as Triton's blocks are, and a multiple of 16).
