@@ -96,6 +96,13 @@ class FrozenWeight(WeightValue):
         return shape[: len(shape) - 2 - (1 if self.groups > 1 else 0)]
 
     @property
+    def stack_shape(self) -> tuple[int, ...]:
+        """The leading axes of a stack of layers (`eqx.filter_vmap`-made), as
+        `QWeight.stack_shape`: the packed array's axes before its matrix (and before a
+        grouped convolution's feature groups)."""
+        return self._stack()
+
+    @property
     def probe(self) -> None:
         return None
 

@@ -6,11 +6,12 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
-from .._numerics._constants import BLOCK, E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._constants import BLOCK, E2M1_MAX, NVFP4_RANGE, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import (
     SCALE_ROUNDINGS,
     Block,
@@ -20,6 +21,7 @@ from .._numerics._nvfp4 import (
     from_blocks,
     pad_to_blocks,
     quantize_blocks,
+    tensor_scales,
     to_blocks,
 )
 from ._spec import Format, FormatSpec
@@ -115,3 +117,114 @@ class NVFP4Spec(FormatSpec):
 
 
 NVFP4 = NVFP4Spec()
+
+
+# --- the row form: what checkpoints of other tools store (Model Optimizer's) ---
+
+#: Elements per block scale along a weight's input features (one E4M3 scale per group).
+GROUP_SIZE = BLOCK
+
+#: A weight in rows: `(codes, scale_bits, tensor_scale)` as host arrays, per stacked
+#: slice: uint8 codes `[..., out, in/2]` (element `2i` in the low nibble), uint8 bits of
+#: the E4M3 block scales `[..., out, in/16]` (row-major, unswizzled: one scale per 16
+#: inputs of a row) and the float32 tensor decode scales `[...]`.
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray | np.floating]
+
+
+def to_rows(packed: NVFP4Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`packed` (`[..., out, in]`, `in` a multiple of 16) in rows, unpadded: a 16x16
+    tile's scale is repeated over its 16 rows. Decoded by the spec's formula, the rows
+    give `packed.dequantize()` bit for bit."""
+    out, inn = packed.shape[-2:]
+    if inn % GROUP_SIZE:
+        raise ValueError(
+            f"An NVFP4 weight of {inn} input features has no row form: it needs a multiple "
+            f"of {GROUP_SIZE}."
+        )
+    codes = np.asarray(packed.codes)[..., :out, : inn // 2]
+    bits = np.asarray(packed.scale_bits)
+    if packed.block == TILE:
+        bits = np.repeat(bits, BLOCK, axis=-2)
+    return codes, bits[..., :out, :], np.asarray(packed.tensor_scale, np.float32)
+
+
+def rows_fit(scale_bits: np.ndarray, block: tuple[int, int]) -> bool:
+    """Whether row scales `[..., out, in/16]` can be held in `block`: always for 1x16
+    blocks; for 16x16 tiles, where each 16-row tile has one scale per column block."""
+    if block != TILE:
+        return True
+    tiles = _tiles(scale_bits)
+    return not np.any(tiles != tiles[..., :1, :])
+
+
+def _tiles(scale_bits: np.ndarray) -> np.ndarray:
+    """Row scales as `[..., tiles, 16, in/16]`, the last tile filled up with its last row."""
+    pad = -scale_bits.shape[-2] % BLOCK
+    if pad:
+        last = np.repeat(scale_bits[..., -1:, :], pad, axis=-2)
+        scale_bits = np.concatenate([scale_bits, last], axis=-2)
+    return scale_bits.reshape(*scale_bits.shape[:-2], -1, BLOCK, scale_bits.shape[-1])
+
+
+def from_rows(rows: Rows, like: NVFP4Array) -> NVFP4Array:
+    """The packed array holding `rows`, in `like`'s layout (block, stack, padding,
+    dtype; `like`'s values are not read: it may hold `jax.ShapeDtypeStruct`s). The
+    inverse of `to_rows`, bit for bit. Raises `ValueError` where the row scales do not
+    fit `like`'s block (`rows_fit`)."""
+    codes, bits, tensor_scale = rows
+    out, inn = like.shape[-2:]
+    full = np.zeros(like.codes.shape, np.uint8)
+    full[..., :out, : inn // 2] = codes
+    if like.block == TILE:
+        if not rows_fit(bits, like.block):
+            raise ValueError("The block scales vary within 16-row tiles: not 16x16 blocks.")
+        bits = _tiles(bits)[..., 0, :]
+    scale_bits = np.zeros(like.scale_bits.shape, np.uint8)
+    scale_bits[...] = bits
+    return NVFP4Array(
+        codes=jnp.asarray(full),
+        scales=jnp.asarray(scale_bits),
+        tensor_scale=jnp.asarray(
+            np.asarray(tensor_scale, np.float32).reshape(like.tensor_scale.shape)
+        ),
+        block=like.block,
+        logical_tail=like.logical_tail,
+        dtype=like.dtype,
+    )
+
+
+def tensor_decode_scale(amax) -> np.ndarray:
+    """The float32 tensor decode scale `s_dec` NVFP4 gives a tensor of this amax."""
+    return np.asarray(tensor_scales(jnp.float32(amax))[1], np.float32)
+
+
+def amax_for_tensor_scale(scale) -> np.float32:
+    """An amax whose tensor decode scale is exactly `scale` (a monotone search from
+    `scale x 2688`)."""
+    target = np.float32(scale)
+    amax = np.float32(target * np.float32(NVFP4_RANGE))
+    for _ in range(64):
+        got = tensor_decode_scale(amax)
+        if got == target:
+            return amax
+        amax = np.nextafter(amax, np.float32(np.inf if got < target else 0), dtype=np.float32)
+    raise RuntimeError(f"nvfp4x: no amax gives the tensor scale {target!r}.")  # pragma: no cover
+
+
+def requantize_rows(rows: Rows, scale) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One weight's rows (no stack) decoded and quantised again in 1x16 blocks with the
+    tensor decode scale `scale` (e.g. the largest of a group that must share one)."""
+    codes, bits, tensor_scale = rows
+    packed = NVFP4Array(
+        codes=jnp.asarray(codes),
+        scales=jnp.asarray(bits),
+        tensor_scale=jnp.asarray(tensor_scale, jnp.float32),
+        block=ROW_BLOCK,
+        logical_tail=(2 * codes.shape[-1],),
+        dtype=np.float32,
+    )
+    q = to_nvfp4(packed.dequantize(), amax=jnp.float32(amax_for_tensor_scale(scale)))
+    ts = np.asarray(q.tensor_scale, np.float32)
+    if ts.tobytes() != np.float32(scale).tobytes():  # pragma: no cover - the search found it
+        raise RuntimeError("nvfp4x: requantising missed the tensor scale.")
+    return np.asarray(q.codes), np.asarray(q.scale_bits), ts
