@@ -126,11 +126,12 @@ def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     read exactly; 0 gives FLT_MAX, NaN stays NaN) for `0 <= p < 2^126` or NaN."""
     bits = abs_bits(p)
     sub = bits < MIN_NORMAL_BITS
-    # A subnormal p = m 2^-149 gives (1 / m) 2^149, or inf (then FLT_MAX).
-    r_m = _reciprocal_normal(jnp.where(sub & (bits > 0), bits, 1).astype(jnp.float32))
-    overflow = (_bits(r_m) >> 23) + 149 >= 255
-    r_sub = jnp.where(overflow | (bits == 0), FLT_MAX, ldexp_normal(r_m, 149))
-    r = jnp.where(sub, r_sub, _reciprocal_normal(jnp.where(sub, 1.0, p)))
+    # A subnormal p = m 2^-149 gives (1 / m) 2^149, or inf (then FLT_MAX): either way one
+    # reciprocal of a normal number (`m` read as a float, or `p`), one long division.
+    r = _reciprocal_normal(jnp.where(sub, jnp.maximum(bits, 1).astype(jnp.float32), p))
+    overflow = (_bits(r) >> 23) + 149 >= 255
+    r_sub = jnp.where(overflow | (bits == 0), FLT_MAX, ldexp_normal(r, 149))
+    r = jnp.where(sub, r_sub, r)
     return jnp.where(bits > INF_BITS, p, jnp.minimum(r, FLT_MAX))
 
 
