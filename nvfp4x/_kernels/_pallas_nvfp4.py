@@ -16,7 +16,9 @@ kernel_sweep` times the candidates on a GPU and prints the best).
 Same bits as the reference (`nvfp4x._numerics._nvfp4`): the per-block and per-element
 steps are the reference's, through `nvfp4x._numerics._ieee` where they lower on every
 backend and through `_exact` where the reference uses an operation Triton lacks (see
-there). Runs on the CPU with `interpret=True`, which the tests use.
+there). A block scale's inverse is not computed per block: it is looked up in a table
+of the reference's inverses of all 128 E4M3 scales (`_inverse_table`, made in XLA once
+per call), which takes the long division out of the kernel. Runs on the CPU with `interpret=True`, which the tests use.
 
 What the interpreter does not show, and the kernel must not rely on (both seen on an
 H200, jax 0.11, where the interpreter was bit for bit the reference):
@@ -45,7 +47,7 @@ from jaxtyping import Array, Float
 from .._numerics._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
 from .._numerics._e2m1 import _fmix32
 from .._numerics._ieee import abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
-from .._numerics._nvfp4 import Block, Rounding, amax_of_bits, tensor_scales
+from .._numerics._nvfp4 import Block, Rounding, _inverse_exact, amax_of_bits, tensor_scales
 from . import _exact
 
 #: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
@@ -56,6 +58,8 @@ BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
 OUTPUTS = ("codes", "values", "dequantized")
 #: Slots of the float32 parameter vector (a power of two).
 _NPARAMS = 8
+#: E4M3 bit patterns of a block scale `>= 0` (NaN's, 0x7F, last).
+_E4M3_CODES = 128
 
 
 class Tiling(NamedTuple):
@@ -155,6 +159,7 @@ def _store(ref, value: Array, shape: tuple[int, int]) -> None:
 def _kernel(
     params_ref,
     seed_ref,
+    inv_ref,
     x_ref,
     *out_refs,
     block: Block,
@@ -164,7 +169,8 @@ def _kernel(
     cols: int,
 ):
     """One tile of the `(rows, cols)` array: block maxima, block scales and their
-    inverses, codes, and the one output asked for (`OUTPUTS`)."""
+    inverses (looked up in `inv_ref`, see `_inverse_table`), codes, and the one output
+    asked for (`OUTPUTS`)."""
     tr, tc = x_ref.shape
     br, bc = block
     view, block_max, per_element = _views(tr, tc, block)
@@ -175,8 +181,8 @@ def _kernel(
     # The reference's `_block_scales_exact`, block by block.
     t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
     scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
-    inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
-    inv_sub = scale_down_149(inv_b)
+    scale_bits = _exact.e4m3_bits(scale_b)  # 0..126, or 127 for NaN
+    inv_b, inv_sub = inv_ref[scale_bits], inv_ref[scale_bits + _E4M3_CODES]
     v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
     if rounding == "nearest":
         codes = _exact.encode_nearest(v)
@@ -184,7 +190,7 @@ def _kernel(
         codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
     if output == "codes":
         codes_ref, scales_ref = out_refs
-        _store(scales_ref, _exact.e4m3_bits(scale_b), (rows // br, cols // bc))
+        _store(scales_ref, scale_bits, (rows // br, cols // bc))
         lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
         _store(codes_ref, lo | (hi << 4), (rows, cols // 2))
     else:
@@ -207,6 +213,19 @@ def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
     h = _fmix32(h ^ seed_ref[1])
     u = ((h >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
     return _exact.encode_stochastic(v, u.reshape(v.shape))
+
+
+def _inverse_table(s_dec: Float[Array, ""]) -> Float[Array, "256"]:
+    """The reference's `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` for every E4M3
+    block scale `scale_b >= 0`, indexed by its bits (127: NaN), then `inv_b * 2^-149`
+    (`scale_down_149`, for `mul_normal`): a block scale takes one of 128 values, so the
+    kernel looks its inverse up instead of dividing, once per block (the reference's own
+    `_inverse_exact`, in XLA: the same bits by construction)."""
+    bits = jnp.arange(_E4M3_CODES, dtype=jnp.uint8)
+    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    scale_b = jnp.where(bits == _E4M3_CODES - 1, jnp.nan, scale_b)  # (as the kernel's)
+    inv_b = _inverse_exact(scale_b, s_dec)
+    return jnp.concatenate([inv_b, scale_down_149(inv_b)])
 
 
 def quantize_2d(
@@ -270,6 +289,7 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
+    inverses = _inverse_table(s_dec)
     tr, tc = _tile(rows, cols, block, tiling)
     grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
     whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))
@@ -293,12 +313,17 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[whole, whole, pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+        in_specs=[
+            whole,
+            whole,
+            pl.BlockSpec((2 * _E4M3_CODES,), lambda i, j: (0,)),
+            pl.BlockSpec((tr, tc), lambda i, j: (i, j)),
+        ],
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
             num_warps=tiling.num_warps, num_stages=tiling.num_stages
         ),
         name="nvfp4_quantize_2d",
-    )(params, seeds, x)
+    )(params, seeds, inverses, x)
     return outs[0], outs[1] if output == "codes" else None, s_dec
