@@ -27,8 +27,9 @@ The Pallas kernel is the default on GPUs (`DEFAULTS`): bit for bit the reference
 `interpret=True` on the CPU, it lowers for CUDA, and `tests/test_kernels.py` passed on
 an H200 with it compiled there (after the fixes for tiles that overhang the array and
 for the sign of `-0.0`, see `_pallas_nvfp4`). Other backends use the reference (the
-CPU's XLA path is the faster there). The tensor scale comes from
-`_numerics._nvfp4.tensor_scales`, whose divisions are exact on every backend.
+CPU's XLA path is the faster there). The kernel's tile shapes and Triton parameters
+are one table, `_pallas_nvfp4.TILINGS` (a GPU benchmark sweeps them). The tensor scale
+comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on every backend.
 """
 
 import contextlib

@@ -18,7 +18,8 @@ steps are the reference's, through `nvfp4x._numerics._ieee` where they lower on 
 backend and through `_exact` where the reference uses an operation Triton lacks (see
 there). A block scale's inverse is not computed per block: it is looked up in a table
 of the reference's inverses of all 128 E4M3 scales (`_inverse_table`, made in XLA once
-per call), which takes the long division out of the kernel. Runs on the CPU with `interpret=True`, which the tests use.
+per call), which takes the long division out of the kernel. Runs on the CPU with
+`interpret=True`, which the tests use.
 
 What the interpreter does not show, and the kernel must not rely on (both seen on an
 H200, jax 0.11, where the interpreter was bit for bit the reference):
