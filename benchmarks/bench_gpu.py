@@ -10,20 +10,25 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
 - `bandwidth`: plain read (`jnp.max` of an array) and copy (`x + 1`) bandwidth.
 - `quantize`: `nvfp4x.to_nvfp4` on an 8192x16384 array, float32 and bfloat16 input, 1x16
   and 16x16 blocks, round to nearest (and 1x16 stochastic), with the reference XLA path
-  and the Pallas kernel (`nvfp4x._kernels`, 1x16 only); the GEMM operand path (bfloat16
+  and the Pallas kernel (`nvfp4x._kernels`; the GPU's default); the GEMM operand path (bfloat16
   block values, what `qdot` feeds its GEMMs) and `fake_quantize`; against the memory
   floor (input bytes read + output bytes written, at the measured copy bandwidth: 4.5
   bits per element for `to_nvfp4`, 2 bytes for the operand path, the input's dtype for
   `fake_quantize`) and against JAX's own nvfp4 quantiser
   (`jax._src.cudnn.scaled_matmul_stablehlo.quantize`) and qwix's where installed.
+- `kernel_sweep`: `to_nvfp4` through the Pallas kernel (float32 and bfloat16, 1x16 and
+  16x16, 8192x16384) with each tiling of `_pallas_nvfp4.CANDIDATES` (tile shape,
+  `num_warps`, `num_stages`), against the floor; the best per case, whether every tiling
+  gave the default's bits, and the `TILINGS` table to paste into `_pallas_nvfp4`.
 - `gemm`: the 8192^3 GEMM, bfloat16 operands: `jnp.dot` in bfloat16, `nvfp4x.qdot`
-  forward (nvfp4_training recipe, XLA and Pallas quantisers),
+  forward (nvfp4_training recipe, default and XLA quantisers),
   `jax.nn.scaled_dot_general` with nvfp4 configs.
 - `train`: one jitted adam step of 4 MLP blocks (d=2048, hidden 8192, 8192 tokens,
   layers vmapped over tokens): float32; mixed bf16 (weights and activations cast to
   bfloat16 in the step, float32 master weights); nvfp4x's `bf16`, `fp8`, `mxfp8` and
   `nvfp4_training` recipes (with and without SR and RHT, unrolled and scanned, and with
-  the Pallas quantiser), ratios against mixed bf16.
+  the XLA quantisers instead of the default, the Pallas kernel on a GPU), ratios against
+  mixed bf16.
 - `compile`: the compile times of those steps (lowering + XLA), NVFP4 against float32.
 - `frozen`: a frozen model of 16 layers 8192x8192 (1.07 B weights), W4A16
   (`nvfp4_weight_only`) and W4A4 (`nvfp4_inference`), forward at 1, 16 and 4096 tokens
@@ -36,6 +41,8 @@ error and the rest go on. The table is printed as Markdown and written to `--out
 """
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import platform
@@ -43,7 +50,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -67,7 +74,7 @@ except ImportError:  # run as a script from inside benchmarks/
     from bench_inference import to_bf16, weight_bytes
     from bench_training import Stack
 
-SECTIONS = ("bandwidth", "quantize", "gemm", "train", "compile", "frozen")
+SECTIONS = ("bandwidth", "quantize", "kernel_sweep", "gemm", "train", "compile", "frozen")
 #: Arguments `benchmarks/run_all.py --quick` would pass (it skips without a GPU).
 QUICK_ARGV = ["--quick"]
 
@@ -140,14 +147,22 @@ def ms(t: float) -> str:
     return f"{t * 1e3:.3f} ms"
 
 
-def pallas_traced(fn: Callable) -> Callable:
-    """`fn` with the Pallas quantiser picked while it is traced."""
+def traced_with(impl: str, fn: Callable) -> Callable:
+    """`fn` with NVFP4 quantiser `impl` (`"xla"` or `"pallas"`) picked while it is traced."""
 
     def wrapped(*args, **kwargs):
-        with _kernels.use("nvfp4_quantize", "pallas"):
+        with _kernels.use("nvfp4_quantize", impl):
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+def pallas_traced(fn: Callable) -> Callable:
+    return traced_with("pallas", fn)
+
+
+def xla_traced(fn: Callable) -> Callable:
+    return traced_with("xla", fn)
 
 
 # ---------------------------------------------------------------------------- sections
@@ -194,30 +209,20 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
             k = key if rounding == "stochastic" else None
             return lambda a: nvfp4x.to_nvfp4(a, block=block, rounding=rounding, key=k)
 
-        cases: dict[str, tuple[Callable, float]] = {
-            "to_nvfp4 1x16 xla": (to_nvfp4(), floor_codes),
-            "to_nvfp4 1x16 pallas": (pallas_traced(to_nvfp4()), floor_codes),
-            "to_nvfp4 1x16 SR xla": (to_nvfp4(rounding="stochastic"), floor_codes),
-            "to_nvfp4 1x16 SR pallas": (
-                pallas_traced(to_nvfp4(rounding="stochastic")),
-                floor_codes,
-            ),
-            "to_nvfp4 16x16 xla": (to_nvfp4((16, 16)), floor_codes),
-            "to_nvfp4 16x16 pallas": (pallas_traced(to_nvfp4((16, 16))), floor_codes),
-            "operand 1x16 xla": (lambda x: quantize_operand(x, fmt, -1, None), floor_operand),
-            "operand 1x16 pallas": (
-                pallas_traced(lambda x: quantize_operand(x, fmt, -1, None)),
-                floor_operand,
-            ),
-            "fake_quantize 1x16 xla": (nvfp4x.fake_quantize, 2 * x.nbytes / bw),
-            "fake_quantize 1x16 pallas": (pallas_traced(nvfp4x.fake_quantize), 2 * x.nbytes / bw),
-            # along the leading axis (wgrad's tokens), stochastic, as dy there
-            "operand 16x1 SR xla": (lambda x: quantize_operand(x, sr, 0, key), floor_operand),
-            "operand 16x1 SR pallas": (
-                pallas_traced(lambda x: quantize_operand(x, sr, 0, key)),
-                floor_operand,
-            ),
+        operand = lambda x: quantize_operand(x, fmt, -1, None)
+        operand_sr = lambda x: quantize_operand(x, sr, 0, key)  # wgrad's dy: tokens, SR
+        kinds: dict[str, tuple[Callable, float]] = {
+            "to_nvfp4 1x16": (to_nvfp4(), floor_codes),
+            "to_nvfp4 1x16 SR": (to_nvfp4(rounding="stochastic"), floor_codes),
+            "to_nvfp4 16x16": (to_nvfp4((16, 16)), floor_codes),
+            "operand 1x16": (operand, floor_operand),
+            "fake_quantize 1x16": (nvfp4x.fake_quantize, 2 * x.nbytes / bw),
+            "operand 16x1 SR": (operand_sr, floor_operand),
         }
+        cases: dict[str, tuple[Callable, float]] = {}
+        for what, (fn, floor) in kinds.items():
+            cases[f"{what} xla"] = (xla_traced(fn), floor)
+            cases[f"{what} pallas"] = (pallas_traced(fn), floor)
         if jax_q is not None:
             cases["JAX nvfp4 quantiser 1x16"] = (jax_q, None)
         if qwix_q is not None:
@@ -233,7 +238,6 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
             if base and not k.startswith("JAX"):
                 note.append(f"{secs / base:.2f}x JAX's")
             table.add("quantize", f"{k}, {name} {s.rows}x{s.cols}", ms(secs), ", ".join(note))
-    pallas_tilings(s, table, bw)
 
 
 def _bits(a: jax.Array) -> bytes:
@@ -254,40 +258,101 @@ def same_bits(table: Table, jitted: dict[str, Callable], x: jax.Array, name: str
     ):
         try:
             a, b = jitted[f"{what} xla"](x), jitted[f"{what} pallas"](x)
-            leaves = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
-            same = all(_bits(u) == _bits(v) for u, v in leaves)
-            table.add("quantize", f"{what} pallas == xla bit for bit, {name}", str(same))
+            table.add("quantize", f"{what} pallas == xla bit for bit, {name}", str(_same(a, b)))
         except Exception as e:  # noqa: BLE001
             table.add("quantize", f"{what} pallas == xla", "**error**", f"{type(e).__name__}: {e}")
 
 
-#: Pallas tilings swept (`(most columns, most elements, warps)` per program).
-TILINGS = ((256, 4096, 4), (256, 8192, 4), (256, 8192, 8), (512, 8192, 8), (128, 2048, 4))
-
-
-def pallas_tilings(s: Sizes, table: Table, bw: float) -> None:
-    """`to_nvfp4`'s kernel (1x16, float32, codes only) at several tilings."""
+@contextlib.contextmanager
+def tiled(block: tuple[int, int], dtype, tiling) -> Iterator[None]:
+    """`tiling` as the `_pallas_nvfp4.TILINGS` entry of `(block, dtype)` while code is
+    traced inside the block."""
     from nvfp4x._kernels import _pallas_nvfp4
 
-    x = jax.random.normal(jax.random.key(5), (s.rows, s.cols), jnp.float32)
-    floor = (x.nbytes + x.size * 4.5 / 8) / bw
-    interpret = jax.default_backend() != "gpu"
-    fns = {
-        tiling: jax.jit(
-            functools.partial(_pallas_nvfp4.quantize_2d, tiling=tiling, interpret=interpret)
-        )
-        for tiling in TILINGS
-    }
-    t = interleaved(
-        {str(k): functools.partial(f, x) for k, f in fns.items()}, s.repeats, table, "quantize"
-    )
-    for k, secs in t.items():
-        table.add(
-            "quantize",
-            f"pallas kernel 1x16 float32, tiling (cols, elements, warps) {k}",
-            ms(secs),
-            f"{secs / floor:.2f}x floor",
-        )
+    entry = (block, jnp.dtype(dtype).name)
+    before = _pallas_nvfp4.TILINGS.get(entry)
+    _pallas_nvfp4.TILINGS[entry] = tiling
+    try:
+        yield
+    finally:
+        if before is None:
+            del _pallas_nvfp4.TILINGS[entry]
+        else:
+            _pallas_nvfp4.TILINGS[entry] = before
+
+
+def kernel_sweep(s: Sizes, table: Table, state: dict) -> None:
+    """`to_nvfp4` through the Pallas kernel with each candidate tiling: float32 and
+    bfloat16, 1x16 and 16x16. Lowered in turn, compiled in parallel threads (XLA and
+    Triton compile outside the GIL), timed interleaved per case."""
+    from nvfp4x._kernels import _pallas_nvfp4
+
+    bw = _copy_bw(s, state)
+    candidates = _pallas_nvfp4.CANDIDATES
+    best: dict[tuple[tuple[int, int], str], Any] = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        x = jax.random.normal(jax.random.key(5), (s.rows, s.cols), jnp.float32).astype(dtype)
+        floor = (x.nbytes + x.size * 4.5 / 8) / bw
+        for block in ((1, 16), (16, 16)):
+            case = f"to_nvfp4 {block[0]}x{block[1]} {name} {s.rows}x{s.cols}"
+            lowered = {}
+            for tiling in candidates:
+                # A new function per tiling: `jax.jit` reuses the trace of one it has seen.
+                fn = pallas_traced(lambda a, block=block: nvfp4x.to_nvfp4(a, block=block))
+                try:
+                    with tiled(block, dtype, tiling):
+                        lowered[tiling] = jax.jit(fn).lower(x)
+                except Exception as e:  # noqa: BLE001
+                    table.add("kernel_sweep", f"{case}, {tiling}", "**error**", repr(e)[:300])
+            compiled = _compile_all(lowered, table, case)
+            t = interleaved(
+                {k: functools.partial(f, x) for k, f in compiled.items()},
+                s.repeats,
+                table,
+                "kernel_sweep",
+            )
+            if not t:
+                continue
+            want = compiled[candidates[0]](x) if candidates[0] in compiled else None
+            for tiling, secs in t.items():
+                note = f"{secs / floor:.2f}x floor"
+                if want is not None:
+                    note += f", the default's bits: {_same(compiled[tiling](x), want)}"
+                table.add("kernel_sweep", f"{case}, {tiling}", ms(secs), note)
+            top = min(t, key=t.__getitem__)
+            base = t.get(candidates[0])
+            vs = f", {t[top] / base:.2f}x the default's time" if base else ""
+            table.add(
+                "kernel_sweep",
+                f"best for {case}",
+                str(top),
+                f"{ms(t[top])}, {t[top] / floor:.2f}x floor{vs}",
+            )
+            best[(block, name)] = top
+    if best:
+        lines = [f"    ({b!r}, {n!r}): {t!r}," for (b, n), t in best.items()]
+        text = "TILINGS = {\n" + "\n".join(lines) + "\n}"
+        print("kernel_sweep: the best tilings, for `_pallas_nvfp4.TILINGS`:\n" + text)
+        table.add("kernel_sweep", "best TILINGS", text.replace("\n", " "))
+
+
+def _compile_all(lowered: dict, table: Table, case: str) -> dict:
+    """`{key: lowered.compile()}` compiled in parallel threads; failures are rows."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        futures = {k: pool.submit(low.compile) for k, low in lowered.items()}
+    compiled = {}
+    for k, future in futures.items():
+        try:
+            compiled[k] = future.result()
+        except Exception as e:  # noqa: BLE001
+            table.add("kernel_sweep", f"{case}, {k}", "**error**", repr(e)[:300])
+    return compiled
+
+
+def _same(a: Any, b: Any) -> bool:
+    leaves = zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    return all(_bits(u) == _bits(v) for u, v in leaves)
 
 
 def _qwix_quantizer(table: Table) -> Callable | None:
@@ -320,8 +385,8 @@ def gemm(s: Sizes, table: Table, state: dict) -> None:
 
     fns = {
         "bf16 dot": jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32)),
-        "nvfp4x qdot forward (xla quantisers)": jax.jit(qdot),
-        "nvfp4x qdot forward (pallas quantiser)": jax.jit(pallas_traced(qdot)),
+        "nvfp4x qdot forward (default quantisers)": jax.jit(qdot),
+        "nvfp4x qdot forward (xla quantisers)": jax.jit(xla_traced(qdot)),
         "jax.nn.scaled_dot_general nvfp4": jax.jit(
             lambda x, w: jax.nn.scaled_dot_general(x, w, dims, configs=configs)
         ),
@@ -339,7 +404,7 @@ def gemm(s: Sizes, table: Table, state: dict) -> None:
 class Step:
     """A model's jitted adam step, compiled ahead (the compile time kept), then timed."""
 
-    def __init__(self, model, x, y, *, cast: bool = False, pallas: bool = False):
+    def __init__(self, model, x, y, *, cast: bool = False, impl: str | None = None):
         arrays, static = eqx.partition(model, eqx.is_array)
         arrays = jax.tree_util.tree_map(jnp.copy, arrays)  # donated: not shared with others
         optimizer = optax.adam(1e-4)
@@ -358,7 +423,7 @@ class Step:
         self.state = (arrays, optimizer.init(arrays))
         self.x, self.y = x, y
         t0 = time.perf_counter()
-        fn = jax.jit(pallas_traced(step) if pallas else step, donate_argnums=(0, 1))
+        fn = jax.jit(traced_with(impl, step) if impl else step, donate_argnums=(0, 1))
         lowered = fn.lower(*self.state, x, y)
         self.compiled = lowered.compile()
         self.compile_s = time.perf_counter() - t0
@@ -383,8 +448,8 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         "fp8 recipe": lambda: Step(nvfp4x.quantize(model, R.fp8()), x, y),
         "mxfp8 recipe": lambda: Step(nvfp4x.quantize(model, R.mxfp8()), x, y),
         "nvfp4": lambda: Step(nvfp4x.quantize(model, R.nvfp4_training()), x, y),
-        "nvfp4 (pallas quantiser)": lambda: Step(
-            nvfp4x.quantize(model, R.nvfp4_training()), x, y, pallas=True
+        "nvfp4 (xla quantisers)": lambda: Step(
+            nvfp4x.quantize(model, R.nvfp4_training()), x, y, impl="xla"
         ),
     }
     if s.full_train:
@@ -465,6 +530,7 @@ def frozen(s: Sizes, table: Table, state: dict) -> None:
 RUN = {
     "bandwidth": bandwidth,
     "quantize": quantize,
+    "kernel_sweep": kernel_sweep,
     "gemm": gemm,
     "train": train,
     "compile": compile_times,

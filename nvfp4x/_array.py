@@ -218,7 +218,8 @@ def to_nvfp4(
     xp = pad_to_blocks(x, block)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
-        packed, scales, s_dec, _ = kernel(False)
+        packed, scales, s_dec, _ = kernel("codes")
+        assert packed is not None and scales is not None  # `kernel("codes")` returns them
     else:
         v, scale_b, s_dec = scale_blocks(xp, block, amax, scale_rounding)
         if rounding == "stochastic" and key is not None:  # `_prepare`: SR always has a key
@@ -302,7 +303,7 @@ def _straight_through(
     xp = pad_to_blocks(x, block)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
-        y = cast(Array, kernel(True, dequantize=True).values)  # asked for: not None
+        y = cast(Array, kernel("dequantized").values)  # asked for: not None
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))

@@ -14,21 +14,22 @@ Operations:
 
 - `"nvfp4_quantize"`: NVFP4 quantisation, 1x16 blocks, 16x16 tiles and 16x1 blocks
   (an operand along its leading axis), round to nearest or stochastic,
-  `scale_rounding="nearest"`, float32 or bfloat16 input: what `nvfp4x.to_nvfp4` and the
-  GEMM operand quantiser (`NVFP4Spec.quantize`) compute, without the RHT (the GEMM
-  applies it before). Other cases (float16, `scale_rounding="up"`) take the reference.
+  `scale_rounding="nearest"`, float32 or bfloat16 input: what `nvfp4x.to_nvfp4`,
+  `nvfp4x.fake_quantize` and the GEMM operand quantiser (`NVFP4Spec.quantize`: every
+  operand of `qdot`'s fprop, dgrad and wgrad, SR included) compute. The reference
+  runs instead for: float16 input, `scale_rounding="up"`, stochastic rounding without
+  a key (the reference raises), 16x1 blocks over an odd number of columns (the codes
+  pack pairs along the rows), a 0-d or empty array, 16x16 tiles of an operand that is
+  not 2-D, and `NVFP4Spec.quantize_saturated` (telemetry). wgrad's RHT runs before, in
+  XLA (`nvfp4x.rht`); the kernel quantises its output.
 
-The defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
-reference under `interpret=True` on the CPU and lowers for CUDA. Its one run on a GPU
-(an H200) matched the reference on large arrays but failed on arrays that its tiles
-overhang, and lost the sign of `-0.0` in block values (see `_pallas_nvfp4`); both are
-fixed and guarded by tests of the kernel's body, but not yet run on a GPU, so it stays
-opt-in until it has passed `tests/test_kernels.py` there (`with
-nvfp4x._kernels.use("nvfp4_quantize", "pallas"): ...`). Making it the GPU default is
-one entry in `DEFAULTS`, `{("nvfp4_quantize", "gpu"): "pallas"}`. The operand path's
-tensor scale comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on
-every backend only once the reference's are (on an H200 XLA's float32 `/` was measured
-an ULP off).
+The Pallas kernel is the default on GPUs (`DEFAULTS`): bit for bit the reference under
+`interpret=True` on the CPU, it lowers for CUDA, and `tests/test_kernels.py` passed on
+an H200 with it compiled there (after the fixes for tiles that overhang the array and
+for the sign of `-0.0`, see `_pallas_nvfp4`). Other backends use the reference (the
+CPU's XLA path is the faster there). The kernel's tile shapes and Triton parameters
+are one table, `_pallas_nvfp4.TILINGS` (a GPU benchmark sweeps them). The tensor scale
+comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on every backend.
 """
 
 import contextlib
@@ -45,7 +46,7 @@ from .._numerics._nvfp4 import pad_to_blocks
 #: The implementations of each operation, the reference (`"xla"`) first.
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
-DEFAULTS: dict[tuple[str, str], str] = {}
+DEFAULTS: dict[tuple[str, str], str] = {("nvfp4_quantize", "gpu"): "pallas"}
 #: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
 #: operand quantised along its leading axis).
 KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
@@ -94,23 +95,24 @@ def use(op: str, implementation: str) -> Iterator[None]:
 
 
 class Quantized(NamedTuple):
-    """A kernel's NVFP4 result in the reference's padded layout (`to_blocks` grid):
-    packed codes, E4M3 block scales, tensor decode scale, and the bfloat16 block values
-    `e2m1 * scale_b` (`None` unless asked for; with `dequantize`, the dequantised values
-    in the input's dtype)."""
+    """A kernel's NVFP4 result in the reference's padded layout (`to_blocks` grid), what
+    was asked for (`run(output)`, see `_pallas_nvfp4.OUTPUTS`), the rest `None`: packed
+    codes and E4M3 block scales (`"codes"`), the tensor decode scale (always), and the
+    values (`"values"`: bfloat16 block values `e2m1 * scale_b`; `"dequantized"`: the
+    dequantised values in the input's dtype)."""
 
-    codes: Array
-    scales: Array
+    codes: Array | None
+    scales: Array | None
     tensor_scale: Array
     values: Array | None
 
 
 def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, key):
-    """A function `(values: bool, dequantize=False) -> Quantized` quantising the padded
-    array `xp` (blocked
+    """A function `run(output) -> Quantized` quantising the padded array `xp` (blocked
     axes multiples of 16) in blocks `block` (`(1, 16)`, `(16, 16)`, or `(16, 1)`: 16 rows
-    of a column) with the picked implementation, or `None` where the reference is picked
-    or the case is one the kernel does not cover (the caller runs the reference)."""
+    of a column) with the picked implementation and writing only `output` (`"codes"`,
+    `"values"` or `"dequantized"`), or `None` where the reference is picked or the case
+    is one the kernel does not cover (the caller runs the reference)."""
     if pick("nvfp4_quantize") != "pallas":
         return None
     block = tuple(block)
@@ -126,28 +128,25 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         return None
     from . import _pallas_nvfp4  # Pallas is imported only where a kernel is picked
 
-    def run(values: bool, dequantize: bool = False) -> Quantized:
+    def run(output: str) -> Quantized:
         rows, cols = xp.shape[:-1], xp.shape[-1]
         grid = (*rows, cols // BLOCK) if block == ROW_BLOCK else (*rows[:-1], rows[-1] // 16)
         if block != ROW_BLOCK:
             grid = (*grid, cols // block[1])
         seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
-        codes, scale_bits, s_dec, vals = _pallas_nvfp4.quantize_2d(
+        out, scale_bits, s_dec = _pallas_nvfp4.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),
             seed,
             block=block,
             rounding="stochastic" if rounding == "stochastic" else "nearest",
-            values=values,
-            dequantize=dequantize,
+            output=output,
             interpret=backend() != "gpu",
         )
-        return Quantized(
-            codes.reshape(*rows, cols // 2),
-            jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).reshape(grid),
-            s_dec,
-            None if vals is None else vals.reshape(xp.shape),
-        )
+        if scale_bits is None:
+            return Quantized(None, None, s_dec, out.reshape(xp.shape))
+        scales = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).reshape(grid)
+        return Quantized(out.reshape(*rows, cols // 2), scales, s_dec, None)
 
     return run
 
@@ -168,7 +167,7 @@ def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int
     kernel = nvfp4_quantizer(pad_to_blocks(moved, blk), blk, rounding, scale_rounding, None, key)
     if kernel is None:
         return None
-    _, _, s_dec, values = kernel(True)
-    assert values is not None  # `kernel(True)` returns them
+    _, _, s_dec, values = kernel("values")
+    assert values is not None  # `kernel("values")` returns them
     values = values[tuple(slice(0, n) for n in moved.shape)]
     return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec

@@ -12,15 +12,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._numerics import _ieee
-from .._numerics._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, FLT_MAX
-from .._numerics._ieee import (
-    INF_BITS,
-    MIN_NORMAL_BITS,
-    abs_bits,
-    from_bits,
-    ldexp_normal,
-    scale_down_149 as scale_down_149,  # (Triton-safe as it is: the kernel body calls it)
-)
+from .._numerics._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
+from .._numerics._ieee import from_bits
 
 
 def _bits(x: Array) -> Array:
@@ -92,46 +85,6 @@ def e4m3_bits(scale: Float[Array, "*s"]) -> Array:
     sub = (scale * 512.0).astype(jnp.int32)
     out = jnp.where(scale < E4M3_MIN_NORMAL, sub, normal)
     return jnp.where(jnp.isnan(scale), 0x7F, out)
-
-
-def _reciprocal_normal(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """The IEEE float32 `1 / p` for a normal `0 < p < 2^126` (a normal result), in
-    integer arithmetic: with `p = M * 2^(E - 150)` (`M` the 24-bit significand), `1 / p`
-    has the significand `RNE(2^47 / M)` (for `M > 2^23`), found by long division in
-    three 8-bit steps of unsigned 32-bit integers, and the exponent field `253 - E`.
-
-    Not `_numerics._ieee.reciprocal`: its quotient starts from a float `/` estimate, and
-    the kernel body may hold no float division (approximate on Triton; checked by
-    `test_pallas_kernel_body_is_safe_on_triton`)."""
-    b = _bits(p)
-    e = b >> 23
-    m = ((b & 0x007FFFFF) | MIN_NORMAL_BITS).astype(jnp.uint32)
-    q = jnp.zeros_like(m)
-    r = jnp.full_like(m, 1 << 31)  # 2^47 / M = 2^16 (2^31 / M)
-    for shift in (16, 8, 0):
-        d = r // m
-        q = q | (d << shift)
-        r = r - d * m
-        if shift:
-            r = r << 8
-    up = (2 * r > m) | ((2 * r == m) & ((q & 1) == 1))
-    q = (q + up.astype(jnp.uint32)).astype(jnp.int32)
-    power_of_two = (b & 0x007FFFFF) == 0
-    out = jnp.where(power_of_two, (254 - e) << 23, ((253 - e) << 23) + (q - MIN_NORMAL_BITS))
-    return from_bits(out)
-
-
-def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """`_numerics._ieee.reciprocal_capped(p)` (`min(1 / p, FLT_MAX)`, IEEE, a subnormal `p`
-    read exactly; 0 gives FLT_MAX, NaN stays NaN) for `0 <= p < 2^126` or NaN."""
-    bits = abs_bits(p)
-    sub = bits < MIN_NORMAL_BITS
-    # A subnormal p = m 2^-149 gives (1 / m) 2^149, or inf (then FLT_MAX).
-    r_m = _reciprocal_normal(jnp.where(sub & (bits > 0), bits, 1).astype(jnp.float32))
-    overflow = (_bits(r_m) >> 23) + 149 >= 255
-    r_sub = jnp.where(overflow | (bits == 0), FLT_MAX, ldexp_normal(r_m, 149))
-    r = jnp.where(sub, r_sub, _reciprocal_normal(jnp.where(sub, 1.0, p)))
-    return jnp.where(bits > INF_BITS, p, jnp.minimum(r, FLT_MAX))
 
 
 def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Float[Array, "..."]:

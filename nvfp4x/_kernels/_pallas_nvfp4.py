@@ -2,15 +2,24 @@
 
 Two passes over the input, the memory floor of a quantiser whose tensor scale depends
 on the whole tensor: the tensor amax (an XLA reduction over the bits of `|x|`, ignoring
-NaN), then one kernel that reads each tile of `x` once and writes, per tile, the packed
-codes (two per byte, element `2i` in the low nibble), the E4M3 block scales (as their
-bits) and, for the GEMM operand path, the block-scaled values `e2m1 * scale_b` in
-bfloat16 (exact there), with no intermediate array in memory.
+NaN: `_numerics._nvfp4.amax_of_bits`), then one kernel that reads each tile of `x` once
+and writes, per tile, only what its caller asks for, with no intermediate array in
+memory: the packed codes (two per byte, element `2i` in the low nibble) and the E4M3
+block scales (as their bits) for `to_nvfp4`; the block-scaled values `e2m1 * scale_b` in
+bfloat16 (exact there) alone for the GEMM operand path; the dequantised values in the
+input's dtype alone for `fake_quantize`.
+
+Tile shapes and Triton's `num_warps`/`num_stages` are a `Tiling`, looked up per block
+layout and input dtype in one table, `TILINGS` (`benchmarks/bench_gpu.py --only
+kernel_sweep` times the candidates on a GPU and prints the best).
 
 Same bits as the reference (`nvfp4x._numerics._nvfp4`): the per-block and per-element
 steps are the reference's, through `nvfp4x._numerics._ieee` where they lower on every
 backend and through `_exact` where the reference uses an operation Triton lacks (see
-there). Runs on the CPU with `interpret=True`, which the tests use.
+there). A block scale's inverse is not computed per block: it is looked up in a table
+of the reference's inverses of all 128 E4M3 scales (`_inverse_table`, made in XLA once
+per call), which takes the long division out of the kernel. Runs on the CPU with
+`interpret=True`, which the tests use.
 
 What the interpreter does not show, and the kernel must not rely on (both seen on an
 H200, jax 0.11, where the interpreter was bit for bit the reference):
@@ -28,52 +37,78 @@ H200, jax 0.11, where the interpreter was bit for bit the reference):
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
 from .._numerics._e2m1 import _fmix32
-from .._numerics._ieee import (
-    INF_BITS,
-    abs_bits,
-    from_bits,
-    is_tiny_scale,
-    mul_normal,
-    scale_down_149,
-)
-from .._numerics._nvfp4 import Block, Rounding, tensor_scales
+from .._numerics._ieee import abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
+from .._numerics._nvfp4 import Block, Rounding, _inverse_exact, amax_of_bits, tensor_scales
 from . import _exact
 
-#: Columns of one tile (a power of two, as Triton's blocks are, and a multiple of 16).
-TILE_COLS = 256
-#: Elements of one tile: the rows of a tile are `TILE_ELEMENTS // TILE_COLS`.
-TILE_ELEMENTS = 4096
 #: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
 BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
-#: Warps per tile's program (Triton).
-NUM_WARPS = 4
+#: What a call writes: packed codes and scale bits (`to_nvfp4`), bfloat16 block values
+#: `e2m1 * scale_b` (the GEMM operand path), or the dequantised values in the input's
+#: dtype (`fake_quantize`).
+OUTPUTS = ("codes", "values", "dequantized")
 #: Slots of the float32 parameter vector (a power of two).
 _NPARAMS = 8
+#: E4M3 bit patterns of a block scale `>= 0` (NaN's, 0x7F, last).
+_E4M3_CODES = 128
 
 
-def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
-    """`max(|x|)` ignoring NaN, on the bits (exact for subnormals on any device): the
-    reference's tensor amax (`_amax_of_block_maxima` of the NaN-free block maxima)."""
-    b = abs_bits(x)
-    return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
+class Tiling(NamedTuple):
+    """How the kernel tiles an array: a tile has at most `cols` columns and `elements`
+    elements (powers of two, as Triton's blocks are; at least one block: the rows are
+    raised to 16 for 16x16 and 16x1 blocks), and its program runs on `num_warps` warps,
+    `num_stages` pipeline stages (Triton)."""
+
+    cols: int = 256
+    elements: int = 4096
+    num_warps: int = 4
+    num_stages: int = 1
 
 
-def _tile(
-    rows: int, cols: int, block: Block, cols_max: int = TILE_COLS, elements: int = TILE_ELEMENTS
-) -> tuple[int, int]:
-    """Tile shape, at most `cols_max` columns and `elements` elements: powers of two (as
-    Triton's blocks are), whole blocks."""
-    tc = max(2 * BLOCK, min(cols_max, pl.next_power_of_2(cols)))
-    tr = max(block[0], min(elements // tc, pl.next_power_of_2(rows)))
+#: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
+#: table to edit after a sweep on a GPU (`benchmarks/bench_gpu.py --only kernel_sweep`).
+TILINGS: dict[tuple[Block, str], Tiling] = {
+    (ROW_BLOCK, "float32"): Tiling(),
+    (ROW_BLOCK, "bfloat16"): Tiling(),
+    (TILE, "float32"): Tiling(),
+    (TILE, "bfloat16"): Tiling(),
+    ((BLOCK, 1), "float32"): Tiling(),
+    ((BLOCK, 1), "bfloat16"): Tiling(),
+}
+
+#: The tilings a sweep on a GPU tries (`benchmarks/bench_gpu.py --only kernel_sweep`; each
+#: lowers for CUDA in `tests/test_kernels.py`): today's default first, smaller tiles
+#: (fewer registers per thread), more warps.
+CANDIDATES: tuple[Tiling, ...] = (
+    Tiling(),
+    Tiling(128, 2048, 4),
+    Tiling(128, 1024, 4),
+    Tiling(256, 2048, 8),
+    Tiling(64, 1024, 2),
+    Tiling(512, 4096, 8),
+)
+
+
+def tiling_for(block: Block, dtype) -> Tiling:
+    """The `TILINGS` entry for `block` and an input of `dtype`."""
+    return TILINGS.get((block, jnp.dtype(dtype).name), Tiling())
+
+
+def _tile(rows: int, cols: int, block: Block, tiling: Tiling) -> tuple[int, int]:
+    """Tile shape, at most `tiling.cols` columns and `tiling.elements` elements: powers
+    of two (as Triton's blocks are), whole blocks."""
+    tc = max(2 * BLOCK, min(tiling.cols, pl.next_power_of_2(cols)))
+    tr = max(block[0], min(tiling.elements // tc, pl.next_power_of_2(rows)))
     return tr, tc
 
 
@@ -125,17 +160,18 @@ def _store(ref, value: Array, shape: tuple[int, int]) -> None:
 def _kernel(
     params_ref,
     seed_ref,
+    inv_ref,
     x_ref,
     *out_refs,
     block: Block,
     rounding: Rounding,
-    values: bool,
-    dequantize: bool,
+    output: str,
     rows: int,
     cols: int,
 ):
     """One tile of the `(rows, cols)` array: block maxima, block scales and their
-    inverses, codes, and the outputs."""
+    inverses (looked up in `inv_ref`, see `_inverse_table`), codes, and the one output
+    asked for (`OUTPUTS`)."""
     tr, tc = x_ref.shape
     br, bc = block
     view, block_max, per_element = _views(tr, tc, block)
@@ -146,21 +182,23 @@ def _kernel(
     # The reference's `_block_scales_exact`, block by block.
     t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
     scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
-    inv_b = _exact.reciprocal_capped(_exact.mul_exact(scale_b, s_dec, tiny != 0.0))
-    inv_sub = scale_down_149(inv_b)
+    scale_bits = _exact.e4m3_bits(scale_b)  # 0..126, or 127 for NaN
+    inv_b, inv_sub = inv_ref[scale_bits], inv_ref[scale_bits + _E4M3_CODES]
     v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
     if rounding == "nearest":
         codes = _exact.encode_nearest(v)
     else:
         codes = _stochastic_codes(v, seed_ref, tr, tc, cols)
-    _store(out_refs[1], _exact.e4m3_bits(scale_b), (rows // br, cols // bc))
-    if values:
+    if output == "codes":
+        codes_ref, scales_ref = out_refs
+        _store(scales_ref, scale_bits, (rows // br, cols // bc))
+        lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
+        _store(codes_ref, lo | (hi << 4), (rows, cols // 2))
+    else:
         q = _exact.decode(codes) * per_element(scale_b)  # exact
-        if dequantize:
+        if output == "dequantized":
             q = _exact.mul_exact(q, s_dec, tiny != 0.0)
-        _store(out_refs[2], q.reshape(tr, tc), (rows, cols))
-    lo, hi = jax.lax.unstack(codes.reshape(tr, tc // 2, 2), axis=2)
-    _store(out_refs[0], lo | (hi << 4), (rows, cols // 2))
+        _store(out_refs[0], q.reshape(tr, tc), (rows, cols))
 
 
 def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
@@ -178,9 +216,19 @@ def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
     return _exact.encode_stochastic(v, u.reshape(v.shape))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block", "rounding", "values", "dequantize", "interpret", "tiling")
-)
+def _inverse_table(s_dec: Float[Array, ""]) -> Float[Array, "256"]:
+    """The reference's `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` for every E4M3
+    block scale `scale_b >= 0`, indexed by its bits (127: NaN), then `inv_b * 2^-149`
+    (`scale_down_149`, for `mul_normal`): a block scale takes one of 128 values, so the
+    kernel looks its inverse up instead of dividing, once per block (the reference's own
+    `_inverse_exact`, in XLA: the same bits by construction)."""
+    bits = jnp.arange(_E4M3_CODES, dtype=jnp.uint8)
+    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    scale_b = jnp.where(bits == _E4M3_CODES - 1, jnp.nan, scale_b)  # (as the kernel's)
+    inv_b = _inverse_exact(scale_b, s_dec)
+    return jnp.concatenate([inv_b, scale_down_149(inv_b)])
+
+
 def quantize_2d(
     x: Float[Array, "rows cols"],
     amax: Float[Array, ""] | None = None,
@@ -188,31 +236,52 @@ def quantize_2d(
     *,
     block: Block = ROW_BLOCK,
     rounding: Rounding = "nearest",
-    values: bool = False,
-    dequantize: bool = False,
+    output: str = "codes",
     interpret: bool = False,
-    tiling: tuple[int, int, int] = (TILE_COLS, TILE_ELEMENTS, NUM_WARPS),
-) -> tuple[UInt8[Array, "rows cols//2"], UInt8[Array, "_ _"], Float[Array, ""], Array | None]:
+    tiling: Tiling | None = None,
+) -> tuple[Array, Array | None, Float[Array, ""]]:
     """Quantise a 2-D array whose blocked axes are multiples of 16 (padded), in blocks
     `(1, 16)`, `(16, 16)` or `(16, 1)` (16 rows of one column: an operand quantised
     along its leading axis, wgrad's tokens).
 
-    **Returns:** `(codes, scale_bits, s_dec, values)`: packed codes (pairs along the
-    rows), the E4M3 block scales' bit patterns on the block grid `(rows / br, cols / bc)`,
-    the tensor decode scale, and the bfloat16 block-scaled values `e2m1 * scale_b`
-    (`None` unless `values`; with `dequantize`, the dequantised values
-    `(e2m1 * scale_b) * s_dec` in `x`'s dtype, as `fake_quantize` gives them).
-    `tiling`: `(most columns, most elements, warps)` of a tile's program (benchmarks
-    sweep it).
+    **Arguments:** `amax` the tensor amax (default: `max(|x|)` ignoring NaN); `seed`
+    `jax.random.bits(key, (2,), uint32)` for stochastic rounding; `output` what to write
+    (`OUTPUTS`); `tiling` the tile shape and Triton parameters (default:
+    `tiling_for(block, x.dtype)`).
+
+    **Returns:** `(out, scale_bits, s_dec)`, the tensor decode scale `s_dec` last. With
+    `output="codes"`: `out` the packed codes `(rows, cols / 2)` (pairs along the rows),
+    `scale_bits` the E4M3 block scales' bit patterns on the block grid
+    `(rows / br, cols / bc)`. With `"values"`: `out` the bfloat16 block-scaled values
+    `e2m1 * scale_b`; with `"dequantized"`, the dequantised values
+    `(e2m1 * scale_b) * s_dec` in `x`'s dtype, as `fake_quantize` gives them; then
+    `scale_bits` is `None` (not written).
     """
+    tiling = tiling or tiling_for(block, x.dtype)  # (looked up here: `_quantize_2d` caches)
+    return _quantize_2d(
+        x,
+        amax,
+        seed,
+        block=block,
+        rounding=rounding,
+        output=output,
+        interpret=interpret,
+        tiling=tiling,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block", "rounding", "output", "interpret", "tiling"))
+def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
+    """`quantize_2d` with its tiling given (jitted: one trace per case)."""
     rows, cols = x.shape
     br, bc = block
-    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2:
+    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
         raise ValueError(
-            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes, got {block} on {x.shape}."
+            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
+            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
         )
     if amax is None:
-        amax = tensor_amax(x)
+        amax = amax_of_bits(x)
     s_enc, s_dec = tensor_scales(amax)
     c = s_enc * INV_E2M1_MAX
     params = jnp.zeros((_NPARAMS,), jnp.float32)
@@ -221,39 +290,41 @@ def quantize_2d(
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
-    cols_max, elements, num_warps = tiling
-    tr, tc = _tile(rows, cols, block, cols_max, elements)
+    inverses = _inverse_table(s_dec)
+    tr, tc = _tile(rows, cols, block, tiling)
     grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
     whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))
-    out_shape = [
-        jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((rows // br, cols // bc), jnp.uint8),
-    ]
-    out_specs = [
-        pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
-        pl.BlockSpec((tr // br, tc // bc), lambda i, j: (i, j)),
-    ]
-    if values:
-        dtype = x.dtype if dequantize else jnp.bfloat16
-        out_shape.append(jax.ShapeDtypeStruct((rows, cols), dtype))
-        out_specs.append(pl.BlockSpec((tr, tc), lambda i, j: (i, j)))
+    if output == "codes":
+        out_shape = [
+            jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((rows // br, cols // bc), jnp.uint8),
+        ]
+        out_specs = [
+            pl.BlockSpec((tr, tc // 2), lambda i, j: (i, j)),
+            pl.BlockSpec((tr // br, tc // bc), lambda i, j: (i, j)),
+        ]
+    else:
+        dtype = x.dtype if output == "dequantized" else jnp.bfloat16
+        out_shape = [jax.ShapeDtypeStruct((rows, cols), dtype)]
+        out_specs = [pl.BlockSpec((tr, tc), lambda i, j: (i, j))]
     kernel = functools.partial(
-        _kernel,
-        block=block,
-        rounding=rounding,
-        values=values,
-        dequantize=dequantize,
-        rows=rows,
-        cols=cols,
+        _kernel, block=block, rounding=rounding, output=output, rows=rows, cols=cols
     )
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[whole, whole, pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+        in_specs=[
+            whole,
+            whole,
+            pl.BlockSpec((2 * _E4M3_CODES,), lambda i, j: (0,)),
+            pl.BlockSpec((tr, tc), lambda i, j: (i, j)),
+        ],
         out_specs=out_specs,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages
+        ),
         name="nvfp4_quantize_2d",
-    )(params, seeds, x)
-    return outs[0], outs[1], s_dec, outs[2] if values else None
+    )(params, seeds, inverses, x)
+    return outs[0], outs[1] if output == "codes" else None, s_dec

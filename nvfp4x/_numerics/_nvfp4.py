@@ -69,9 +69,16 @@ def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
 # eager (un-jitted) call compiles a cond again for every new branch function (~0.1 s).
 
 
-def _amax_of_bits(x: Float[Array, "..."], m: Float[Array, ""]) -> Float[Array, ""]:
+def amax_of_bits(x: Float[Array, "..."]) -> Float[Array, ""]:
+    """`max(|x|)` ignoring NaN, as an int32 max over the bits of `|x|`: exact for
+    subnormals on any device (the GPU kernels' tensor amax; `tensor_amax`'s second
+    pass where the float max is below 2^-126)."""
     b = abs_bits(x)
     return from_bits(jnp.max(jnp.where(b > INF_BITS, 0, b), initial=0))
+
+
+def _amax_of_bits(x: Float[Array, "..."], m: Float[Array, ""]) -> Float[Array, ""]:
+    return amax_of_bits(x)
 
 
 def _second(x, m):
