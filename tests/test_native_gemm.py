@@ -11,6 +11,7 @@ long. Which implementation runs is `nvfp4x._kernels`'s choice per backend and CU
 compute capability, tested here with the capability mocked.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -231,3 +232,17 @@ def test_split_blocks_writes_the_quantised_values_exactly(name):
     if name == "nvfp4":  # a block no NVFP4 block holds (1.001 x 7 and 1.001 x 1)
         odd = jnp.asarray([[7.007, 1.001] + [0.0] * (block - 2)], jnp.float32)
         assert np.isnan(np.asarray(split_blocks(odd, native)[1], np.float32)).all()
+
+
+def test_frozen_fp8_layer_runs_the_native_gemm_as_the_unfrozen_one():
+    """Frozen == unfrozen bit for bit with the native FP8 GEMM picked (32 tokens: not
+    the CPU's few-token path)."""
+    layer = nvfp4x.quantize(eqx.nn.Linear(48, 24, key=jax.random.key(0)), FP8)
+    frozen = nvfp4x.freeze(layer)
+    x = normal(9, (32, 48))
+    with _kernels.use("fp8_gemm", "native"), _kernels.use("gemm_operands", "bfloat16"):
+        text = jax.jit(jax.vmap(frozen)).lower(x).as_text()
+        got = jax.jit(jax.vmap(frozen))(x)
+        want = jax.jit(jax.vmap(layer))(x)
+    assert any("dot_general" in ln and "f8E4M3" in ln for ln in text.splitlines())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
