@@ -30,6 +30,13 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   the XLA quantisers instead of the default, the Pallas kernel on a GPU), ratios against
   mixed bf16.
 - `compile`: the compile times of those steps (lowering + XLA), NVFP4 against float32.
+- `native`: the native low-precision GEMMs (`nvfp4x._kernels`: `fp8_gemm`,
+  `block_scaled_gemm`): the `train` section's model stepped with the `fp8` recipe, its
+  GEMMs native (FP8 operands: cuBLASLt FP8 GEMMs) and emulated (bfloat16 operands),
+  against mixed bf16; the 8192^3 GEMM forward: `jax.nn.scaled_dot_general` nvfp4 next
+  to `nvfp4x.qdot` nvfp4 (block-scaled GEMM emulated, and through
+  `jax.nn.scaled_matmul`: cuDNN on Blackwell, decomposed by XLA elsewhere; on a CPU
+  `jax.lax.scaled_dot`) and `qdot` fp8 (native and emulated).
 - `frozen`: a frozen model of 16 layers 8192x8192 (1.07 B weights), W4A16
   (`nvfp4_weight_only`) and W4A4 (`nvfp4_inference`), forward at 1, 16 and 4096 tokens
   against bfloat16 and float32, with the weight bytes and the GB/s they are read at.
@@ -74,7 +81,16 @@ except ImportError:  # run as a script from inside benchmarks/
     from bench_inference import to_bf16, weight_bytes
     from bench_training import Stack
 
-SECTIONS = ("bandwidth", "quantize", "kernel_sweep", "gemm", "train", "compile", "frozen")
+SECTIONS = (
+    "bandwidth",
+    "quantize",
+    "kernel_sweep",
+    "gemm",
+    "train",
+    "compile",
+    "frozen",
+    "native",
+)
 #: Arguments `benchmarks/run_all.py --quick` would pass (it skips without a GPU).
 QUICK_ARGV = ["--quick"]
 
@@ -147,22 +163,27 @@ def ms(t: float) -> str:
     return f"{t * 1e3:.3f} ms"
 
 
-def traced_with(impl: str, fn: Callable) -> Callable:
-    """`fn` with NVFP4 quantiser `impl` (`"xla"` or `"pallas"`) picked while it is traced."""
+def traced_with(fn: Callable, **picks: str) -> Callable:
+    """`fn` with the implementations `picks` (`op=implementation`, see
+    `nvfp4x._kernels`) picked while it is traced."""
 
     def wrapped(*args, **kwargs):
-        with _kernels.use("nvfp4_quantize", impl):
+        with contextlib.ExitStack() as stack:
+            for op, implementation in picks.items():
+                stack.enter_context(_kernels.use(op, implementation))
             return fn(*args, **kwargs)
 
     return wrapped
 
 
 def pallas_traced(fn: Callable) -> Callable:
-    return traced_with("pallas", fn)
+    """`fn` with the Pallas quantiser picked while it is traced."""
+    return traced_with(fn, nvfp4_quantize="pallas")
 
 
 def xla_traced(fn: Callable) -> Callable:
-    return traced_with("xla", fn)
+    """`fn` with the XLA (reference) quantiser picked while it is traced."""
+    return traced_with(fn, nvfp4_quantize="xla")
 
 
 # ---------------------------------------------------------------------------- sections
@@ -404,7 +425,9 @@ def gemm(s: Sizes, table: Table, state: dict) -> None:
 class Step:
     """A model's jitted adam step, compiled ahead (the compile time kept), then timed."""
 
-    def __init__(self, model, x, y, *, cast: bool = False, impl: str | None = None):
+    def __init__(
+        self, model, x, y, *, cast: bool = False, impl: str | None = None, picks: dict | None = None
+    ):
         arrays, static = eqx.partition(model, eqx.is_array)
         arrays = jax.tree_util.tree_map(jnp.copy, arrays)  # donated: not shared with others
         optimizer = optax.adam(1e-4)
@@ -423,7 +446,8 @@ class Step:
         self.state = (arrays, optimizer.init(arrays))
         self.x, self.y = x, y
         t0 = time.perf_counter()
-        fn = jax.jit(traced_with(impl, step) if impl else step, donate_argnums=(0, 1))
+        picks = ({"nvfp4_quantize": impl} if impl else {}) | (picks or {})
+        fn = jax.jit(traced_with(step, **picks), donate_argnums=(0, 1))
         lowered = fn.lower(*self.state, x, y)
         self.compiled = lowered.compile()
         self.compile_s = time.perf_counter() - t0
@@ -527,6 +551,71 @@ def frozen(s: Sizes, table: Table, state: dict) -> None:
             table.add("frozen", f"{k} forward, {tokens} tokens, {what}", ms(secs), note)
 
 
+def native(s: Sizes, table: Table, state: dict) -> None:
+    """The native low-precision GEMMs against their emulation and against bf16."""
+    kx, ky, km = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (s.tokens, s.d), jnp.float32)
+    y = jax.random.normal(ky, (s.tokens, s.d), jnp.float32)
+    model = Stack(s.d, s.hidden, s.blocks, km)
+    fp8_model = nvfp4x.quantize(model, nvfp4x.recipes.fp8())
+    cc = _kernels.capability()
+    table.add(
+        "native",
+        "device picks",
+        f"capability {cc}",
+        ", ".join(f"{op}: {_kernels.pick(op)}" for op in _kernels.IMPLEMENTATIONS),
+    )
+    variants = {
+        "mixed bf16": lambda: Step(model, x, y, cast=True),
+        "fp8 recipe, native FP8 GEMMs": lambda: Step(fp8_model, x, y, picks={"fp8_gemm": "native"}),
+        "fp8 recipe, emulated GEMMs": lambda: Step(fp8_model, x, y, picks={"fp8_gemm": "xla"}),
+    }
+    steps: dict[str, Step] = {}
+    for name, make in variants.items():
+        try:
+            steps[name] = make()
+        except Exception as e:  # noqa: BLE001
+            table.add("native", name, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
+    t = interleaved(dict(steps), s.repeats, table, "native")
+    base, emulated = t.get("mixed bf16"), t.get("fp8 recipe, emulated GEMMs")
+    shape = f"{s.blocks} blocks d={s.d} hidden={s.hidden}, {s.tokens} tokens, adam"
+    for name, secs in t.items():
+        note = f"{secs / base:.2f}x mixed bf16" if base else ""
+        if emulated and name != "mixed bf16":
+            note += f", {secs / emulated:.2f}x emulated"
+        table.add("native", f"{name} step ({shape})", ms(secs), note)
+
+    m = s.gemm
+    kx, kw = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(kx, (m, m), jnp.bfloat16)
+    b = jax.random.normal(kw, (m, m), jnp.bfloat16)
+    nvfp4 = nvfp4x.recipes.nvfp4_training()
+    configs = [jax.nn.get_scaled_dot_general_config("nvfp4")] * 3
+    scaled = "scaled_matmul" if jax.default_backend() == "gpu" else "lax_scaled_dot"
+
+    def qdot(recipe, **picks):
+        return jax.jit(traced_with(lambda a, b: nvfp4x.qdot(a, b, recipe=recipe), **picks))
+
+    fns = {
+        "bf16 dot": jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32)),
+        "jax.nn.scaled_dot_general nvfp4": jax.jit(
+            lambda a, b: jax.nn.scaled_dot_general(a, b, (((1,), (1,)), ((), ())), configs=configs)
+        ),
+        "nvfp4x qdot nvfp4, emulated GEMM": qdot(nvfp4, block_scaled_gemm="xla"),
+        f"nvfp4x qdot nvfp4, {scaled}": qdot(nvfp4, block_scaled_gemm=scaled),
+        "nvfp4x qdot fp8, native FP8 GEMM": qdot(nvfp4x.recipes.fp8(), fp8_gemm="native"),
+        "nvfp4x qdot fp8, emulated GEMM": qdot(nvfp4x.recipes.fp8(), fp8_gemm="xla"),
+    }
+    t = interleaved(
+        {k: functools.partial(f, a, b) for k, f in fns.items()}, s.repeats, table, "native"
+    )
+    base = t.get("bf16 dot")
+    for k, secs in t.items():
+        note = f"{2 * m**3 / secs / 1e12:.0f} TFLOP/s"
+        note += f", {secs / base:.2f}x bf16" if base else ""
+        table.add("native", f"{k} forward, {m}^3 bf16 inputs", ms(secs), note)
+
+
 RUN = {
     "bandwidth": bandwidth,
     "quantize": quantize,
@@ -535,6 +624,7 @@ RUN = {
     "train": train,
     "compile": compile_times,
     "frozen": frozen,
+    "native": native,
 }
 
 

@@ -16,7 +16,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
-from ._formats import gemm_dtype, quantize_operand, scaled_dot
+from ._formats import gemm_dtype, quantize_operand
 from ._formats._dot import (
     CHUNK,
     Pairs,
@@ -25,7 +25,7 @@ from ._formats._dot import (
     chunked_dot,
     runs_chunked,
 )
-from ._gemm import batched_problem, fprop
+from ._gemm import batched_problem, fprop, quantised_dot
 from ._linear import apply_linear, product_seen_by_interpreter
 from ._numerics._constants import TILE
 from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
@@ -279,7 +279,8 @@ def _frozen_fprop(x, *leaves, wdef, recipe, dtype):
         return apply_scales(out, xs, w.tensor_scale)
     w = jax.tree_util.tree_map(tie, w)
     wv, ws = weight_operand(w, recipe)
-    return scaled_dot(xv, xs, wv, ws, dims, dtype=dtype)
+    # (as the unfrozen fprop: the native GEMM `_kernels` picks for the two formats)
+    return quantised_dot(xv, xs, recipe.input, wv, ws, recipe.weight, dims, dtype=dtype)
 
 
 def nvfp4_pairs(w: NVFP4Array, steps: int) -> Pairs:

@@ -44,8 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt32
 
+from . import _kernels
 from ._checks import check_bool, check_float, check_str
-from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
+from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
+from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32, TILE
 from ._numerics._hadamard import rht
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
@@ -110,12 +112,37 @@ def quantize_weight(w: Array, *, recipe: Recipe, axis: int, dtype) -> tuple[Arra
     return wv, jnp.float32(1.0) if ws is None else ws
 
 
+def quantised_dot(
+    a: Array,
+    a_scale: ArrayLike | None,
+    a_format: Format | None,
+    b: Array,
+    b_scale: ArrayLike | None,
+    b_format: Format | None,
+    dims: tuple[tuple[int, ...], tuple[int, ...]],
+    *,
+    dtype,
+) -> Float[Array, "..."]:
+    """`scaled_dot` of two quantised operands (values `a`, `b` in the formats
+    `a_format`, `b_format`; None: unquantised): by the native low-precision GEMM that
+    `nvfp4x._kernels` picks for the two formats when the GEMM is a fast one (`dtype`
+    given), else emulated on `dtype` operands. The same products, only the float32
+    accumulation differs."""
+    if dtype is not None:
+        native = lambda fmt: None if fmt is None else fmt.spec.native
+        out = _kernels.native_gemm(a, native(a_format), b, native(b_format), dims)
+        if out is not None:
+            return apply_scales(out, a_scale, b_scale)
+    return scaled_dot(a, a_scale, b, b_scale, dims, dtype=dtype)
+
+
 def fprop(
     x: Array, wv: Array, ws: Float[ArrayLike, ""], *, recipe: Recipe, dtype
 ) -> Float[Array, "..."]:
     """fprop: `Q(x) @ Q(W).T`, x quantised along k; `(wv, ws)` the quantised weight."""
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
-    return scaled_dot(xv, xs, wv, ws, ((x.ndim - 1,), (1,)), dtype=dtype)
+    dims = ((x.ndim - 1,), (1,))
+    return quantised_dot(xv, xs, recipe.input, wv, ws, recipe.weight, dims, dtype=dtype)
 
 
 def tangent_x(
@@ -139,7 +166,8 @@ def dgrad(
     `(wv, ws)` the weight quantised along n (`quantize_weight(w, recipe, axis=0)`)."""
     key = grad_key(seed, 1) if needs_key(recipe) else None
     gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
-    return scaled_dot(gv, gs, wv, ws, ((dy.ndim - 1,), (0,)), dtype=dtype)
+    dims = ((dy.ndim - 1,), (0,))
+    return quantised_dot(gv, gs, recipe.grad, wv, ws, recipe.weight, dims, dtype=dtype)
 
 
 def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
@@ -158,7 +186,7 @@ def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, dtype) -> Float[A
     key = grad_key(seed, 2) if needs_key(recipe) else None
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)
-    return scaled_dot(gv, gs, xv, xs, ((0,), (0,)), dtype=dtype)
+    return quantised_dot(gv, gs, recipe.grad, xv, xs, recipe.input, ((0,), (0,)), dtype=dtype)
 
 
 # --- primitives ---

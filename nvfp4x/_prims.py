@@ -35,6 +35,8 @@ from jax.core import ShapedArray, Tracer, eval_jaxpr
 from jax.extend.core import Jaxpr, Literal, Primitive, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
+from . import _kernels
+
 __all__ = [
     "Jaxpr",
     "Literal",
@@ -120,14 +122,15 @@ def vmapped(fn: Callable, nbatch: int) -> Callable:
 
 def compiled(fn: Callable, nbatch: int, **static: Any) -> Callable:
     """`fn` with `static` bound, vmapped over `nbatch` leading axes, jitted (cached per
-    function, `nbatch` and parameters): a primitive's impl or a transpose rule runs it
-    once per call, so an eager `jax.grad` is one dispatch per GEMM rather than one per
-    operation (under an outer `jit` it is inlined)."""
-    return _compiled(fn, nbatch, tuple(sorted(static.items())))
+    function, `nbatch`, parameters and the implementations `nvfp4x._kernels` picks now,
+    which `fn` may ask when it is traced): a primitive's impl or a transpose rule runs
+    it once per call, so an eager `jax.grad` is one dispatch per GEMM rather than one
+    per operation (under an outer `jit` it is inlined)."""
+    return _compiled(fn, nbatch, tuple(sorted(static.items())), _kernels.picks())
 
 
 @functools.cache
-def _compiled(fn: Callable, nbatch: int, static: tuple) -> Callable:
+def _compiled(fn: Callable, nbatch: int, static: tuple, picks: tuple) -> Callable:
     return jax.jit(vmapped(functools.partial(fn, **dict(static)), nbatch))
 
 

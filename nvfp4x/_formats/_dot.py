@@ -1,14 +1,15 @@
 """The GEMM of two quantised operands (`scaled_dot`) and its operand dtype."""
 
-import functools
 import math
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float
+
+from .. import _kernels
+from .._kernels import GEMM_DTYPE_ENV as GEMM_DTYPE_ENV
 
 
 def widest_float(*dtypes) -> jnp.dtype:
@@ -18,55 +19,32 @@ def widest_float(*dtypes) -> jnp.dtype:
 
 # --- the GEMM operand dtype: decided here, once per traced GEMM ---
 #
-# A layer's `fast` flag asks for the fast path or the float32 reference; `gemm_dtype`
-# turns it into the operand dtype, once, when the GEMM is traced (`qdot` and the frozen
-# layer's GEMM call it and pass the result to their primitives as the static parameter
-# `dtype`); every function below the primitive receives that dtype and decides nothing.
-# Quantised values are exact in bfloat16 and float32, so the choice changes only speed
-# and float32 summation order.
-
-GEMM_DTYPE_ENV = "NVFP4X_GEMM_DTYPE"
-
-
-@functools.cache
-def _cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX,
-    Arm BF16). Without them XLA:CPU converts bfloat16 operands in software, which is
-    slower than multiplying in float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            words = set(f.read().split())
-    except OSError:
-        return False
-    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+# A layer's `fast` flag allows the fast path (`True`) or asks for the float32 reference;
+# `gemm_dtype` turns it into the operand dtype, once, when the GEMM is traced (`qdot`
+# and the frozen layer's GEMM call it and pass the result to their primitives as the
+# static parameter `dtype`); the functions below the primitive receive that dtype.
+# Which dtype the fast path uses is `nvfp4x._kernels`'s choice (`"gemm_operands"`), as
+# is whether a GEMM of two low-precision operands runs natively (`native_gemm`, asked
+# by `_gemm`'s GEMMs when a fast one is traced). Quantised values are exact in
+# bfloat16 and float32, so the choice changes only speed and float32 summation order.
 
 
 def fast_gemm_dtype() -> jnp.dtype:
     """The operand dtype of `fast=True` GEMMs: bfloat16 where the device multiplies it
-    natively (GPUs, TPUs, CPUs with bf16 instructions), float32 on other CPUs.
+    natively (GPUs, TPUs, CPUs with bf16 instructions), float32 on other CPUs: the pick
+    of `nvfp4x._kernels` for `"gemm_operands"`.
 
     Override with the environment variable `NVFP4X_GEMM_DTYPE` (`auto`, `bfloat16` or
-    `float32`), read when a GEMM is traced (by `gemm_dtype`).
+    `float32`), read when a GEMM is traced (by `gemm_dtype`), or with
+    `nvfp4x._kernels.use("gemm_operands", ...)`.
     """
-    choice = os.environ.get(GEMM_DTYPE_ENV, "auto")
-    if choice == "bfloat16":
-        return jnp.dtype(jnp.bfloat16)
-    if choice == "float32":
-        return jnp.dtype(jnp.float32)
-    if choice != "auto":
-        raise ValueError(
-            f"{GEMM_DTYPE_ENV}={choice!r} is not a GEMM operand dtype; use 'auto' (the "
-            "default), 'bfloat16' or 'float32'."
-        )
-    if jax.default_backend() != "cpu" or _cpu_multiplies_bf16():
-        return jnp.dtype(jnp.bfloat16)
-    return jnp.dtype(jnp.float32)
+    return jnp.dtype(_kernels.pick("gemm_operands"))
 
 
 def gemm_dtype(fast: bool) -> jnp.dtype | None:
     """The operand dtype of a GEMM whose layer has this `fast` flag: `fast_gemm_dtype()`
     for `fast=True`, `None` (the float32 reference: operands promoted to float32 or
-    wider) for `fast=False`. The one place the choice is made."""
+    wider, and no native GEMM) for `fast=False`. The one place the flag is read."""
     return fast_gemm_dtype() if fast else None
 
 
@@ -75,7 +53,7 @@ def batched_gemm_dtype(dtype: jnp.dtype | None) -> jnp.dtype | None:
     has batch dimensions): XLA:CPU multiplies bfloat16 with batch dimensions only in
     some layouts (elsewhere: "Unsupported element type for DotThunk: BF16 x BF16 =
     F32"), so on a CPU such GEMMs take float32 operands (exact for quantised values)."""
-    if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if dtype == jnp.bfloat16 and _kernels.backend() == "cpu":
         return jnp.dtype(jnp.float32)
     return dtype
 
@@ -157,7 +135,7 @@ def runs_chunked(a: Array, b: Array | jax.ShapeDtypeStruct, dims, dtype: jnp.dty
     return (
         dtype is not None
         and narrow
-        and jax.default_backend() == "cpu"
+        and _kernels.backend() == "cpu"
         and len(b.shape) == 2
         and a.ndim >= 1
         and tuple(map(tuple, dims)) == ((a.ndim - 1,), (1,))

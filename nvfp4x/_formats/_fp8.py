@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Shaped, UInt8
 
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_fp8_kind
+from .._kernels import _native
 from .._numerics._fp8 import quantize_fp8
 from .._numerics._ieee import mul_exact
 from .._numerics._nvfp4 import tensor_amax
@@ -129,6 +130,7 @@ class FP8Spec(FormatSpec):
         self.kind = kind
         self.name = f"fp8_{kind}"
         self.description = f"FP8 {kind.upper()} with one current (amax) scale per tensor"
+        self.native = _native.FP8_E4M3 if kind == "e4m3" else _native.FP8_E5M2
 
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Shaped, UInt8
 
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_ndim
+from .._kernels import _native
 from .._numerics._constants import MX_BLOCK
 from .._numerics._fp8 import mx_pad, quantize_mxfp8
 from .._numerics._ieee import mul_exact
@@ -140,6 +141,7 @@ class MXFP8Spec(FormatSpec):
     description = "FP8 E4M3 elements, E8M0 power-of-two scale per 32 elements"
     bits_per_element = 8 + 8 / MX_BLOCK
     blocks = ((1, MX_BLOCK),)
+    native = _native.MXFP8
 
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None

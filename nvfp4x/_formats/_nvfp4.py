@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float
 
 from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
+from .._kernels import _native
 from .._numerics._constants import BLOCK, E2M1_MAX, NVFP4_RANGE, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import (
     SCALE_ROUNDINGS,
@@ -45,6 +46,7 @@ class NVFP4Spec(FormatSpec):
     roundings = ("nearest", "stochastic")
     scale_roundings = SCALE_ROUNDINGS
     shared_tensor_scale = True
+    native = _native.NVFP4
 
     def label(self, fmt: Format) -> str:
         block, rounding, scale_rounding = _layout(fmt)

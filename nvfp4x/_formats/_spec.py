@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from .._kernels._native import NativeOperand
 from .._numerics._nvfp4 import SCALE_ROUNDINGS
 
 FORMATS: dict[str, str] = {}  # filled by `register`
@@ -52,6 +53,9 @@ class FormatSpec:
     #: Whether `pack` takes a given tensor amax, so that a group of weights shares one
     #: tensor scale (the policy's `tensor_scale_groups`).
     shared_tensor_scale: ClassVar[bool] = False
+    #: How its operands run in a native low-precision GEMM (`_kernels.native_gemm`):
+    #: element dtype, block-scale dtype and block; None: no native GEMM.
+    native: NativeOperand | None = None
 
     def label(self, fmt: "Format") -> str:
         """How `str(fmt)` shows a format of this name."""

@@ -30,10 +30,36 @@ for the sign of `-0.0`, see `_pallas_nvfp4`). Other backends use the reference (
 CPU's XLA path is the faster there). The kernel's tile shapes and Triton parameters
 are one table, `_pallas_nvfp4.TILINGS` (a GPU benchmark sweeps them). The tensor scale
 comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on every backend.
+
+The GEMMs (`_native`; each caller falls back to the emulated GEMM, `scaled_dot` on
+bfloat16 or float32 operands, wherever `None` comes back):
+
+- `"gemm_operands"`: the operand dtype of the emulated GEMMs of a layer that allows
+  the fast path (`fast=True`): `"float32"` (the reference) or `"bfloat16"` (quantised
+  values are exact in both; only float32 summation order differs). Default `"bfloat16"`
+  where the device multiplies it natively (GPUs, TPUs, CPUs with bf16 instructions),
+  else `"float32"`; the environment variable `NVFP4X_GEMM_DTYPE` (`auto`, `bfloat16`,
+  `float32`) overrides the default, `use` overrides both.
+- `"fp8_gemm"`: a GEMM of two per-tensor-scaled FP8 operands (the `fp8` recipe's
+  fprop, dgrad, wgrad): `"xla"` (emulated) or `"native"` (`lax.dot_general` of the
+  `float8_e4m3fn`/`float8_e5m2` operands, accumulated in float32, which XLA:GPU runs
+  as a cuBLASLt FP8 GEMM). Default `"native"` on CUDA devices of compute capability
+  8.9 or more (Ada, Hopper, Blackwell).
+- `"block_scaled_gemm"`: a GEMM of two NVFP4 or two MXFP8 operands: `"xla"`
+  (emulated), `"scaled_matmul"` (`jax.nn.scaled_matmul`: cuDNN's block-scaled GEMM on
+  Blackwell; CUDA and ROCm only) or `"lax_scaled_dot"` (`jax.lax.scaled_dot`, which
+  XLA decomposes where it has no native form: the same operands, on any backend, for
+  the tests). Default `"scaled_matmul"` on CUDA devices of compute capability 10.x and
+  12.x (Blackwell). Never run on a Blackwell GPU: the defaults there are untested.
+
+A layer with `fast=False` runs the float32 reference whatever is picked here.
 """
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import os
+import re
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -42,9 +68,15 @@ from jaxtyping import Array
 
 from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
+from ._native import NativeOperand, block_scaled_dot, fp8_dot
 
 #: The implementations of each operation, the reference (`"xla"`) first.
-IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}
+IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
+    "nvfp4_quantize": ("xla", "pallas"),
+    "gemm_operands": ("float32", "bfloat16"),
+    "fp8_gemm": ("xla", "native"),
+    "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
+}
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {("nvfp4_quantize", "gpu"): "pallas"}
 #: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
@@ -53,7 +85,77 @@ KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
 #: The input dtypes the Pallas NVFP4 kernel takes.
 PALLAS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
+#: Defaults that depend on the device, asked after `DEFAULTS`: `(op, backend) -> a
+#: function of the CUDA compute capability (`capability()`) giving the implementation.
+DEVICE_DEFAULTS: dict[tuple[str, str], Callable[[str | None], str]] = {
+    ("gemm_operands", "gpu"): lambda cc: "bfloat16",
+    ("gemm_operands", "tpu"): lambda cc: "bfloat16",
+    ("gemm_operands", "cpu"): lambda cc: "bfloat16" if _cpu_multiplies_bf16() else "float32",
+    ("fp8_gemm", "gpu"): lambda cc: "native" if _at_least(cc, (8, 9)) else "xla",
+    ("block_scaled_gemm", "gpu"): lambda cc: "scaled_matmul" if _major(cc) in (10, 12) else "xla",
+}
+#: The environment variable that overrides the default of `"gemm_operands"`.
+GEMM_DTYPE_ENV = "NVFP4X_GEMM_DTYPE"
+
 _overrides: dict[str, str] = {}
+
+
+def capability() -> str | None:
+    """The CUDA compute capability of the default device, as a string such as `"9.0"`
+    (an H100/H200) or `"10.0"` (a B200); `None` on other devices (CPUs, TPUs, ROCm).
+    (Tests mock this function to test the choices for GPUs they do not have.)"""
+    return _device_capability()
+
+
+@functools.cache
+def _device_capability() -> str | None:
+    device = jax.devices()[0]
+    cc = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not isinstance(cc, str):
+        return None
+    return cc if re.fullmatch(r"\d+\.\d+", cc) else None
+
+
+def _version(cc: str | None) -> tuple[int, int] | None:
+    return None if cc is None else (int(cc.split(".")[0]), int(cc.split(".")[1]))
+
+
+def _at_least(cc: str | None, least: tuple[int, int]) -> bool:
+    version = _version(cc)
+    return version is not None and version >= least
+
+
+def _major(cc: str | None) -> int | None:
+    version = _version(cc)
+    return None if version is None else version[0]
+
+
+@functools.cache
+def _cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX,
+    Arm BF16). Without them XLA:CPU converts bfloat16 operands in software, which is
+    slower than multiplying in float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:
+        return False
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _from_environment(op: str) -> str | None:
+    """`NVFP4X_GEMM_DTYPE`'s choice for `"gemm_operands"` (None: `auto` or unset)."""
+    if op != "gemm_operands":
+        return None
+    choice = os.environ.get(GEMM_DTYPE_ENV, "auto")
+    if choice == "auto":
+        return None
+    if choice not in IMPLEMENTATIONS[op]:
+        raise ValueError(
+            f"{GEMM_DTYPE_ENV}={choice!r} is not a GEMM operand dtype; use 'auto' (the "
+            "default), 'bfloat16' or 'float32'."
+        )
+    return choice
 
 
 def backend() -> str:
@@ -64,14 +166,29 @@ def backend() -> str:
 
 def pick(op: str, on: str | None = None) -> str:
     """The implementation of `op` for backend `on` (default: `backend()`): an override
-    from `use`, else `DEFAULTS`, else the reference `"xla"`."""
+    from `use`, else (`"gemm_operands"`) the environment's, else `DEFAULTS`, else
+    `DEVICE_DEFAULTS` (asked with `capability()`), else the reference (the first of
+    `IMPLEMENTATIONS[op]`)."""
     if op not in IMPLEMENTATIONS:
         raise ValueError(
             f"`{op}` is not an operation with implementations: {list(IMPLEMENTATIONS)}."
         )
     if op in _overrides:
         return _overrides[op]
-    return DEFAULTS.get((op, on or backend()), "xla")
+    if (chosen := _from_environment(op)) is not None:
+        return chosen
+    on = on or backend()
+    if (op, on) in DEFAULTS:
+        return DEFAULTS[(op, on)]
+    if (op, on) in DEVICE_DEFAULTS:
+        return DEVICE_DEFAULTS[(op, on)](capability())
+    return IMPLEMENTATIONS[op][0]
+
+
+def picks() -> tuple[tuple[str, str], ...]:
+    """Every operation's pick now, `((op, implementation), ...)`: a cache key for code
+    that asks `pick` when it is traced (`_prims.compiled`)."""
+    return tuple((op, pick(op)) for op in IMPLEMENTATIONS)
 
 
 @contextlib.contextmanager
@@ -171,3 +288,35 @@ def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int
     assert values is not None  # `kernel("values")` returns them
     values = values[tuple(slice(0, n) for n in moved.shape)]
     return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec
+
+
+def native_gemm(
+    a: Array,
+    a_native: NativeOperand | None,
+    b: Array,
+    b_native: NativeOperand | None,
+    dims: tuple[tuple[int, ...], tuple[int, ...]],
+) -> Array | None:
+    """`dot_general(a, b, dims)` in float32 by the picked native low-precision GEMM
+    (`_native`), or `None` where the emulated GEMM runs: the pick is `"xla"`, or the
+    operands are not a pair it takes. `a` and `b` are quantised operands' exact values
+    (without tensor scales), `a_native`/`b_native` their formats' `FormatSpec.native`
+    (None: no native GEMM). Two per-tensor FP8 operands, at least one of them E4M3
+    (cuBLASLt has no E5M2 x E5M2 GEMM), run by `"fp8_gemm"`; two NVFP4 or two MXFP8
+    operands (the same block format) by `"block_scaled_gemm"`. One contraction axis."""
+    if a_native is None or b_native is None or len(dims[0]) != 1:
+        return None
+    if a_native.block == b_native.block == 0:
+        e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+        if e4m3 not in (a_native.element, b_native.element) or pick("fp8_gemm") == "xla":
+            return None
+        return fp8_dot(a, a_native, b, b_native, dims)
+    if a_native != b_native or (implementation := pick("block_scaled_gemm")) == "xla":
+        return None
+    if implementation == "scaled_matmul" and backend() != "gpu":
+        raise ValueError(
+            f"`block_scaled_gemm` is `scaled_matmul` (`jax.nn.scaled_matmul`), which runs "
+            f"on CUDA and ROCm GPUs only, but this GEMM is traced for `{backend()}`; use "
+            "`nvfp4x._kernels.use('block_scaled_gemm', 'lax_scaled_dot')` there."
+        )
+    return block_scaled_dot(a, b, a_native, dims, implementation=implementation)
