@@ -27,7 +27,7 @@ from ._formats._dot import (
 )
 from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
-from ._numerics._constants import TILE
+from ._numerics._constants import BLOCK, BLOCK_BYTES, TILE, is_tile
 from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._packed import PackedArray
 from ._policy import Recipe
@@ -286,19 +286,20 @@ def nvfp4_pairs(w: NVFP4Array, steps: int) -> Pairs:
     scales = decode_e4m3(w.scale_bits) * jnp.float32(1 / NIBBLE_SCALE)
     if codes.shape[-1] < width:
         codes = jnp.pad(codes, ((0, 0), (0, width - codes.shape[-1])))
-        scales = jnp.pad(scales, ((0, 0), (0, width // 8 - scales.shape[-1])))
-    tile = w.block[0] != 1
+        scales = jnp.pad(scales, ((0, 0), (0, width // BLOCK_BYTES - scales.shape[-1])))
+    tile = is_tile(w.block)
 
     def pairs(i):
         c = lax.dynamic_slice_in_dim(codes, i * CHUNK, CHUNK, axis=1)[:n]
-        s = lax.dynamic_slice_in_dim(scales, i * (CHUNK // 8), CHUNK // 8, axis=1)
+        per_chunk = CHUNK // BLOCK_BYTES  # block scales per chunk of codes
+        s = lax.dynamic_slice_in_dim(scales, i * per_chunk, per_chunk, axis=1)
         if tile:  # one scale per 16 rows
-            s = jnp.broadcast_to(s[:, None], (s.shape[0], 16, s.shape[1]))
+            s = jnp.broadcast_to(s[:, None], (s.shape[0], BLOCK, s.shape[1]))
             s = s.reshape(-1, s.shape[-1])[:n]
-        s = jnp.broadcast_to(s[..., None], (n, CHUNK // 8, 8)).reshape(n, CHUNK)
+        s = jnp.broadcast_to(s[..., None], (n, per_chunk, BLOCK_BYTES)).reshape(n, CHUNK)
         lo, hi = nibble_values(c)
         even, odd = lo * s, hi * s
-        if k % 16:  # a padded block's scale (NaN for a NaN block) must not reach past k
+        if k % BLOCK:  # a padded block's scale (NaN for a NaN block) must not reach past k
             j = 2 * (i * CHUNK + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1))
             even = jnp.where(j < k, even, 0.0)
             odd = jnp.where(j + 1 < k, odd, 0.0)

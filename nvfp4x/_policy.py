@@ -7,7 +7,7 @@ from typing import Any
 
 from ._checks import check_bool, check_str
 from ._formats import Format
-from ._numerics._constants import ROW_BLOCK, TILE
+from ._numerics._constants import NVFP4_BLOCKS, ROW_BLOCK, TILE, is_tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Recipe:
                 )
         for field in ("input", "grad"):
             fmt = getattr(self, field)
-            if fmt is not None and fmt.block == TILE:
+            if fmt is not None and is_tile(fmt.block):
                 raise ValueError(
                     f"`Recipe.{field}` cannot use 16x16 blocks: they are for weights. Use "
                     "`block=(1, 16)`."
@@ -109,10 +109,9 @@ def _nvfp4(block=ROW_BLOCK, rounding="nearest", scale_rounding="nearest") -> For
 def _weight_block(weight_block: Any) -> tuple[int, int]:
     """`weight_block` as a tuple, or a `ValueError` naming it (not `block`, which the
     caller did not write)."""
-    allowed = (ROW_BLOCK, TILE)
     ok = isinstance(weight_block, tuple | list) and len(weight_block) == 2
     block = tuple(weight_block) if ok else None
-    if block is None or not all(type(b) is int for b in block) or block not in allowed:
+    if block is None or not all(type(b) is int for b in block) or block not in NVFP4_BLOCKS:
         raise ValueError(
             f"`weight_block={weight_block!r}` is not supported; use `(1, 16)` (16 elements "
             "along the input features) or `(16, 16)` (16x16 tiles)."
