@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._numerics._constants import BLOCK, NVFP4_BLOCKS, is_tile
+from ._numerics._fp8 import FP8_KINDS
 from ._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
 from ._prims import is_traced
 
@@ -202,6 +203,7 @@ def check_axis(axis: Any, ndim: int, name: str = "axis") -> int:
 
 def check_fp8_kind(kind: Any) -> str:
     """Return `kind` (`"e4m3"` or `"e5m2"`), or raise `ValueError`."""
-    if not isinstance(kind, str) or kind not in ("e4m3", "e5m2"):
-        raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
+    if not isinstance(kind, str) or kind not in FP8_KINDS:
+        kinds = " or ".join(repr(k) for k in FP8_KINDS)
+        raise ValueError(f"`kind={kind!r}` is unknown; use {kinds}.")
     return kind

@@ -24,6 +24,7 @@ from ._ragged import (
     grouped_wgrad_p,
 )
 from ._sites import is_qweight, path_str
+from ._table import text_table
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
          wgrad_p: "wgrad"}  # fmt: skip
@@ -90,11 +91,7 @@ class CoverageReport:
     def __str__(self) -> str:
         header = ("path", "pass", "shape", "FLOPs", "operand a", "operand b")
         body = [(r.path, r.pass_, r.shape, _si(r.flops), *r.formats) for r in self.rows]
-        table = [header, *body]
-        widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
-                 for row in table]  # fmt: skip
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = [text_table(header, body)]
         total = self.total_flops
         lines.append("")
         lines.append(f"GEMM FLOPs per format (total {_si(total)}FLOP):")

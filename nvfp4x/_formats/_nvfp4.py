@@ -12,6 +12,7 @@ from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
 from .._numerics._constants import BLOCK, E2M1_MAX, NVFP4_BLOCKS, TILE, is_tile
 from .._numerics._nvfp4 import (
+    ROUNDINGS,
     SCALE_ROUNDINGS,
     Block,
     Rounding,
@@ -40,7 +41,7 @@ class NVFP4Spec(FormatSpec):
     description = "FP4 E2M1 elements, E4M3 scale per 16 elements, float32 tensor scale"
     bits_per_element = 4 + 8 / BLOCK
     blocks = NVFP4_BLOCKS
-    roundings = ("nearest", "stochastic")
+    roundings = ROUNDINGS
     scale_roundings = SCALE_ROUNDINGS
     shared_tensor_scale = True
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .._numerics._nvfp4 import SCALE_ROUNDINGS
+from .._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS
 
 FORMATS: dict[str, str] = {}  # filled by `register`
 """The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.
@@ -155,10 +155,8 @@ class Format:
                 f"{spec.blocks}."
             )
         object.__setattr__(self, "block", block)
-        if not isinstance(self.rounding, str) or self.rounding not in ("nearest", "stochastic"):
-            raise ValueError(
-                f"`rounding={self.rounding!r}` is unknown; use 'nearest' or 'stochastic'."
-            )
+        if not isinstance(self.rounding, str) or self.rounding not in ROUNDINGS:
+            raise ValueError(f"`rounding={self.rounding!r}` is unknown; use one of {ROUNDINGS}.")
         if self.rounding not in spec.roundings:
             raise ValueError(
                 f"Stochastic rounding is implemented for {_which('roundings', self.rounding)} "
