@@ -155,10 +155,12 @@ def _refuse_lookup(w: FrozenWeight, primitive) -> None:
     )
 
 
-class FrozenLinear(eqx.Module):
+class FrozenLinear(eqx.nn.Linear):
     """A [`nvfp4x.QuantizedLinear`][] for inference: the weight is held only in its GEMM
     format (an [`nvfp4x.NVFP4Array`][] for NVFP4: codes, block scales, tensor scale) and
     dequantised inside the forward, one layer at a time. Made by [`nvfp4x.freeze`][].
+    Like the unfrozen layer it *is* an `eqx.nn.Linear` (`isinstance(layer,
+    eqx.nn.Linear)` holds), so filters written for Linears keep selecting it.
 
     Its forward equals the unfrozen layer's forward bit for bit (on a GPU, up to float32
     summation order: XLA:GPU picks each program's GEMM algorithm). It cannot be
@@ -182,11 +184,26 @@ class FrozenLinear(eqx.Module):
 
     weight: Any
     bias: Float[Array, "*stack out"] | None
-    in_features: int | Literal["scalar"] = eqx.field(static=True)
-    out_features: int | Literal["scalar"] = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
     recipe: Recipe = eqx.field(static=True)
-    fast: bool = eqx.field(static=True, default=True)
+    fast: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight: Any,
+        bias: Float[Array, "*stack out"] | None,
+        in_features: int | Literal["scalar"],
+        out_features: int | Literal["scalar"],
+        use_bias: bool,
+        recipe: Recipe,
+        fast: bool = True,
+    ):
+        self.weight = weight
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.recipe = recipe
+        self.fast = fast
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
