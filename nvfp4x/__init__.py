@@ -4,6 +4,7 @@ import importlib.metadata
 
 from . import _telemetry as telemetry  # noqa: F401 - the `nvfp4x.telemetry` namespace
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
+from ._caches import clear_caches as clear_caches
 from ._checkpoint import (
     TrainingCheckpointer as TrainingCheckpointer,
     load as load,
