@@ -27,9 +27,10 @@ from ._hf import (
     import_hf as import_hf,
 )
 from ._linear import QuantizedLinear as QuantizedLinear
-from ._numerics._hadamard import hadamard_matrix as hadamard_matrix, rht as rht
+from ._numerics._hadamard import hadamard_matrix as hadamard_matrix
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
 from ._qweight import QWeight as QWeight, quantized as quantized
+from ._rht import rht as rht
 from ._sensitivity import (
     SensitivityReport as SensitivityReport,
     SensitivityRow as SensitivityRow,
