@@ -27,7 +27,7 @@ from ._formats._dot import (
 )
 from ._gemm import batched_problem, fprop
 from ._linear import apply_linear, product_seen_by_interpreter
-from ._numerics._constants import BLOCK, BLOCK_BYTES, TILE, is_tile
+from ._numerics._constants import BLOCK, BLOCK_BYTES, is_tile
 from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._packed import PackedArray
 from ._policy import Recipe
@@ -433,7 +433,8 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
 def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
     """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
     values of each expert's packed weight, the same values as the unfrozen experts'."""
-    if w.transposed or (w.recipe.weight is not None and w.recipe.weight.block not in (None, TILE)):
+    fmt = w.recipe.weight
+    if w.transposed or (fmt is not None and not fmt.spec.layouts_agree(fmt)):
         raise ValueError(
             f"nvfp4x: the frozen experts `{w.path}` are packed in blocks along one axis "
             f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "

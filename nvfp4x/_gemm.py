@@ -46,7 +46,7 @@ from jaxtyping import Array, ArrayLike, Float, UInt32
 
 from ._checks import check_bool, check_float, check_str
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
-from ._numerics._constants import GOLDEN_RATIO_32, TILE
+from ._numerics._constants import GOLDEN_RATIO_32
 from ._numerics._hadamard import rht
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
@@ -93,7 +93,7 @@ def shares_weight(recipe: Recipe) -> bool:
     blocks run along one GEMM's contraction axis (NVFP4 1x16, MXFP8). 16x16 tiles, a
     per-tensor FP8 scale or no quantisation give the same values in both layouts."""
     fmt = recipe.weight
-    return fmt is None or fmt.block in (None, TILE)
+    return fmt is None or fmt.spec.layouts_agree(fmt)
 
 
 # Jitted: called eagerly, it is one dispatch, as the primitives' own computations are.

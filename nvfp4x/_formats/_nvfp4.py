@@ -45,6 +45,10 @@ class NVFP4Spec(FormatSpec):
     scale_roundings = SCALE_ROUNDINGS
     shared_tensor_scale = True
 
+    def layouts_agree(self, fmt: Format) -> bool:
+        """16x16 tiles read the same either way; 1x16 blocks run along one axis."""
+        return is_tile(fmt.block)
+
     def label(self, fmt: Format) -> str:
         block, rounding, scale_rounding = _layout(fmt)
         sr = ", SR" if rounding == "stochastic" else ""

@@ -53,6 +53,12 @@ class FormatSpec:
     #: tensor scale (the policy's `tensor_scale_groups`).
     shared_tensor_scale: ClassVar[bool] = False
 
+    def layouts_agree(self, fmt: "Format") -> bool:
+        """Whether a weight quantised in `fmt` holds the same values in both GEMM layouts
+        (fprop's `(n, k)` and dgrad's `(k, n)`), so that one quantised weight serves both:
+        true for formats without blocks; a blocked format answers for its blocks."""
+        return fmt.block is None
+
     def label(self, fmt: "Format") -> str:
         """How `str(fmt)` shows a format of this name."""
         return self.name
