@@ -23,7 +23,7 @@ from ._ragged import (
     grouped_tx_p,
     grouped_wgrad_p,
 )
-from ._sites import is_qweight, path_str
+from ._sites import is_qweight, layer_path, path_str
 from ._table import text_table
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
@@ -356,17 +356,13 @@ def _expand(arrays):
     for p, x in arrays:
         name = path_str(p[2:])  # past `(args, kwargs)` and the argument
         if isinstance(x, QWeight):
-            yield "!" + (x.path or _layer_of(name))
+            yield "!" + (x.path or layer_path(name))
             if x.probe is not None:
                 yield name + ".probe"
         elif any(isinstance(k, jax.tree_util.GetAttrKey) for k in p[2:]):
-            yield _layer_of(name)
+            yield layer_path(name)
         else:
             yield None
-
-
-def _layer_of(name: str) -> str:
-    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def _si(flops: int | float) -> str:

@@ -48,6 +48,18 @@ _NOT_LINEAR = (
 )
 
 
+def weight_path(layer: str) -> str:
+    """The path of the `weight` of the layer at path `layer`: `blocks[0].fc.weight`
+    (`weight` for a layer at the root)."""
+    return f"{layer}.weight" if layer else "weight"
+
+
+def layer_path(weight: str) -> str:
+    """The path of the layer holding the weight at path `weight` (the inverse of
+    `weight_path`); a path that does not end in `weight` is returned as it is."""
+    return "" if weight == "weight" else weight.removesuffix(".weight")
+
+
 def path_str(path: tuple) -> str:
     """`blocks[3].mlp.fc1`: attributes joined by dots, indices and dict keys in brackets."""
     out = ""

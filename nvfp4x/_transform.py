@@ -21,6 +21,7 @@ from ._sites import (
     layers as site_layers,
     path_str,
     qweights,
+    weight_path,
 )
 
 _Choice = tuple[int | None, Recipe | None]
@@ -35,7 +36,7 @@ def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], _Choice], Policy
         def lookup(path: str, layer: Any) -> _Choice:
             index, recipe = policy.lookup(path)
             if index is None:
-                index, recipe = policy.lookup(f"{path}.weight" if path else "weight")
+                index, recipe = policy.lookup(weight_path(path))
             return index, recipe
 
         return lookup, policy
