@@ -26,26 +26,24 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import nvfp4x
 
+if __package__ is None or __package__ == "":  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks import multihost  # noqa: E402
+from benchmarks.collectives import collective_bytes, collectives  # noqa: E402
+
 D, H = 128, 256
 QUICK_ARGV: list[str] = []  # already quick (compilation only): `run_all --quick` runs it as is
 LAYOUTS = ("dp", "fsdp_rows", "fsdp_cols", "tp")
-COLLECTIVE = re.compile(
-    r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
-)
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "u8": 1, "f64": 8, "pred": 1}
-
 # (layout, tokens, activations pinned to the batch axis, weight block rows): with many
 # tokens per weight XLA gathers FSDP weights; with fewer tokens than features it may
 # gather activations instead. The last two are the known gaps (docs/sharding.md).
@@ -117,22 +115,6 @@ def compiled_text(fn, model, *args) -> str:
     return jitted.lower(params, *args).compile().as_text()
 
 
-def collectives(text: str) -> list[tuple[str, str]]:
-    """`(shape, kind)` of every collective in a compiled program, e.g. `("f32[64,128]",
-    "all-gather")`; a scalar's shape ends in `[]`."""
-    return [(re.sub(r"\{.*\}", "", s), k) for s, k in COLLECTIVE.findall(text)]
-
-
-def collective_bytes(text: str) -> int:
-    """Bytes moved by the non-scalar collectives of a compiled program."""
-    total = 0
-    for shape, _ in collectives(text):
-        dtype, dims = re.match(r"([a-z0-9]+)\[([0-9,]*)\]", shape).groups()
-        if dims:
-            total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",")]))
-    return total
-
-
 def compare(mesh, layout: str, tokens: int, pinned: bool, weight_block: int) -> dict:
     """Compile the plain and the quantised step; their collectives and collective bytes."""
     x = jax.device_put(
@@ -172,9 +154,6 @@ def _measure() -> dict:
 def multiprocess(timeout: float = 900) -> dict:
     """Step time and collective bytes of the 2-process run over the 1-process run."""
     import tempfile
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from benchmarks import multihost
 
     info = {}
     for processes in (2, 1):

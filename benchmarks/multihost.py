@@ -336,7 +336,7 @@ def train(axis_type: str, quantised: bool, *, measure: bool = False) -> dict:
     process), the final state itself, the mean time of the steps after the first
     (compilation excluded) and, if `measure`, the bytes the step's non-scalar collectives
     move (compiling the step once more)."""
-    from benchmarks.bench_sharding import collective_bytes
+    from benchmarks.collectives import collective_bytes
 
     t = training(axis_type, quantised)
     params, opt_state = t.params, t.opt_state

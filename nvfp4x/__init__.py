@@ -4,6 +4,7 @@ import importlib.metadata
 
 from . import _telemetry as telemetry  # noqa: F401 - the `nvfp4x.telemetry` namespace
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
+from ._caches import clear_caches as clear_caches
 from ._checkpoint import (
     TrainingCheckpointer as TrainingCheckpointer,
     load as load,
@@ -26,9 +27,10 @@ from ._hf import (
     import_hf as import_hf,
 )
 from ._linear import QuantizedLinear as QuantizedLinear
-from ._numerics._hadamard import hadamard_matrix as hadamard_matrix, rht as rht
+from ._numerics._hadamard import hadamard_matrix as hadamard_matrix
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
 from ._qweight import QWeight as QWeight, quantized as quantized
+from ._rht import rht as rht
 from ._sensitivity import (
     SensitivityReport as SensitivityReport,
     SensitivityRow as SensitivityRow,

@@ -21,7 +21,7 @@ from ._checks import (
     check_scale_rounding,
 )
 from ._numerics import _e2m1
-from ._numerics._constants import BLOCK
+from ._numerics._constants import BLOCK, is_tile
 from ._numerics._ieee import is_tiny_scale, mul_exact
 from ._numerics._nvfp4 import (
     Rounding,
@@ -143,7 +143,7 @@ class NVFP4Array(PackedArray):
         """
         q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
         scale = self.scales.astype(jnp.float32)
-        expanded = scale[..., None] if self.block[0] == 1 else scale[..., :, None, :, None]
+        expanded = scale[..., :, None, :, None] if is_tile(self.block) else scale[..., None]
         vals = (q * expanded).reshape(self.codes.shape[:-1] + (2 * self.codes.shape[-1],))
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
         return vals[index].astype(jnp.bfloat16), self.tensor_scale
@@ -227,7 +227,7 @@ def to_nvfp4(
         else:
             codes = _e2m1.encode_nearest(v)
         packed, scales = pack(codes.reshape(xp.shape)), scale_b.astype(jnp.float8_e4m3fn)
-    tail = x.shape[-1:] if block[0] == 1 else x.shape[-2:]
+    tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
     return NVFP4Array(
         codes=packed,
         scales=scales,
@@ -306,7 +306,7 @@ def _straight_through(
         y = cast(Array, kernel("dequantized").values)  # asked for: not None
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
-    index = (...,) + tuple(slice(0, n) for n in (x.shape[-1:] if block[0] == 1 else x.shape[-2:]))
+    index = (...,) + tuple(slice(0, n) for n in (x.shape[-2:] if is_tile(block) else x.shape[-1:]))
     return y[index].astype(x.dtype)
 
 

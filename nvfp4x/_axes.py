@@ -46,7 +46,9 @@ def explicit_mesh(*trees: Any) -> Any:
     return None
 
 
-def _axis_size(mesh: Any, entry: Any) -> int:
+def axis_size(mesh: Any, entry: Any) -> int:
+    """How many devices a `PartitionSpec` entry (a mesh axis name, a tuple of them, or
+    None) splits an array axis over."""
     if entry is None:
         return 1
     size = 1
@@ -64,7 +66,7 @@ def following_spec(mesh: Any, spec: PartitionSpec, shape: tuple, out_shape: tupl
     out = []
     for i, n in enumerate(out_shape):
         entry = entries[i] if i < len(entries) else None
-        out.append(entry if entry is not None and n % _axis_size(mesh, entry) == 0 else None)
+        out.append(entry if entry is not None and n % axis_size(mesh, entry) == 0 else None)
     return PartitionSpec(*out)
 
 

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._numerics._constants import BLOCK
-from ._numerics._nvfp4 import BLOCKS, ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
+from ._numerics._constants import BLOCK, NVFP4_BLOCKS, is_tile
+from ._numerics._fp8 import FP8_KINDS
+from ._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
 from ._prims import is_traced
 
 _ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (
@@ -96,11 +97,11 @@ def check_block(block: Any, ndim: int) -> tuple[int, int]:
     block raise. The array must have the axes the block needs.
     """
     ok = isinstance(block, (tuple, list)) and len(block) == 2 and all(_is_int(b) for b in block)
-    if not ok or tuple(int(b) for b in block) not in BLOCKS:
+    if not ok or tuple(int(b) for b in block) not in NVFP4_BLOCKS:
         raise ValueError(f"`block={block!r}` is not supported; use {_ALLOWED_BLOCKS}.")
     block = (int(block[0]), int(block[1]))
-    if ndim < 1 or (block[0] == BLOCK and ndim < 2):
-        need = 1 + (block[0] == BLOCK)
+    if ndim < 1 or (is_tile(block) and ndim < 2):
+        need = 1 + is_tile(block)
         hint = f" (or `block=(1, {BLOCK})` for 1-D arrays)" if ndim == 1 else ""
         raise ValueError(
             f"`block={block}` needs an array with at least {need} dimension(s), got {ndim}: "
@@ -202,6 +203,7 @@ def check_axis(axis: Any, ndim: int, name: str = "axis") -> int:
 
 def check_fp8_kind(kind: Any) -> str:
     """Return `kind` (`"e4m3"` or `"e5m2"`), or raise `ValueError`."""
-    if not isinstance(kind, str) or kind not in ("e4m3", "e5m2"):
-        raise ValueError(f"`kind={kind!r}` is unknown; use 'e4m3' or 'e5m2'.")
+    if not isinstance(kind, str) or kind not in FP8_KINDS:
+        kinds = " or ".join(repr(k) for k in FP8_KINDS)
+        raise ValueError(f"`kind={kind!r}` is unknown; use {kinds}.")
     return kind

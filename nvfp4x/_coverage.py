@@ -23,7 +23,8 @@ from ._ragged import (
     grouped_tx_p,
     grouped_wgrad_p,
 )
-from ._sites import is_qweight, path_str
+from ._sites import is_qweight, layer_path, path_str
+from ._table import text_table
 
 _PASS = {qdot_p: "fprop", tx_p: "fprop (jvp)", tw_p: "fprop (jvp)", dgrad_p: "dgrad",
          wgrad_p: "wgrad"}  # fmt: skip
@@ -90,11 +91,7 @@ class CoverageReport:
     def __str__(self) -> str:
         header = ("path", "pass", "shape", "FLOPs", "operand a", "operand b")
         body = [(r.path, r.pass_, r.shape, _si(r.flops), *r.formats) for r in self.rows]
-        table = [header, *body]
-        widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
-                 for row in table]  # fmt: skip
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = [text_table(header, body)]
         total = self.total_flops
         lines.append("")
         lines.append(f"GEMM FLOPs per format (total {_si(total)}FLOP):")
@@ -359,17 +356,13 @@ def _expand(arrays):
     for p, x in arrays:
         name = path_str(p[2:])  # past `(args, kwargs)` and the argument
         if isinstance(x, QWeight):
-            yield "!" + (x.path or _layer_of(name))
+            yield "!" + (x.path or layer_path(name))
             if x.probe is not None:
                 yield name + ".probe"
         elif any(isinstance(k, jax.tree_util.GetAttrKey) for k in p[2:]):
-            yield _layer_of(name)
+            yield layer_path(name)
         else:
             yield None
-
-
-def _layer_of(name: str) -> str:
-    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def _si(flops: int | float) -> str:

@@ -27,7 +27,7 @@ from ._formats._dot import (
 )
 from ._gemm import batched_problem, fprop, quantised_dot
 from ._linear import apply_linear, product_seen_by_interpreter
-from ._numerics._constants import TILE
+from ._numerics._constants import BLOCK, BLOCK_BYTES, is_tile
 from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._packed import PackedArray
 from ._policy import Recipe
@@ -162,10 +162,12 @@ def _refuse_lookup(w: FrozenWeight, primitive) -> None:
     )
 
 
-class FrozenLinear(eqx.Module):
+class FrozenLinear(eqx.nn.Linear):
     """A [`nvfp4x.QuantizedLinear`][] for inference: the weight is held only in its GEMM
     format (an [`nvfp4x.NVFP4Array`][] for NVFP4: codes, block scales, tensor scale) and
     dequantised inside the forward, one layer at a time. Made by [`nvfp4x.freeze`][].
+    Like the unfrozen layer it *is* an `eqx.nn.Linear` (`isinstance(layer,
+    eqx.nn.Linear)` holds), so filters written for Linears keep selecting it.
 
     Its forward equals the unfrozen layer's forward bit for bit (on a GPU, up to float32
     summation order: XLA:GPU picks each program's GEMM algorithm). It cannot be
@@ -189,11 +191,26 @@ class FrozenLinear(eqx.Module):
 
     weight: Any
     bias: Float[Array, "*stack out"] | None
-    in_features: int | Literal["scalar"] = eqx.field(static=True)
-    out_features: int | Literal["scalar"] = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
     recipe: Recipe = eqx.field(static=True)
-    fast: bool = eqx.field(static=True, default=True)
+    fast: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight: Any,
+        bias: Float[Array, "*stack out"] | None,
+        in_features: int | Literal["scalar"],
+        out_features: int | Literal["scalar"],
+        use_bias: bool,
+        recipe: Recipe,
+        fast: bool = True,
+    ):
+        self.weight = weight
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.recipe = recipe
+        self.fast = fast
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
@@ -294,19 +311,20 @@ def nvfp4_pairs(w: NVFP4Array, steps: int) -> Pairs:
     scales = decode_e4m3(w.scale_bits) * jnp.float32(1 / NIBBLE_SCALE)
     if codes.shape[-1] < width:
         codes = jnp.pad(codes, ((0, 0), (0, width - codes.shape[-1])))
-        scales = jnp.pad(scales, ((0, 0), (0, width // 8 - scales.shape[-1])))
-    tile = w.block[0] != 1
+        scales = jnp.pad(scales, ((0, 0), (0, width // BLOCK_BYTES - scales.shape[-1])))
+    tile = is_tile(w.block)
 
     def pairs(i):
         c = lax.dynamic_slice_in_dim(codes, i * CHUNK, CHUNK, axis=1)[:n]
-        s = lax.dynamic_slice_in_dim(scales, i * (CHUNK // 8), CHUNK // 8, axis=1)
+        per_chunk = CHUNK // BLOCK_BYTES  # block scales per chunk of codes
+        s = lax.dynamic_slice_in_dim(scales, i * per_chunk, per_chunk, axis=1)
         if tile:  # one scale per 16 rows
-            s = jnp.broadcast_to(s[:, None], (s.shape[0], 16, s.shape[1]))
+            s = jnp.broadcast_to(s[:, None], (s.shape[0], BLOCK, s.shape[1]))
             s = s.reshape(-1, s.shape[-1])[:n]
-        s = jnp.broadcast_to(s[..., None], (n, CHUNK // 8, 8)).reshape(n, CHUNK)
+        s = jnp.broadcast_to(s[..., None], (n, per_chunk, BLOCK_BYTES)).reshape(n, CHUNK)
         lo, hi = nibble_values(c)
         even, odd = lo * s, hi * s
-        if k % 16:  # a padded block's scale (NaN for a NaN block) must not reach past k
+        if k % BLOCK:  # a padded block's scale (NaN for a NaN block) must not reach past k
             j = 2 * (i * CHUNK + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1))
             even = jnp.where(j < k, even, 0.0)
             odd = jnp.where(j + 1 < k, odd, 0.0)
@@ -423,7 +441,8 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
 def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
     """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
     values of each expert's packed weight, the same values as the unfrozen experts'."""
-    if w.transposed or (w.recipe.weight is not None and w.recipe.weight.block not in (None, TILE)):
+    fmt = w.recipe.weight
+    if w.transposed or (fmt is not None and not fmt.spec.layouts_agree(fmt)):
         raise ValueError(
             f"nvfp4x: the frozen experts `{w.path}` are packed in blocks along one axis "
             f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "

@@ -48,7 +48,7 @@ from . import _kernels
 from ._checks import check_bool, check_float, check_str
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import apply_scales
-from ._numerics._constants import GOLDEN_RATIO_32, TILE
+from ._numerics._constants import GOLDEN_RATIO_32
 from ._numerics._hadamard import rht
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
@@ -95,7 +95,7 @@ def shares_weight(recipe: Recipe) -> bool:
     blocks run along one GEMM's contraction axis (NVFP4 1x16, MXFP8). 16x16 tiles, a
     per-tensor FP8 scale or no quantisation give the same values in both layouts."""
     fmt = recipe.weight
-    return fmt is None or fmt.block in (None, TILE)
+    return fmt is None or fmt.spec.layouts_agree(fmt)
 
 
 # Jitted: called eagerly, it is one dispatch, as the primitives' own computations are.

@@ -2,12 +2,14 @@
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ._checks import check_bool, check_str
 from ._formats import Format
-from ._numerics._constants import ROW_BLOCK, TILE
+from ._numerics._constants import NVFP4_BLOCKS, ROW_BLOCK, TILE, is_tile
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Recipe:
                 )
         for field in ("input", "grad"):
             fmt = getattr(self, field)
-            if fmt is not None and fmt.block == TILE:
+            if fmt is not None and is_tile(fmt.block):
                 raise ValueError(
                     f"`Recipe.{field}` cannot use 16x16 blocks: they are for weights. Use "
                     "`block=(1, 16)`."
@@ -109,10 +111,9 @@ def _nvfp4(block=ROW_BLOCK, rounding="nearest", scale_rounding="nearest") -> For
 def _weight_block(weight_block: Any) -> tuple[int, int]:
     """`weight_block` as a tuple, or a `ValueError` naming it (not `block`, which the
     caller did not write)."""
-    allowed = (ROW_BLOCK, TILE)
     ok = isinstance(weight_block, tuple | list) and len(weight_block) == 2
     block = tuple(weight_block) if ok else None
-    if block is None or not all(type(b) is int for b in block) or block not in allowed:
+    if block is None or not all(type(b) is int for b in block) or block not in NVFP4_BLOCKS:
         raise ValueError(
             f"`weight_block={weight_block!r}` is not supported; use `(1, 16)` (16 elements "
             "along the input features) or `(16, 16)` (16x16 tiles)."
@@ -369,19 +370,8 @@ class Policy:
                 "the recipe (or its name) to `nvfp4x.quantize` directly, or write "
                 '`Policy([(r".*", recipe)])`.'
             )
-        compiled = []
-        for i, rule in enumerate(rules):
-            if not (isinstance(rule, tuple | list) and len(rule) == 2):
-                raise TypeError(f"Policy rule {i} must be a `(regex, recipe)` pair, got {rule!r}.")
-            pattern, recipe = rule
-            try:
-                regex = re.compile(pattern)
-            except (re.error, TypeError) as e:
-                raise ValueError(
-                    f"Policy rule {i}: regex `{pattern!r}` does not compile: {e}."
-                ) from e
-            compiled.append((regex, as_recipe(recipe, f"Policy rule {i} (`{pattern}`)")))
-        object.__setattr__(self, "rules", tuple(compiled))
+        recipe = lambda i, pattern, r: as_recipe(r, f"Policy rule {i} (`{pattern}`)")
+        object.__setattr__(self, "rules", compile_rules(rules, "Policy rule", "recipe", recipe))
         object.__setattr__(self, "strict", check_bool(strict, "strict"))
         object.__setattr__(self, "convolutions", check_bool(convolutions, "convolutions"))
         if isinstance(tensor_scale_groups, str):
@@ -412,10 +402,8 @@ class Policy:
         **Raises:** `TypeError` if `path` is not a string.
         """
         check_str(path, "path", '`"blocks[3].mlp.fc1"`')
-        for i, (regex, recipe) in enumerate(self.rules):
-            if regex.fullmatch(path):
-                return i, recipe
-        return None, None
+        found = first_rule(self.rules, path)
+        return (None, None) if found is None else (found[0], found[2])
 
     def scale_group(self, path: str) -> tuple[int | None, str | None]:
         """The tensor scale group of the layer at `path` (see `tensor_scale_groups`).
@@ -435,10 +423,57 @@ class Policy:
                 return i, f"{i}:{m.group(1) if regex.groups else ''}"
         return None, None
 
+    def check_used(self, matched: Collection[int], caller: str, matched_nothing: str) -> None:
+        """With `strict`, raise `ValueError` naming the rules whose index is not in
+        `matched`: "`caller`: rule 2 `regex` `matched_nothing` Pass `Policy(...,
+        strict=False)` to allow unused rules." (the one strict unused-rule report)."""
+        unused = [i for i in range(len(self.rules)) if i not in matched]
+        if self.strict and unused:
+            names = ", ".join(f"rule {i} `{self.rules[i][0].pattern}`" for i in unused)
+            raise ValueError(
+                f"{caller}: {names} {matched_nothing} Pass `Policy(..., strict=False)` to "
+                "allow unused rules."
+            )
+
     def __repr__(self) -> str:
         rules = ", ".join(f"({r.pattern!r}, {rec})" for r, rec in self.rules)
         groups = [r.pattern for r in self.tensor_scale_groups]
         return f"Policy([{rules}]" + (f", tensor_scale_groups={groups})" if groups else ")")
+
+
+def compile_rules(
+    rules: Iterable[Any], what: str, target: str, convert: Callable[[int, str, Any], T]
+) -> tuple[tuple[re.Pattern, T], ...]:
+    """Ordered `(regex, target)` rules (a `Policy`'s, a names map's), compiled: the one
+    place that checks such a list. `what` names a rule in errors (`"Policy rule"`),
+    `target` its second item (`"recipe"`); `convert(i, pattern, target)` checks and
+    converts rule `i`'s target.
+
+    Raises `TypeError` for a rule that is not a pair, `ValueError` for a regex that does
+    not compile (and whatever `convert` raises).
+    """
+    compiled = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, tuple | list) and len(rule) == 2):
+            raise TypeError(f"{what} {i} must be a `(regex, {target})` pair, got {rule!r}.")
+        pattern, value = rule
+        try:
+            regex = re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{what} {i}: regex `{pattern!r}` does not compile: {e}.") from e
+        compiled.append((regex, convert(i, pattern, value)))
+    return tuple(compiled)
+
+
+def first_rule(
+    rules: Sequence[tuple[re.Pattern, T]], path: str
+) -> tuple[int, re.Match[str], T] | None:
+    """The first of ordered rules whose regex matches all of `path` (`re.fullmatch`):
+    `(its index, the match, its target)`, or None."""
+    for i, (regex, value) in enumerate(rules):
+        if m := regex.fullmatch(path):
+            return i, m, value
+    return None
 
 
 PolicyLike = Policy | Recipe | str | Callable[[str, Any], RecipeLike]

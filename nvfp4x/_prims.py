@@ -39,6 +39,7 @@ from . import _kernels
 
 __all__ = [
     "Jaxpr",
+    "GEMM_PRIMITIVES",
     "Literal",
     "Primitive",
     "combine_seeds",
@@ -46,9 +47,11 @@ __all__ = [
     "def_jvp",
     "def_transpose",
     "eval_jaxpr",
+    "gemm_eqns",
     "is_traced",
     "is_undefined",
     "is_zero",
+    "jaxpr_has_gemm",
     "jaxprs_in_params",
     "primitive",
     "ragged_dot_general_p",
@@ -64,6 +67,26 @@ remat_p = ad_checkpoint.remat_p
 #: `lax.ragged_dot` / `ragged_dot_general`'s primitive (not exported by `jax.lax` or
 #: `jax.extend` in jax 0.10).
 ragged_dot_general_p = _lax.ragged_dot_general_p
+#: The JAX primitives that are GEMMs.
+GEMM_PRIMITIVES = (_lax.dot_general_p, ragged_dot_general_p, jax.lax.conv_general_dilated_p)
+
+
+def gemm_eqns(jaxpr: Jaxpr) -> list:
+    """The GEMM equations of `jaxpr` (`dot_general`, `ragged_dot_general`, convolutions:
+    `GEMM_PRIMITIVES`), those of the jaxprs inside its equations included, in order: the
+    one jaxpr walker ("does this call run a GEMM?") that `_sites` and `_qweight` ask."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in GEMM_PRIMITIVES:
+            out.append(eqn)
+        for sub in jaxprs_in_params(eqn.params):
+            out += gemm_eqns(sub)
+    return out
+
+
+def jaxpr_has_gemm(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a GEMM."""
+    return bool(gemm_eqns(jaxpr))
 
 
 def shaped(shape: tuple, dtype) -> ShapedArray:

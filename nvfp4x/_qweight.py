@@ -50,9 +50,10 @@ from ._axes import explicit_axes_as_auto
 from ._formats import widest_float
 from ._policy import Recipe
 from ._prims import (
+    GEMM_PRIMITIVES as GEMM_PRIMITIVES,  # (for `_coverage`)
     Jaxpr,
     eval_jaxpr,
-    jaxprs_in_params,
+    jaxpr_has_gemm,
     ragged_dot_general_p,
     remat_p,
     shaped,
@@ -646,22 +647,6 @@ def _holds_gemm(params: dict) -> bool:
         jaxpr = getattr(v, "jaxpr", v)
         if isinstance(jaxpr, Jaxpr) and jaxpr_has_gemm(jaxpr):
             return True
-    return False
-
-
-#: The JAX primitives that are GEMMs.
-GEMM_PRIMITIVES = (lax.dot_general_p, ragged_dot_general_p, lax.conv_general_dilated_p)
-
-
-def jaxpr_has_gemm(jaxpr) -> bool:
-    """Whether `jaxpr` (or a jaxpr inside one of its equations) holds a `dot_general`, a
-    `ragged_dot` or a convolution."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive in GEMM_PRIMITIVES:
-            return True
-        for sub in jaxprs_in_params(eqn.params):
-            if jaxpr_has_gemm(sub):
-                return True
     return False
 
 

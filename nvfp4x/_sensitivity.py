@@ -18,6 +18,7 @@ from ._coverage import coverage
 from ._policy import Policy, Recipe, recipes
 from ._qweight import QWeight
 from ._sites import is_qweight, layers, path_str, qweights
+from ._table import text_table
 from ._transform import quantize
 
 
@@ -94,15 +95,11 @@ class SensitivityReport:
             )
             for i, r in enumerate(self.rows)
         ]
-        table = [header, *body]
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table]
-        lines.insert(1, "  ".join("-" * w for w in widths))
         title = (
             f"Layer sensitivity to {self.recipe.name} (base loss {self.base_loss:.6g}), "
             "most sensitive first:"
         )
-        return "\n".join([title, *lines])
+        return title + "\n" + text_table(header, body)
 
     def suggest_policy(self, keep_fraction: float = 0.15, recipe: Recipe | None = None) -> Policy:
         """A policy keeping the most sensitive layers in bfloat16 and quantising the rest.

@@ -6,18 +6,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._axes import axis_size
 from ._frozen import FrozenWeight
 from ._packed import PackedArray
-
-
-def _axis_size(mesh, entry) -> int:
-    if entry is None:
-        return 1
-    names = entry if isinstance(entry, tuple) else (entry,)
-    size = 1
-    for n in names:
-        size *= mesh.shape[n]
-    return size
 
 
 def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
@@ -56,7 +47,7 @@ def packed_sharding(packed: Any, sharding: NamedSharding) -> Any:
     per_tensor = type(packed_array).per_tensor if is_packed else ()
     for i, b in enumerate(blocks):
         axis = len(shape) - 2 + i
-        n = _axis_size(mesh, spec[axis])
+        n = axis_size(mesh, spec[axis])
         if n > 1 and (shape[axis] % n or (shape[axis] // n) % b):
             raise ValueError(
                 f"Sharding axis {axis} (size {shape[axis]}) of a packed weight over "

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._prims import jaxprs_in_params
+from ._prims import gemm_eqns
 from ._qweight import QWeight, WeightValue
 
 #: Equinox layers with a `weight` that is not a linear layer's: never linear-like.
@@ -46,6 +46,18 @@ _NOT_LINEAR = (
     eqx.nn.BatchNorm,
     eqx.nn.PReLU,
 )
+
+
+def weight_path(layer: str) -> str:
+    """The path of the `weight` of the layer at path `layer`: `blocks[0].fc.weight`
+    (`weight` for a layer at the root)."""
+    return f"{layer}.weight" if layer else "weight"
+
+
+def layer_path(weight: str) -> str:
+    """The path of the layer holding the weight at path `weight` (the inverse of
+    `weight_path`); a path that does not end in `weight` is returned as it is."""
+    return "" if weight == "weight" else weight.removesuffix(".weight")
 
 
 def path_str(path: tuple) -> str:
@@ -177,7 +189,9 @@ def _traced_gemm(rest, treedef, avals, inputs) -> "_Gemms | None":
                 jaxpr = jax.make_jaxpr(call)(list(avals), arg)
         except Exception:  # noqa: BLE001 - any failure: this input is not the call's
             continue
-        dot, convs = _gemm_eqns(jaxpr.jaxpr)
+        eqns = gemm_eqns(jaxpr.jaxpr)
+        convs = [e for e in eqns if e.primitive is lax.conv_general_dilated_p]
+        dot = len(convs) < len(eqns)  # a `dot_general` or a `ragged_dot`
         conv = None
         if convs:
             params = convs[0].params
@@ -188,21 +202,6 @@ def _traced_gemm(rest, treedef, avals, inputs) -> "_Gemms | None":
 
 #: `_traced_gemm`, cached by class, static fields and shapes.
 _cached_traced_gemm = functools.lru_cache(maxsize=4096)(_traced_gemm)
-
-
-def _gemm_eqns(jaxpr) -> tuple[bool, list]:
-    """Whether `jaxpr` (or a jaxpr inside it) holds a `dot_general`, and its
-    convolutions."""
-    dot, convs = False, []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is lax.dot_general_p:
-            dot = True
-        elif eqn.primitive is lax.conv_general_dilated_p:
-            convs.append(eqn)
-        for sub in jaxprs_in_params(eqn.params):
-            d, c = _gemm_eqns(sub)
-            dot, convs = dot or d, convs + c
-    return dot, convs
 
 
 def _conv_inputs(shape: tuple[int, ...], dtype) -> tuple[jax.ShapeDtypeStruct, ...]:

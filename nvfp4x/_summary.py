@@ -8,6 +8,7 @@ import numpy as np
 from ._frozen import FrozenLinear, FrozenWeight
 from ._qweight import QWeight
 from ._sites import layers, qweights
+from ._table import text_table
 
 
 def _bytes(shape, bits_per_element) -> int:
@@ -83,15 +84,11 @@ def summary(model: Any) -> str:
     # total                                          2,048       288
     ```
     """
-    table = [("path", "shape", "weight", "input", "grad", "bytes held", "weight bytes")]
+    header = ("path", "shape", "weight", "input", "grad", "bytes held", "weight bytes")
+    body = []
     total_master = total_q = 0
     for row in rows(model):
-        table.append(row[:-2] + (f"{row[-2]:,}", f"{row[-1]:,}"))
+        body.append(row[:-2] + (f"{row[-2]:,}", f"{row[-1]:,}"))
         total_master += row[-2]
         total_q += row[-1]
-    table.append(("total", "", "", "", "", f"{total_master:,}", f"{total_q:,}"))
-    widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.insert(len(lines) - 1, lines[1])
-    return "\n".join(lines)
+    return text_table(header, body, ("total", "", "", "", "", f"{total_master:,}", f"{total_q:,}"))

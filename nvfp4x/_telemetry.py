@@ -44,7 +44,7 @@ from jaxtyping import Array
 from ._prims import is_traced
 from ._probe import OPERANDS, PROBE_SHAPE, STATS
 from ._qweight import QWeight
-from ._sites import is_qweight, qweights
+from ._sites import is_qweight, layer_path, qweights
 
 #: The public names of `nvfp4x.telemetry`; the rest is machinery.
 __all__ = ["OPERANDS", "STATS", "collect", "disable", "enable"]
@@ -141,7 +141,7 @@ def collect(grads: Any) -> dict[str, dict[str, dict[str, Array]]]:
     for tree_path, w in qweights(grads):
         if w.probe is None:
             continue
-        path = w.path if w.path or not tree_path.endswith("weight") else tree_path[:-7]
+        path = w.path or layer_path(tree_path)
         table = w.probe
         if not is_traced(table):
             _check_statistics(np.asarray(table), path)

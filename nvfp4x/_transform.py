@@ -21,6 +21,7 @@ from ._sites import (
     layers as site_layers,
     path_str,
     qweights,
+    weight_path,
 )
 
 _Choice = tuple[int | None, Recipe | None]
@@ -35,7 +36,7 @@ def _resolver(policy: PolicyLike) -> tuple[Callable[[str, Any], _Choice], Policy
         def lookup(path: str, layer: Any) -> _Choice:
             index, recipe = policy.lookup(path)
             if index is None:
-                index, recipe = policy.lookup(f"{path}.weight" if path else "weight")
+                index, recipe = policy.lookup(weight_path(path))
             return index, recipe
 
         return lookup, policy
@@ -202,15 +203,12 @@ def quantize(model: Any, policy: PolicyLike, *, fast: bool = True) -> Any:
             stacklevel=2,
         )
     elif rules is not None and rules.strict:
-        unused = [i for i in range(len(rules.rules)) if i not in matched]
-        if unused:
-            names = ", ".join(f"rule {i} `{rules.rules[i][0].pattern}`" for i in unused)
-            raise ValueError(
-                f"nvfp4x.quantize: {names} matched no linear layer (or every layer it "
-                "matches was taken by an earlier rule). Paths look like "
-                "`blocks[3].mlp.layers[0]`; see `nvfp4x.summary(model)`. Pass "
-                "`Policy(..., strict=False)` to allow unused rules."
-            )
+        rules.check_used(
+            matched,
+            "nvfp4x.quantize",
+            "matched no linear layer (or every layer it matches was taken by an earlier "
+            "rule). Paths look like `blocks[3].mlp.layers[0]`; see `nvfp4x.summary(model)`.",
+        )
         idle = [i for i in range(len(rules.tensor_scale_groups)) if i not in grouped]
         if idle:
             names = ", ".join(f"`{rules.tensor_scale_groups[i].pattern}`" for i in idle)
@@ -355,14 +353,12 @@ def requantize(model: Any, policy: PolicyLike, *, state: Any = None) -> Any:
                 "(`nvfp4x.recipes.float32()` runs it unquantised until you switch it), or "
                 "leave it out of the policy."
             )
-    if rules is not None and rules.strict:
-        unused = [i for i in range(len(rules.rules)) if i not in matched]
-        if unused:
-            names = ", ".join(f"rule {i} `{rules.rules[i][0].pattern}`" for i in unused)
-            raise ValueError(
-                f"nvfp4x.requantize: {names} matched no quantised weight. Its paths: "
-                f"{sorted(recipes)}. Pass `Policy(..., strict=False)` to allow unused rules."
-            )
+    if rules is not None:
+        rules.check_used(
+            matched,
+            "nvfp4x.requantize",
+            f"matched no quantised weight. Its paths: {sorted(recipes)}.",
+        )
 
     def switch(tree: Any) -> Any:
         def one(node: Any) -> Any:

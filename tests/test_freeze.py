@@ -357,3 +357,17 @@ def test_jitted_frozen_forward_dequantises_per_layer(name, model):
         f"{name}/{model}: peak temporary bytes {temp:,} >= {all_dequantised_bf16:,}, the bf16 "
         f"dequantised weights of all {nlayers} layers: they are decoded all at once"
     )
+
+
+def test_a_frozen_linear_is_an_eqx_linear_like_the_quantized_one():
+    """A filter written for `eqx.nn.Linear` selects the same layers before and after
+    `freeze` (as it does before and after `quantize`)."""
+    mlp = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+    model = nvfp4x.quantize(mlp, "nvfp4_inference")
+    frozen = nvfp4x.freeze(model)
+    linears = lambda m: [
+        x for x in jax.tree.leaves(m, is_leaf=lambda x: isinstance(x, eqx.nn.Linear))
+        if isinstance(x, eqx.nn.Linear)
+    ]  # fmt: skip
+    assert all(isinstance(x, nvfp4x.FrozenLinear) for x in linears(frozen))
+    assert len(linears(frozen)) == len(linears(model)) == len(linears(mlp)) == 2

@@ -152,3 +152,29 @@ def test_an_abstract_model_answers_as_the_model_does():
     abstract = eqx.filter_eval_shape(Model, jax.random.key(0))
     assert [path for path, _ in layers(abstract)] == ["stack.blocks.fc", "mine"]
     assert [path for path, _ in layers(Model(jax.random.key(0)))] == ["stack.blocks.fc", "mine"]
+
+
+def test_clear_caches_empties_every_module_level_cache():
+    """`nvfp4x.clear_caches` empties the caches it lists, and every module-level
+    `functools` cache in the package is listed (cleared, or kept with a reason)."""
+    import functools
+    import importlib
+    import pkgutil
+
+    from nvfp4x import _caches
+
+    found = set()
+    for info in pkgutil.walk_packages(nvfp4x.__path__, "nvfp4x."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, functools._lru_cache_wrapper):  # cache and lru_cache
+                found.add(value)
+    listed = set(_caches.CLEARED) | set(_caches.KEPT)
+    assert found == listed, f"caches not listed in `_caches`: {found - listed}"
+    model = nvfp4x.quantize(eqx.nn.Linear(32, 16, key=jax.random.key(0)), "nvfp4_training")
+    x = jnp.ones((4, 32))
+    y = model(x)
+    assert any(c.cache_info().currsize for c in _caches.CLEARED)
+    nvfp4x.clear_caches()
+    assert all(c.cache_info().currsize == 0 for c in _caches.CLEARED)
+    np.testing.assert_array_equal(model(x), y)  # compiles again, the same bits

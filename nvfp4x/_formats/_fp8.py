@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Shaped, UInt8
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_fp8_kind
 from .._kernels import _native
-from .._numerics._fp8 import quantize_fp8
+from .._numerics._fp8 import FP8_DTYPES, quantize_fp8
 from .._numerics._ieee import mul_exact
 from .._numerics._nvfp4 import tensor_amax
 from .._packed import PackedArray, as_bits
@@ -49,8 +49,7 @@ class FP8Array(PackedArray):
     @property
     def data(self) -> Shaped[Array, "..."]:
         """The elements as `float8_e4m3fn` or `float8_e5m2` (per `kind`), unscaled."""
-        fp8 = jnp.float8_e4m3fn if self.kind == "e4m3" else jnp.float8_e5m2
-        return jax.lax.bitcast_convert_type(self.data_bits, fp8)
+        return jax.lax.bitcast_convert_type(self.data_bits, FP8_DTYPES[self.kind])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -88,8 +87,7 @@ class FP8Array(PackedArray):
 def _dequantize(data_bits: Array, scale: Array, kind: str) -> Float[Array, "..."]:
     """`data * scale`, the IEEE float32 products (subnormal ones of tiny tensors
     included, `mul_exact`)."""
-    fp8 = jnp.float8_e4m3fn if kind == "e4m3" else jnp.float8_e5m2
-    data = jax.lax.bitcast_convert_type(data_bits, fp8).astype(jnp.float32)
+    data = jax.lax.bitcast_convert_type(data_bits, FP8_DTYPES[kind]).astype(jnp.float32)
     return mul_exact(data, scale)
 
 
@@ -116,8 +114,7 @@ def to_fp8(x: ArrayLike, kind: str = "e4m3") -> FP8Array:
     x = check_float(x)
     kind = check_fp8_kind(kind)
     q, scale = quantize_fp8(x, kind, tensor_amax(x))
-    dtype = jnp.float8_e4m3fn if kind == "e4m3" else jnp.float8_e5m2
-    return FP8Array(data_bits=as_bits(q, dtype), scale=scale, kind=kind, dtype=x.dtype)
+    return FP8Array(data_bits=as_bits(q, FP8_DTYPES[kind]), scale=scale, kind=kind, dtype=x.dtype)
 
 
 class FP8Spec(FormatSpec):

@@ -12,8 +12,17 @@ from jaxtyping import Array, Bool, Float
 from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
 from .._kernels import _native
-from .._numerics._constants import BLOCK, E2M1_MAX, NVFP4_RANGE, ROW_BLOCK, TILE
+from .._numerics._constants import (
+    BLOCK,
+    E2M1_MAX,
+    NVFP4_BLOCKS,
+    NVFP4_RANGE,
+    ROW_BLOCK,
+    TILE,
+    is_tile,
+)
 from .._numerics._nvfp4 import (
+    ROUNDINGS,
     SCALE_ROUNDINGS,
     Block,
     Rounding,
@@ -42,11 +51,15 @@ class NVFP4Spec(FormatSpec):
     name = "nvfp4"
     description = "FP4 E2M1 elements, E4M3 scale per 16 elements, float32 tensor scale"
     bits_per_element = 4 + 8 / BLOCK
-    blocks = (ROW_BLOCK, TILE)
-    roundings = ("nearest", "stochastic")
+    blocks = NVFP4_BLOCKS
+    roundings = ROUNDINGS
     scale_roundings = SCALE_ROUNDINGS
     shared_tensor_scale = True
     native = _native.NVFP4
+
+    def layouts_agree(self, fmt: Format) -> bool:
+        """16x16 tiles read the same either way; 1x16 blocks run along one axis."""
+        return is_tile(fmt.block)
 
     def label(self, fmt: Format) -> str:
         block, rounding, scale_rounding = _layout(fmt)
@@ -67,7 +80,7 @@ class NVFP4Spec(FormatSpec):
         unblock)`, `unblock` taking an array of the block view back to `a`'s layout.
         `quantize` and `quantize_saturated` share it."""
         block, rounding, scale_rounding = _layout(fmt)
-        if block == TILE:
+        if is_tile(block):
             if a.ndim != 2:
                 raise ValueError(
                     f"16x16 blocks need a 2-D operand (a weight), got shape {a.shape}."

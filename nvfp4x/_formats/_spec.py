@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._kernels._native import NativeOperand
-from .._numerics._nvfp4 import SCALE_ROUNDINGS
+from .._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS
 
 FORMATS: dict[str, str] = {}  # filled by `register`
 """The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.
@@ -56,6 +56,12 @@ class FormatSpec:
     #: How its operands run in a native low-precision GEMM (`_kernels.native_gemm`):
     #: element dtype, block-scale dtype and block; None: no native GEMM.
     native: NativeOperand | None = None
+
+    def layouts_agree(self, fmt: "Format") -> bool:
+        """Whether a weight quantised in `fmt` holds the same values in both GEMM layouts
+        (fprop's `(n, k)` and dgrad's `(k, n)`), so that one quantised weight serves both:
+        true for formats without blocks; a blocked format answers for its blocks."""
+        return fmt.block is None
 
     def label(self, fmt: "Format") -> str:
         """How `str(fmt)` shows a format of this name."""
@@ -159,10 +165,8 @@ class Format:
                 f"{spec.blocks}."
             )
         object.__setattr__(self, "block", block)
-        if not isinstance(self.rounding, str) or self.rounding not in ("nearest", "stochastic"):
-            raise ValueError(
-                f"`rounding={self.rounding!r}` is unknown; use 'nearest' or 'stochastic'."
-            )
+        if not isinstance(self.rounding, str) or self.rounding not in ROUNDINGS:
+            raise ValueError(f"`rounding={self.rounding!r}` is unknown; use one of {ROUNDINGS}.")
         if self.rounding not in spec.roundings:
             raise ValueError(
                 f"Stochastic rounding is implemented for {_which('roundings', self.rounding)} "

@@ -7,6 +7,10 @@ BLOCK = 16
 #: NVFP4's blocks: 16 elements along the last axis, and 16x16 tiles (weights).
 ROW_BLOCK = (1, BLOCK)
 TILE = (BLOCK, BLOCK)
+#: The blocks an NVFP4 array or operand may have, the default first.
+NVFP4_BLOCKS = (ROW_BLOCK, TILE)
+#: Bytes of packed E2M1 codes per block along the last axis (two codes per byte).
+BLOCK_BYTES = BLOCK // 2
 #: Elements per MXFP8 block.
 MX_BLOCK = 32
 #: Largest E2M1 magnitude.
@@ -32,3 +36,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 GOLDEN_RATIO_32 = 0x9E3779B9
 #: The sign vector of the random Hadamard transform, as Transformer Engine uses it.
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def is_tile(block: object) -> bool:
+    """Whether `block` is NVFP4's 16x16 tile (one scale for 16 rows and 16 columns of a
+    weight) rather than a block along one axis: the one spelling of that question."""
+    return isinstance(block, tuple | list) and tuple(block) == TILE

@@ -8,9 +8,10 @@ lands on the value with an even code).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
-from ._constants import E2M1_MAX
+from ._constants import E2M1_MAX, GOLDEN_RATIO_32
 
 
 def _step(a: Float[Array, "*s"]) -> Float[Array, "*s"]:
@@ -85,11 +86,12 @@ def decode(code: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
 
 
 def _fmix32(h: Array) -> Array:
-    """MurmurHash3's 32-bit finaliser: a bijective, well-mixing integer hash."""
+    """MurmurHash3's 32-bit finaliser: a bijective, well-mixing integer hash, on uint32
+    jax or NumPy arrays (stochastic rounding's samples and checkpoint checksums)."""
     h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
+    h = h * np.uint32(0x85EBCA6B)
     h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
+    h = h * np.uint32(0xC2B2AE35)
     return h ^ (h >> 16)
 
 
@@ -115,6 +117,6 @@ def uniform(key: jax.Array, shape: tuple[int, ...], offset: ArrayLike = 0) -> Fl
     for axis in reversed(range(len(shape))):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
         stride = (stride * shape[axis]) % 2**32
-    h = _fmix32(index * jnp.uint32(0x9E3779B9) + seed[0])
+    h = _fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed[0])
     h = _fmix32(h ^ seed[1])
     return ((h >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)

@@ -11,7 +11,10 @@ from ._e4m3 import round_e4m3, round_e5m2
 from ._ieee import INF_BITS, abs_bits, divide, from_bits, is_zero, mul_normal
 from ._subnormal import mul_tiny, tiny_up
 
+#: Each FP8 kind's largest finite magnitude and rounding.
 FP8_KINDS = {"e4m3": (E4M3_MAX, round_e4m3), "e5m2": (E5M2_MAX, round_e5m2)}
+#: Each FP8 kind's dtype.
+FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
 def mx_pad(x: Array) -> Array:

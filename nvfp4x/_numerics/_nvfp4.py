@@ -44,7 +44,6 @@ from ._ieee import (
 Block = tuple[int, int]
 Rounding = Literal["nearest", "stochastic"]
 ScaleRounding = Literal["nearest", "up"]
-BLOCKS: tuple[Block, ...] = ((1, BLOCK), (BLOCK, BLOCK))
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 #: How a block scale is rounded to E4M3: `"nearest"` is the spec's (Blackwell's) rule;
 #: `"up"` takes the smallest E4M3 scale with which no element of the block exceeds 6.
