@@ -17,8 +17,15 @@ Operations:
   `scale_rounding="nearest"`, float32 or bfloat16 input: what `nvfp4x.to_nvfp4` and the
   GEMM operand quantiser (`NVFP4Spec.quantize`) compute, without the RHT (the GEMM
   applies it before). Other cases (float16, `scale_rounding="up"`) take the reference.
+- `"frozen_gemm"`: a frozen layer's GEMM `x @ W.T` on its packed 2-D NVFP4 weight
+  (`FrozenLinear`, `FrozenWeight` in its stored layout): `"xla"` decodes the weight
+  and calls `scaled_dot` (on a CPU, a few tokens run `chunked_dot` on the packed
+  codes); `"pallas"` (`_pallas_gemm`) decodes each tile of the weight in registers
+  inside the GEMM, equal up to float32 summation order. Callers ask `frozen_gemm(...)`.
+  The default on GPUs (interpreted and lowered for CUDA in the tests, not yet run on a
+  GPU); the CPU keeps the reference.
 
-The defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
+`nvfp4_quantize`'s defaults are `"xla"` on every backend: the Pallas kernel is bit for bit the
 reference under `interpret=True` on the CPU and lowers for CUDA. Its one run on a GPU
 (an H200) matched the reference on large arrays but failed on arrays that its tiles
 overhang, and lost the sign of `-0.0` in block values (see `_pallas_nvfp4`); both are
@@ -43,9 +50,12 @@ from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
 
 #: The implementations of each operation, the reference (`"xla"`) first.
-IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {"nvfp4_quantize": ("xla", "pallas")}
+IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
+    "nvfp4_quantize": ("xla", "pallas"),
+    "frozen_gemm": ("xla", "pallas"),
+}
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
-DEFAULTS: dict[tuple[str, str], str] = {}
+DEFAULTS: dict[tuple[str, str], str] = {("frozen_gemm", "gpu"): "pallas"}
 #: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
 #: operand quantised along its leading axis).
 KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
@@ -172,3 +182,41 @@ def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int
     assert values is not None  # `kernel(True)` returns them
     values = values[tuple(slice(0, n) for n in moved.shape)]
     return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec
+
+
+def frozen_gemm(
+    x: Array,
+    codes: Array,
+    scale_bits: Array,
+    block,
+    shape: tuple[int, ...],
+    dtype,
+    implementation: str | None = None,
+) -> Array | None:
+    """`x @ W.T` in float32 before the tensor scales, for the 2-D NVFP4 weight `W` of
+    `shape` held as `codes` and `scale_bits` (an `NVFP4Array`'s fields), by
+    `implementation` (default: the picked one, `pick("frozen_gemm")`), with
+    `scaled_dot`'s operands for the GEMM dtype `dtype` (`gemm_dtype`); or `None` where
+    the reference is picked or the case is one the kernel does not cover (float64
+    activations, an empty product): the caller runs the reference."""
+    if (implementation or pick("frozen_gemm")) != "pallas":
+        return None
+    block = tuple(block)
+    n, k = shape
+    wide = jnp.dtype(x.dtype).itemsize > 4 or not jnp.issubdtype(x.dtype, jnp.floating)
+    if block not in (ROW_BLOCK, TILE) or codes.ndim != 2 or wide or x.size == 0 or n == 0:
+        return None
+    from . import _pallas_gemm  # Pallas is imported only where a kernel is picked
+
+    bf16 = jnp.dtype(jnp.bfloat16)
+    operand = "bfloat16" if dtype == bf16 and x.dtype == bf16 else "float32"
+    out = _pallas_gemm.frozen_matmul(
+        x.reshape(-1, k),
+        codes,
+        scale_bits,
+        block=block,
+        n=n,
+        operand=operand,
+        interpret=backend() != "gpu",
+    )
+    return out.reshape(*x.shape[:-1], n)
