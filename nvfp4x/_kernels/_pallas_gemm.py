@@ -76,6 +76,26 @@ DEFAULT_TILES: tuple[tuple[int | None, Tiles], ...] = (
 )
 
 
+#: The tiles `benchmarks/bench_gpu.py --only frozen_sweep` times: at up to 16 tokens
+#: (GEMV-like: memory-bound, many programs and bytes in flight), then at 4096 tokens
+#: (compute-bound: large tiles, so that each decoded weight tile feeds more tokens).
+SWEEP_TILES: tuple[Tiles, ...] = (
+    Tiles(16, 16, 256, 4, 4),
+    Tiles(16, 32, 128, 4, 4),
+    Tiles(16, 32, 256, 4, 4),
+    Tiles(16, 32, 512, 4, 3),
+    Tiles(16, 64, 128, 4, 4),
+    Tiles(16, 64, 256, 8, 3),
+    Tiles(16, 128, 128, 8, 3),
+    Tiles(128, 128, 64, 8, 3),
+    Tiles(128, 128, 64, 4, 4),
+    Tiles(128, 256, 64, 8, 3),
+    Tiles(256, 128, 64, 8, 3),
+    Tiles(128, 128, 128, 8, 3),
+    Tiles(64, 128, 64, 4, 4),
+)
+
+
 def default_tiles(tokens: int) -> Tiles:
     """The default tiles for `tokens` rows of activations."""
     for most, tiles in DEFAULT_TILES:
@@ -97,7 +117,7 @@ def check_tiles(tiles: Tiles, block: tuple[int, int]) -> None:
         raise ValueError(f"`tiles.features` ({bn}) must be a multiple of the block {block}.")
 
 
-def _split3(x: Float[Array, "m k"]) -> tuple[Array, Array, Array]:
+def _split3(x: Float[Array, "*s"]) -> tuple[Array, Array, Array]:
     """Three bfloat16 arrays whose float32 sum is exactly `x` (finite `x`; for inf and
     NaN the first part is `x`'s class and the others 0): its top 8 significant bits
     (truncated, so never rounded up to inf), the next 8, the last 8."""
@@ -139,11 +159,11 @@ def _dot(x: Array, w: Float[Array, "n k"], operand: str) -> Float[Array, "m n"]:
     """`x @ w.T` in float32 from exact bfloat16 products (see the module docstring)."""
     wb = w.astype(jnp.bfloat16)  # exact: block values
     if operand == "bfloat16":
-        return pl.dot(x.astype(jnp.bfloat16), wb, trans_b=True)
+        return pltriton.dot(x.astype(jnp.bfloat16), wb, trans_b=True)
     hi, mid, lo = _split3(x.astype(jnp.float32))
-    out = pl.dot(hi, wb, trans_b=True)
-    out += pl.dot(mid, wb, trans_b=True)
-    return out + pl.dot(lo, wb, trans_b=True)
+    out = pltriton.dot(hi, wb, trans_b=True)
+    out += pltriton.dot(mid, wb, trans_b=True)
+    return out + pltriton.dot(lo, wb, trans_b=True)
 
 
 def _mask(*parts: Array | None, shape: tuple[int, int]) -> Array | None:
