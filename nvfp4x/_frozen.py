@@ -256,7 +256,7 @@ def _frozen_fprop(x, *leaves, wdef, recipe, dtype, gemm):
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
     dims = ((x.ndim - 1,), (1,))
     if isinstance(w, NVFP4Array) and len(w.shape) == 2:  # a kernel decoding inside the GEMM
-        out = frozen_gemm(xv, w.codes, w.scale_bits, w.block, w.shape, dtype, gemm)
+        out = frozen_gemm(xv, w.codes, w.scale_bits, w.block, w.shape, gemm)
         if out is not None:
             return apply_scales(out, xs, w.tensor_scale)
     # A few tokens on a CPU: `scaled_dot` would run `chunked_dot` on the decoded weight;

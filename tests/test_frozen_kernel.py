@@ -82,7 +82,7 @@ def check_close(got, want, x, wv, k: int, scale=1.0) -> None:
 def reference(x, q: nvfp4x.NVFP4Array, operand: str):
     """The reference frozen product before the scales: `scaled_dot` on `operand()`."""
     wv, _ = q.operand()
-    dtype = jnp.bfloat16 if operand == "bfloat16" else None
+    dtype = jnp.dtype(jnp.bfloat16) if operand == "bfloat16" else None
     dims = ((1,), (1,))
     return jax.jit(functools.partial(scaled_dot, dims=dims, dtype=dtype))(x, None, wv, None)
 
@@ -169,7 +169,7 @@ def test_chooser_and_uncovered_cases():
     assert _kernels.pick("frozen_gemm", "gpu") == "pallas"
     assert _kernels.pick("frozen_gemm", "cpu") == "xla"
     codes, scale_bits = jnp.zeros((32, 32), jnp.uint8), jnp.zeros((32, 4), jnp.uint8)
-    args = (codes, scale_bits, (1, 16), (32, 64), jnp.dtype(jnp.bfloat16))
+    args = (codes, scale_bits, (1, 16), (32, 64))
     assert _kernels.frozen_gemm(jnp.ones((2, 64)), *args) is None  # the CPU's default
     assert _kernels.frozen_gemm(jnp.ones((2, 64), jnp.int32), *args, "pallas") is None
     assert _kernels.frozen_gemm(jnp.ones((0, 64)), *args, "pallas") is None

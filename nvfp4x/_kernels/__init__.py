@@ -190,15 +190,17 @@ def frozen_gemm(
     scale_bits: Array,
     block,
     shape: tuple[int, ...],
-    dtype,
     implementation: str | None = None,
 ) -> Array | None:
     """`x @ W.T` in float32 before the tensor scales, for the 2-D NVFP4 weight `W` of
     `shape` held as `codes` and `scale_bits` (an `NVFP4Array`'s fields), by
-    `implementation` (default: the picked one, `pick("frozen_gemm")`), with
-    `scaled_dot`'s operands for the GEMM dtype `dtype` (`gemm_dtype`); or `None` where
-    the reference is picked or the case is one the kernel does not cover (float64
-    activations, an empty product): the caller runs the reference."""
+    `implementation` (default: the picked one, `pick("frozen_gemm")`); or `None` where
+    the reference is picked or the case is one the kernel does not cover (float64 or
+    non-float activations, an empty product): the caller runs the reference.
+
+    The kernel's products are exact for any GEMM dtype (`gemm_dtype`): bfloat16
+    activations multiply as they are, wider ones as three exact bfloat16 parts; only
+    the float32 summation order differs from `scaled_dot`'s."""
     if (implementation or pick("frozen_gemm")) != "pallas":
         return None
     block = tuple(block)
@@ -208,15 +210,13 @@ def frozen_gemm(
         return None
     from . import _pallas_gemm  # Pallas is imported only where a kernel is picked
 
-    bf16 = jnp.dtype(jnp.bfloat16)
-    operand = "bfloat16" if dtype == bf16 and x.dtype == bf16 else "float32"
     out = _pallas_gemm.frozen_matmul(
         x.reshape(-1, k),
         codes,
         scale_bits,
         block=block,
         n=n,
-        operand=operand,
+        operand="bfloat16" if x.dtype == jnp.bfloat16 else "float32",
         interpret=backend() != "gpu",
     )
     return out.reshape(*x.shape[:-1], n)

@@ -10,11 +10,12 @@ packed codes and scales, decodes them in registers to the block values
 and multiplies them on the tensor cores with float32 accumulation; no decoded weight is
 written. The tensor scales are applied by the caller, as `scaled_dot` applies them.
 
-Operands, as `scaled_dot` picks them (`operand`):
+Operands (`operand`), by the activations' dtype (for either GEMM dtype of
+`scaled_dot`: its products are exact in both):
 
 - `"bfloat16"`: bfloat16 activations (a W4A4 layer's quantised values, or a W4A16
-  layer's bfloat16 input) against the bfloat16 block values: one `pl.dot`.
-- `"float32"`: the float32 reference's operands (float32 or float16 activations). The
+  layer's bfloat16 input) against the bfloat16 block values: one `pltriton.dot`.
+- `"float32"`: float32 or float16 activations (a W4A16 layer's). The
   activations are split exactly into three bfloat16 parts (`_split3`; 24 significant
   bits in three of 8), each multiplied exactly against the block values (6 significant
   bits at most) and accumulated in float32: three bfloat16 dots instead of one float32
