@@ -95,6 +95,15 @@ CASES = {
     "16x16_33_tokens_float32": ((16, 16), 33, 48, 96, "float32", Tiles(16, 32, 64, 4, 1), False),
     "1x16_3_tokens_float32_nan_inf": ((1, 16), 3, 40, 100, "float32", SMALL, True),
     "16x16_bfloat16_nan_inf_default_tiles": ((16, 16), 1, 40, 100, "bfloat16", None, True),
+    "1x16_16_tokens_bfloat16_depth_past_k": (
+        (1, 16),
+        16,
+        32,
+        64,
+        "bfloat16",
+        Tiles(16, 32, 128),
+        False,
+    ),
 }
 
 

@@ -215,7 +215,8 @@ def _kernel(x_ref, codes_ref, scales_ref, out_ref, *, m, k, block, operand, tile
         return acc + _dot(xt, w, operand)
 
     acc = jnp.zeros((bm, bn), jnp.float32)
-    acc = lax.fori_loop(0, k // bk, functools.partial(step, tail=False), acc)
+    if k // bk:  # (not traced otherwise: its plain reads would be larger than the arrays)
+        acc = lax.fori_loop(0, k // bk, functools.partial(step, tail=False), acc)
     if k % bk:  # (a traced step index: a static slice past an array's end is refused)
         acc = step(k // bk + 0 * pl.program_id(0), acc, tail=True)
     out = out_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)]
