@@ -38,8 +38,16 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   `jax.nn.scaled_matmul`: cuDNN on Blackwell, decomposed by XLA elsewhere; on a CPU
   `jax.lax.scaled_dot`) and `qdot` fp8 (native and emulated).
 - `frozen`: a frozen model of 16 layers 8192x8192 (1.07 B weights), W4A16
-  (`nvfp4_weight_only`) and W4A4 (`nvfp4_inference`), forward at 1, 16 and 4096 tokens
-  against bfloat16 and float32, with the weight bytes and the GB/s they are read at.
+  (`nvfp4_weight_only`, float32 and bfloat16 activations) and W4A4 (`nvfp4_inference`),
+  forward at 1, 16 and 4096 tokens with each implementation of the frozen GEMM
+  (`nvfp4x._kernels`' `frozen_gemm`: `xla` decodes the weight then calls a dot,
+  `pallas` decodes it inside the GEMM), against bfloat16 and float32, with the weight
+  bytes and the GB/s they are read at.
+- `frozen_sweep`: the Pallas frozen GEMM kernel alone (`_pallas_gemm.frozen_matmul`,
+  bfloat16 activations, 1x16 blocks) with each of its `SWEEP_TILES`, at 16 tokens on a
+  32768x8192 weight (packed 151 MB, more than the L2 cache) and at 4096 tokens on an
+  8192x8192 one, against a bfloat16 `x @ w.T` of the same shape: the rows to pick
+  `DEFAULT_TILES` from (the best is marked).
 
 Each timed function is compiled and run once first (warm-up); the variants of a section
 are then called in turn, `--repeats` rounds (interleaved), each call followed by
@@ -89,6 +97,7 @@ SECTIONS = (
     "train",
     "compile",
     "frozen",
+    "frozen_sweep",
     "native",
 )
 #: Arguments `benchmarks/run_all.py --quick` would pass (it skips without a GPU).
@@ -109,11 +118,12 @@ class Sizes:
     frozen_tokens: tuple[int, ...] = (1, 16, 4096)
     repeats: int = 5
     full_train: bool = True  # every NVFP4 training variant (else the recipe alone)
+    sweep_rows: int = 32768  # frozen_sweep: the weight's rows at few tokens
 
 
 FULL = Sizes()
-QUICK = Sizes(4096, 8192, 4096, 1024, 4096, 4096, 2, 4096, 4, (1, 16, 1024), 3, False)
-SMOKE = Sizes(64, 256, 128, 32, 64, 64, 2, 64, 2, (1, 16, 64), 1, True)
+QUICK = Sizes(4096, 8192, 4096, 1024, 4096, 4096, 2, 4096, 4, (1, 16, 1024), 3, False, 16384)
+SMOKE = Sizes(64, 256, 128, 32, 64, 64, 2, 64, 2, (1, 16, 64), 1, True, 128)
 
 
 class Table:
@@ -527,6 +537,16 @@ class Chain(eqx.Module):
         return x
 
 
+def frozen_thunk(impl: str | None, fn: Callable, *args) -> Callable[[], Any]:
+    """`fn(*args)` as a thunk, `fn` jitted afresh and traced (run once) with the frozen
+    GEMM implementation `impl` (None: the default): later calls reuse that program."""
+    jitted = eqx.filter_jit(fn)
+    if impl is not None:
+        with _kernels.use("frozen_gemm", impl):
+            ready(jitted(*args))
+    return functools.partial(jitted, *args)
+
+
 def frozen(s: Sizes, table: Table, state: dict) -> None:
     model = Chain(s.frozen_d, s.frozen_layers, jax.random.key(3))
     models = {
@@ -536,19 +556,83 @@ def frozen(s: Sizes, table: Table, state: dict) -> None:
         "W4A4": nvfp4x.freeze(nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_inference())),
     }
     nbytes = {k: weight_bytes(m) for k, m in models.items()}
-    forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    # (row name, model, activation dtype, frozen GEMM implementation)
+    variants = [("float32", "float32", f32, None), ("bf16", "bf16", bf16, None)]
+    for impl in _kernels.IMPLEMENTATIONS["frozen_gemm"]:
+        variants += [
+            (f"W4A16 ({impl})", "W4A16", f32, impl),
+            (f"W4A16 bf16 activations ({impl})", "W4A16", bf16, impl),
+            (f"W4A4 ({impl})", "W4A4", f32, impl),
+        ]
+    forward = lambda m, x: jax.vmap(m)(x)
     what = f"{s.frozen_layers} layers {s.frozen_d}x{s.frozen_d}"
     for tokens in s.frozen_tokens:
         x = jax.random.normal(jax.random.key(4), (tokens, s.frozen_d), jnp.float32)
-        xs = {k: x.astype(jnp.bfloat16) if k == "bf16" else x for k in models}
-        fns = {k: functools.partial(forward, m, xs[k]) for k, m in models.items()}
+        fns = {}
+        for name, key, dtype, impl in variants:
+            try:
+                fns[name] = frozen_thunk(impl, forward, models[key], x.astype(dtype))
+            except Exception as e:  # noqa: BLE001 - one failing variant must not stop the rest
+                table.add("frozen", name, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
         t = interleaved(fns, s.repeats, table, "frozen")
         base = t.get("bf16")
-        for k, secs in t.items():
-            note = f"{nbytes[k] / 1e9:.3f} GB weights read at {nbytes[k] / secs / 1e9:.0f} GB/s"
+        for name, key, _, _ in variants:
+            if name not in t:
+                continue
+            secs = t[name]
+            note = f"{nbytes[key] / 1e9:.3f} GB weights read at {nbytes[key] / secs / 1e9:.0f} GB/s"
             if base:
                 note += f", {secs / base:.2f}x bf16"
-            table.add("frozen", f"{k} forward, {tokens} tokens, {what}", ms(secs), note)
+            table.add("frozen", f"{name} forward, {tokens} tokens, {what}", ms(secs), note)
+
+
+def frozen_sweep(s: Sizes, table: Table, state: dict) -> None:
+    from nvfp4x._kernels import _pallas_gemm
+
+    interpret = jax.default_backend() != "gpu"
+    k = s.frozen_d
+    few = [t for t in _pallas_gemm.SWEEP_TILES if t.tokens <= 16]
+    many = [t for t in _pallas_gemm.SWEEP_TILES if t.tokens > 16]
+    for tokens, rows, tiles in ((16, s.sweep_rows, few), (s.frozen_tokens[-1], k, many)):
+        w = nvfp4x.to_nvfp4(
+            jax.random.normal(jax.random.key(5), (rows, k), jnp.bfloat16), block=(1, 16)
+        )
+        wb = w.dequantize(jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(6), (tokens, k), jnp.bfloat16)
+        packed = w.codes.nbytes + w.scale_bits.nbytes
+        dot = jax.jit(lambda x, wb: jnp.dot(x, wb.T, preferred_element_type=jnp.float32))
+        fns: dict[str, Callable[[], Any]] = {"bf16 x @ w.T": functools.partial(dot, x, wb)}
+        for t in tiles:
+            kernel = jax.jit(
+                functools.partial(
+                    _pallas_gemm.frozen_matmul,
+                    block=(1, 16),
+                    n=rows,
+                    operand="bfloat16",
+                    tiles=t,
+                    interpret=interpret,
+                )
+            )
+            fns[f"tiles {tuple(t)}"] = functools.partial(kernel, x, w.codes, w.scale_bits)
+        times = interleaved(fns, s.repeats, table, "frozen_sweep")
+        base = times.pop("bf16 x @ w.T", None)
+        what = f"{tokens} tokens, weight {rows}x{k}"
+        if base:
+            note = f"{wb.nbytes / 1e9:.3f} GB"
+            table.add("frozen_sweep", f"bf16 x @ w.T, {what}", ms(base), note)
+        best = min(times, key=times.__getitem__) if times else None
+        for name, secs in times.items():
+            note = f"packed {packed / secs / 1e9:.0f} GB/s"
+            if base:
+                note += f", {secs / base:.2f}x bf16"
+            note += " **best**" if name == best else ""
+            table.add(
+                "frozen_sweep",
+                f"{name} (tokens, features, depth, warps, stages), {what}",
+                ms(secs),
+                note,
+            )
 
 
 def native(s: Sizes, table: Table, state: dict) -> None:
@@ -625,6 +709,7 @@ RUN = {
     "compile": compile_times,
     "frozen": frozen,
     "native": native,
+    "frozen_sweep": frozen_sweep,
 }
 
 

@@ -26,6 +26,7 @@ from ._formats._dot import (
     runs_chunked,
 )
 from ._gemm import batched_problem, fprop, quantised_dot
+from ._kernels import frozen_gemm, pick
 from ._linear import apply_linear, product_seen_by_interpreter
 from ._numerics._constants import BLOCK, BLOCK_BYTES, is_tile
 from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
@@ -262,7 +263,10 @@ class FrozenLinear(eqx.nn.Linear):
 def _matmul(x: Array, *leaves: Array, wdef, recipe: Recipe, fast: bool) -> Array:
     """The GEMM of a `FrozenLinear`, on its packed weight's leaves."""
     dtype = gemm_dtype(fast)
-    return frozen_p.bind(x, *leaves, wdef=wdef, recipe=recipe, dtype=dtype, nbatch=0)
+    # The implementation is a parameter, so that a program traced under another choice
+    # (`_kernels.use`) is not reused for this one.
+    gemm = pick("frozen_gemm")
+    return frozen_p.bind(x, *leaves, wdef=wdef, recipe=recipe, dtype=dtype, gemm=gemm, nbatch=0)
 
 
 def weight_operand(w: PackedWeight, recipe: Recipe):
@@ -271,10 +275,14 @@ def weight_operand(w: PackedWeight, recipe: Recipe):
     return quantize_operand(w, recipe.weight, axis=-1)
 
 
-def _frozen_fprop(x, *leaves, wdef, recipe, dtype):
+def _frozen_fprop(x, *leaves, wdef, recipe, dtype, gemm):
     w = jax.tree_util.tree_unflatten(wdef, leaves)
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
     dims = ((x.ndim - 1,), (1,))
+    if isinstance(w, NVFP4Array) and len(w.shape) == 2:  # a kernel decoding inside the GEMM
+        out = frozen_gemm(xv, w.codes, w.scale_bits, w.block, w.shape, gemm)
+        if out is not None:
+            return apply_scales(out, xs, w.tensor_scale)
     # A few tokens on a CPU: `scaled_dot` would run `chunked_dot` on the decoded weight;
     # run it here on the packed one (the same values, so the same bits), decoding each
     # chunk inside its loop: only the packed bytes are read, no decoded weight is made.
@@ -333,7 +341,7 @@ def nvfp4_pairs(w: NVFP4Array, steps: int) -> Pairs:
     return pairs
 
 
-def _frozen_abstract(x, *leaves, wdef, recipe, dtype, nbatch):
+def _frozen_abstract(x, *leaves, wdef, recipe, dtype, gemm, nbatch):
     n = jax.tree_util.tree_unflatten(wdef, leaves).shape[-2]  # avals stand in for arrays
     return x.shape[:-1] + (n,), jnp.float32
 

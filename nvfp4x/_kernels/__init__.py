@@ -22,8 +22,15 @@ Operations:
   pack pairs along the rows), a 0-d or empty array, 16x16 tiles of an operand that is
   not 2-D, and `NVFP4Spec.quantize_saturated` (telemetry). wgrad's RHT runs before, in
   XLA (`nvfp4x.rht`); the kernel quantises its output.
+- `"frozen_gemm"`: a frozen layer's GEMM `x @ W.T` on its packed 2-D NVFP4 weight
+  (`FrozenLinear`, `FrozenWeight` in its stored layout): `"xla"` decodes the weight
+  and calls `scaled_dot` (on a CPU, a few tokens run `chunked_dot` on the packed
+  codes); `"pallas"` (`_pallas_gemm`) decodes each tile of the weight in registers
+  inside the GEMM, equal up to float32 summation order. Callers ask `frozen_gemm(...)`.
+  The default on GPUs (interpreted and lowered for CUDA in the tests, not yet run on a
+  GPU); the CPU keeps the reference.
 
-The Pallas kernel is the default on GPUs (`DEFAULTS`): bit for bit the reference under
+The Pallas quantiser is the default on GPUs (`DEFAULTS`): bit for bit the reference under
 `interpret=True` on the CPU, it lowers for CUDA, and `tests/test_kernels.py` passed on
 an H200 with it compiled there (after the fixes for tiles that overhang the array and
 for the sign of `-0.0`, see `_pallas_nvfp4`). Other backends use the reference (the
@@ -76,9 +83,13 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "gemm_operands": ("float32", "bfloat16"),
     "fp8_gemm": ("xla", "native"),
     "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
+    "frozen_gemm": ("xla", "pallas"),
 }
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
-DEFAULTS: dict[tuple[str, str], str] = {("nvfp4_quantize", "gpu"): "pallas"}
+DEFAULTS: dict[tuple[str, str], str] = {
+    ("nvfp4_quantize", "gpu"): "pallas",
+    ("frozen_gemm", "gpu"): "pallas",
+}
 #: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
 #: operand quantised along its leading axis).
 KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
@@ -320,3 +331,41 @@ def native_gemm(
             "`nvfp4x._kernels.use('block_scaled_gemm', 'lax_scaled_dot')` there."
         )
     return block_scaled_dot(a, b, a_native, dims, implementation=implementation)
+
+
+def frozen_gemm(
+    x: Array,
+    codes: Array,
+    scale_bits: Array,
+    block,
+    shape: tuple[int, ...],
+    implementation: str | None = None,
+) -> Array | None:
+    """`x @ W.T` in float32 before the tensor scales, for the 2-D NVFP4 weight `W` of
+    `shape` held as `codes` and `scale_bits` (an `NVFP4Array`'s fields), by
+    `implementation` (default: the picked one, `pick("frozen_gemm")`); or `None` where
+    the reference is picked or the case is one the kernel does not cover (float64 or
+    non-float activations, an empty product): the caller runs the reference.
+
+    The kernel's products are exact for any GEMM dtype (`gemm_dtype`): bfloat16
+    activations multiply as they are, wider ones as three exact bfloat16 parts; only
+    the float32 summation order differs from `scaled_dot`'s."""
+    if (implementation or pick("frozen_gemm")) != "pallas":
+        return None
+    block = tuple(block)
+    n, k = shape
+    wide = jnp.dtype(x.dtype).itemsize > 4 or not jnp.issubdtype(x.dtype, jnp.floating)
+    if block not in (ROW_BLOCK, TILE) or codes.ndim != 2 or wide or x.size == 0 or n == 0:
+        return None
+    from . import _pallas_gemm  # Pallas is imported only where a kernel is picked
+
+    out = _pallas_gemm.frozen_matmul(
+        x.reshape(-1, k),
+        codes,
+        scale_bits,
+        block=block,
+        n=n,
+        operand="bfloat16" if x.dtype == jnp.bfloat16 else "float32",
+        interpret=backend() != "gpu",
+    )
+    return out.reshape(*x.shape[:-1], n)
