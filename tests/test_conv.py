@@ -88,7 +88,10 @@ def unet_loss(model, x):
 
 
 def count(text: str, name: str) -> int:
-    return text.count(f"{name}[")
+    """How many of nvfp4x's GEMMs `name` (`nvfp4x_qdot`, `nvfp4x_dgrad`, `nvfp4x_wgrad`)
+    the jaxpr holds, on patches or as a convolution (`nvfp4x_conv_qdot`...)."""
+    conv = name.replace("nvfp4x_", "nvfp4x_conv_")
+    return text.count(f"{name}[") + text.count(f"{conv}[")
 
 
 def test_every_selected_convolution_gemm_runs_quantised_and_coverage_says_so():
