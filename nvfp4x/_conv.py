@@ -395,12 +395,15 @@ _FAST = [True]
 @contextlib.contextmanager
 def reference_only():
     """Within this context, every quantised convolution traced runs the reference (the
-    patch GEMM): for tests and benchmarks that compare the two."""
+    patch GEMM): for tests and benchmarks that compare the two. (JAX's trace caches are
+    cleared on entry and exit: the choice is made when a convolution is traced.)"""
+    jax.clear_caches()
     _FAST.append(False)
     try:
         yield
     finally:
         _FAST.pop()
+        jax.clear_caches()
 
 
 def runs_fast(recipe: Recipe, channels: int, probe: Any = None, enabled: Any = None) -> bool:
