@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from ._conv import CONV_PASS, conv_tw_p, conv_tx_p
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
@@ -158,6 +159,38 @@ def _recipe_row(
     return CoverageRow(path, kind, shape, flops * batch, formats, True)
 
 
+def _conv_row(eqn, repeats: int) -> CoverageRow:
+    """A convolution's GEMM on the fast path (`_conv.py`): the patch GEMM it computes,
+    `(tokens, window x in) x (window x in, out)`, tokens the output pixels."""
+    p = eqn.params
+    recipe: Recipe = p["recipe"]
+    avals = [v.aval for v in eqn.invars]
+    nb = p["nbatch"]
+    batch = math.prod(avals[0].shape[:nb])
+    kind = CONV_PASS[eqn.primitive]
+    out = eqn.outvars[0].aval
+    if kind == "wgrad":  # ct (images..., out..., n), x (images..., in..., C) -> (n, k)
+        ct = avals[0]
+        n, k = out.shape[-2], out.shape[-1]
+        m = math.prod(ct.shape[nb:-1])
+        shape, fmts = f"({n}, {m}) x ({m}, {k})", (recipe.grad, recipe.input)
+    elif kind == "dgrad":  # ct (images..., out..., n), wv (n, k)
+        ct, wv = avals[0], avals[1]
+        n, k = wv.shape[-2], wv.shape[-1]
+        m = math.prod(ct.shape[nb:-1])
+        shape, fmts = f"({m}, {n}) x ({n}, {k})", (recipe.grad, recipe.weight)
+    else:  # x (images..., in..., C), w (n, k) -> (images..., out..., n)
+        w = avals[1]
+        n, k = w.shape[-2], w.shape[-1]
+        m = math.prod(out.shape[nb:-1])
+        shape = f"({m}, {k}) x ({k}, {n})"
+        fmts = (
+            None if eqn.primitive is conv_tx_p else recipe.input,
+            None if eqn.primitive is conv_tw_p else recipe.weight,
+        )
+    return _recipe_row(eqn, kind, shape, 2 * m * n * k * repeats, batch, fmts)
+
+
 _GROUPED_PASS = {grouped_qdot_p: "fprop", grouped_tx_p: "fprop (jvp)",
                  grouped_tw_p: "fprop (jvp)", grouped_dgrad_p: "dgrad",
                  grouped_wgrad_p: "wgrad"}  # fmt: skip
@@ -268,6 +301,9 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
             continue
         if prim in _GROUPED_PASS:
             rows.append(_grouped_row(eqn, repeats))
+            continue
+        if prim in CONV_PASS:
+            rows.append(_conv_row(eqn, repeats))
             continue
         if prim in GEMM_PRIMITIVES:
             ragged = prim is ragged_dot_general_p

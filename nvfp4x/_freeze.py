@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from ._conv import gemm_matrix
 from ._frozen import FrozenLinear, FrozenWeight, PackedWeight
 from ._linear import QuantizedLinear
 from ._numerics._nvfp4 import tensor_amax
 from ._policy import Recipe
 from ._prims import is_traced, vmapped
-from ._qweight import QWeight, gemm_matrix
+from ._qweight import QWeight
 from ._sites import at_path, is_conv, is_layer, is_qweight, qweights
 
 

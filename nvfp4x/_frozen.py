@@ -16,6 +16,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
+from ._conv import check_conv_kernel, conv_gemm, conv_qdot, kernel_from_matrix, runs_fast
 from ._formats import gemm_dtype, quantize_operand
 from ._formats._dot import (
     CHUNK,
@@ -46,11 +47,8 @@ from ._qweight import (
     QWeight,
     WeightValue,
     as_qweight,
-    check_conv_kernel,
-    conv_gemm,
     default_rule,
     gemm_out_dtype,
-    kernel_from_matrix,
     ragged_rule,
     weight_gemm,
 )
@@ -430,20 +428,42 @@ def _(lhs: ArrayLike | QWeight, rhs: FrozenWeight, **params):
 
 @quax.register(lax.conv_general_dilated_p)
 def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
-    """A convolution on a frozen kernel: the unfrozen convolution's GEMM (see `_qweight`)
-    on the packed kernel matrix, decoded inside the GEMM: bit for bit the unfrozen
-    forward. A weight packed as a linear layer's is decoded and run as a plain kernel."""
+    """A convolution on a frozen kernel: the unfrozen convolution's GEMM (see `_conv`)
+    on the packed kernel matrix: the reference decodes it inside the GEMM, the fast
+    path (`runs_fast`) runs the unfrozen fast path's primitive on the decoded values;
+    bit for bit the unfrozen forward either way. A weight packed as a linear layer's is
+    decoded and run as a plain kernel."""
     if rhs.kernel_axes is None:
         return default_rule(lax.conv_general_dilated_p, (lhs, rhs), params)
-    check_conv_kernel(rhs, params["dimension_numbers"][1], params["feature_group_count"])
+    axes = check_conv_kernel(rhs, params["dimension_numbers"][1], params["feature_group_count"])
     leaves, wdef = jax.tree_util.tree_flatten(rhs.packed)
     matmul = functools.partial(_matmul, wdef=wdef, recipe=rhs.recipe, fast=rhs.fast)
 
     def gemm(x, nb):
         return (jax.vmap(matmul) if nb else matmul)(x, *leaves)
 
+    def fast(x, geom, nb):
+        wv, ws = weight_operand(rhs.packed, rhs.recipe)
+        ws = jnp.ones(wv.shape[:-2], jnp.float32) if ws is None else ws
+        wv = lax.stop_gradient(wv.astype(jnp.float32))  # exact values; no derivative
+
+        def one(x, wv, ws):
+            conv = functools.partial(conv_qdot, recipe=rhs.recipe, fast=rhs.fast, geom=geom)
+            return conv(x, wv, name=rhs.path, weight=(wv, ws))
+
+        return (jax.vmap(one) if nb else one)(x, wv, ws)
+
     shape = tuple(rhs.shape)
-    return conv_gemm(lhs, shape, gemm, path=rhs.path, rhs_dtype=rhs.packed.dtype, **params)
+    quick = len(shape) == len(axes) and runs_fast(rhs.recipe, shape[axes[1]])
+    return conv_gemm(
+        lhs,
+        shape,
+        gemm,
+        path=rhs.path,
+        rhs_dtype=rhs.packed.dtype,
+        fast=fast if quick else None,
+        **params,
+    )
 
 
 def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:

@@ -26,7 +26,6 @@ GEMM is never possible. `nvfp4x.quantized(fn)` makes any function interpreted.
 
 import dataclasses
 import functools
-import itertools
 import math
 import operator
 import warnings
@@ -47,6 +46,7 @@ from quax._trace import _QuaxTrace, _QuaxTracer
 from quax._values import _dense, _DenseArrayValue
 
 from ._axes import explicit_axes_as_auto
+from ._conv import check_conv_kernel, conv_gemm, conv_qdot, gemm_matrix, runs_fast
 from ._formats import widest_float
 from ._policy import Recipe
 from ._prims import (
@@ -431,138 +431,17 @@ def _(lhs: QWeight, rhs: ArrayLike | QWeight, group_sizes: ArrayLike, **params):
     return ragged_rule(lhs, rhs, group_sizes, _qweight_grouped, **params)
 
 
-# --- convolutions: their GEMM ---
-
-
-def gemm_matrix(kernel: Array, kernel_axes: tuple[int, ...], groups: int) -> Array:
-    """A convolution kernel (possibly stacked) as its GEMM's weight: `(stack..., out,
-    in x window)`, or `(stack..., groups, out / groups, in / groups x window)` for a
-    grouped convolution (each group its own GEMM). `kernel_axes` gives the roles of the
-    kernel's trailing axes (out channels, in channels, window...), as
-    `lax.conv_general_dilated`'s kernel spec; the contraction is in channels major,
-    window minor (the order of `lax.conv_general_dilated_patches`)."""
-    lead = kernel.ndim - len(kernel_axes)
-    k = jnp.transpose(kernel, (*range(lead), *(lead + a for a in kernel_axes)))
-    out = k.shape[lead]
-    shape = k.shape[:lead] + ((groups,) if groups > 1 else ()) + (out // groups, -1)
-    return k.reshape(shape)
-
-
-def kernel_from_matrix(
-    m: Array, kernel_shape: tuple[int, ...], kernel_axes: tuple[int, ...], groups: int
-) -> Array:
-    """`gemm_matrix`'s inverse: the kernel of shape `kernel_shape` (per layer, in its
-    stored layout) from its GEMM matrix `m` (possibly stacked)."""
-    lead = m.ndim - 2 - (1 if groups > 1 else 0)
-    k = m.reshape(m.shape[:lead] + tuple(kernel_shape[a] for a in kernel_axes))
-    inverse = np.argsort(kernel_axes)
-    return jnp.transpose(k, (*range(lead), *(lead + int(i) for i in inverse)))
-
-
-def conv_patches(
-    x: Array, window: tuple[int, ...], strides, padding, lhs_dilation, rhs_dilation
-) -> Array:
-    """The patches of `x: (N, C, spatial...)` for a convolution with a kernel window
-    `window`: `(N, out spatial..., C, prod(window))`, the window row-major, as
-    `lax.conv_general_dilated_patches` orders them, by slicing (exact; no GEMM): one
-    strided slice of the padded, dilated input per window offset, channels last so that
-    the slices stack into the GEMM's layout without a transpose of the patches."""
-    x = jnp.moveaxis(x, 1, -1)  # (N, spatial..., C)
-    config = [(0, 0, 0)]
-    config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation, strict=True)]
-    x = lax.pad(x, jnp.zeros((), x.dtype), [*config, (0, 0, 0)])
-    spatial = x.shape[1:-1]
-    out = tuple(
-        max(0, (s - (w - 1) * d - 1) // st + 1)
-        for s, w, d, st in zip(spatial, window, rhs_dilation, strides, strict=True)
-    )
-    slices = []
-    for offset in itertools.product(*(range(w) for w in window)):
-        start = tuple(o * d for o, d in zip(offset, rhs_dilation, strict=True))
-        limit = tuple(
-            b + (n - 1) * st + 1 if n else b for b, n, st in zip(start, out, strides, strict=True)
-        )
-        slices.append(
-            lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]), (1, *strides, 1))
-        )
-    return jnp.stack(slices, axis=-1)  # (N, out spatial..., C, window)
-
-
-def conv_gemm(
-    lhs: ArrayLike,
-    kernel_shape: tuple[int, ...],
-    gemm: Callable,
-    *,
-    path: str,
-    window_strides,
-    padding,
-    lhs_dilation,
-    rhs_dilation,
-    dimension_numbers,
-    feature_group_count,
-    batch_group_count,
-    preferred_element_type=None,
-    rhs_dtype=None,
-    **_,
-) -> Array:
-    """`lax.conv_general_dilated` of `lhs` with a quantised kernel of shape
-    `kernel_shape`, as its GEMM `gemm(x, nbatch)` on the patches `x: (groups..., N,
-    out spatial..., in/groups x window)` (see `gemm_matrix` for the weight's side; a
-    grouped convolution is `groups` independent GEMMs, `nbatch=1`). The output is put
-    back in the convolution's layout."""
-    if batch_group_count != 1:
-        raise NotImplementedError(
-            f"nvfp4x: the convolution of `{path}` has batch groups ({batch_group_count}); "
-            "only feature groups run in NVFP4. Leave the layer out of the policy."
-        )
-    lhs_spec, rhs_spec, out_spec = dimension_numbers
-    g = feature_group_count
-    window = tuple(kernel_shape[i] for i in rhs_spec[2:])
-    x = jnp.transpose(jnp.asarray(lhs), lhs_spec)  # (N, C, spatial...)
-    p = conv_patches(x, window, window_strides, padding, lhs_dilation, rhs_dilation)
-    c, w = p.shape[-2:]
-    p = p.reshape(p.shape[:-2] + (g, (c // g) * w))  # (N, out..., groups, K)
-    p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
-    y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
-    if g > 1:
-        y = jnp.moveaxis(y, 0, -2)
-        y = y.reshape(y.shape[:-2] + (-1,))
-    y = jnp.moveaxis(y, -1, 1)  # (N, O, out spatial...)
-    inverse = tuple(int(i) for i in np.argsort(out_spec))
-    dtype = preferred_element_type or widest_float(jnp.result_type(lhs), rhs_dtype)
-    return jnp.transpose(y, inverse).astype(dtype)
-
-
-def check_conv_kernel(w: Any, rhs_spec: tuple, groups: int) -> tuple[int, ...]:
-    """`w.kernel_axes`; raises unless the convolution reads the quantised kernel `w` as
-    it was quantised (its kernel layout and feature groups): `freeze` packs the kernel's
-    GEMM matrix by them."""
-    if w.kernel_axes is None:
-        raise ValueError(
-            f"nvfp4x: `{w.path}` was selected as a linear layer's weight, but its module "
-            "runs it as a convolution kernel (nvfp4x could not trace the module's call on "
-            "a guessed input to tell). Leave it out of the policy, or call the convolution "
-            "from a module whose call takes one input array of shape `(channels, "
-            "spatial...)`, and quantise it with `nvfp4x.Policy(rules, convolutions=True)`."
-        )
-    if tuple(rhs_spec) != tuple(w.kernel_axes) or groups != w.groups:
-        raise ValueError(
-            f"nvfp4x: the convolution kernel `{w.path}` was quantised with kernel layout "
-            f"{w.kernel_axes} and {w.groups} feature group(s), but is used with layout "
-            f"{tuple(rhs_spec)} and {groups}; `freeze` would pack it wrongly. Quantise the "
-            "model again (`nvfp4x.quantize(nvfp4x.dequantize(model), policy)`)."
-        )
-    return w.kernel_axes
+# --- convolutions: their GEMM (`_conv.py`) ---
 
 
 @quax.register(lax.conv_general_dilated_p)
 def _(lhs: ArrayLike, rhs: QWeight, **params):
-    """A convolution whose kernel is quantised, run as its GEMM: the input's patches
-    (input channels x kernel window, the contraction) times the kernel as
-    `(out channels, in channels x window)` (`gemm_matrix`); a grouped convolution as one
-    such GEMM per group, each its own problem with its own scales. fprop, dgrad and
-    wgrad are `qdot`'s, with blocks along that contraction; the patches are strided
-    slices of the input (exact, and their transpose carries dgrad back to the input)."""
+    """A convolution whose kernel is quantised, run as its GEMM (`_conv.py`): the
+    input's patches (kernel window x input channels, the contraction) times the kernel
+    as `(out channels, window x in channels)` (`gemm_matrix`); a grouped convolution as
+    one such GEMM per group, each its own problem with its own scales. fprop, dgrad and
+    wgrad are `qdot`'s on the patches (the reference), or the same GEMMs as real
+    convolutions when the input channels fill whole blocks (`runs_fast`)."""
     axes = check_conv_kernel(rhs, params["dimension_numbers"][1], params["feature_group_count"])
     wm = gemm_matrix(rhs.array, axes, rhs.groups)
 
@@ -572,8 +451,25 @@ def _(lhs: ArrayLike, rhs: QWeight, **params):
             fn = jax.vmap(fn, in_axes=(0, 0, None if rhs.probe is None else 0, None))
         return fn(x, wm, rhs.probe, rhs.enabled)
 
+    def fast(x, geom, nb):
+        fn = functools.partial(
+            conv_qdot, recipe=rhs.recipe, fast=rhs.fast, name=rhs.path, geom=geom
+        )
+        return (jax.vmap(fn) if nb else fn)(x, wm)
+
     shape = tuple(rhs.array.shape)
-    return conv_gemm(lhs, shape, gemm, path=rhs.path, rhs_dtype=rhs.array.dtype, **params)
+    quick = len(shape) == len(axes) and runs_fast(
+        rhs.recipe, shape[axes[1]], rhs.probe, rhs.enabled
+    )
+    return conv_gemm(
+        lhs,
+        shape,
+        gemm,
+        path=rhs.path,
+        rhs_dtype=rhs.array.dtype,
+        fast=fast if quick else None,
+        **params,
+    )
 
 
 # --- everything else ---

@@ -508,15 +508,23 @@ def test_vmap_of_grad_never_gives_cpu_a_batched_bfloat16_dot(monkeypatch):
 
 
 def im2col_reference(x, kernel, stride, padding, recipe):
-    """The convolution as its GEMM, written out: NCHW patches times the OIHW kernel."""
+    """The convolution as its GEMM, written out: NCHW patches times the OIHW kernel, the
+    contraction ordered kernel window major, input channels minor (nvfp4x's order)."""
     dn = lax.conv_dimension_numbers(x.shape, kernel.shape, ("NCHW", "OIHW", "NCHW"))
     patches = lax.conv_general_dilated_patches(
         x, kernel.shape[2:], stride, padding, dimension_numbers=dn, precision=lax.Precision.HIGHEST
-    )
+    )  # (N, C x window, out...), channels major
+    n, c, window = x.shape[0], x.shape[1], kernel[0, 0].size
+    patches = patches.reshape(n, c, window, -1).transpose(0, 3, 2, 1)  # (N, out, window, C)
+    matrix = kernel.transpose(0, 2, 3, 1).reshape(kernel.shape[0], -1)  # (O, window x C)
     lin = eqx.nn.Linear(kernel[0].size, kernel.shape[0], use_bias=False, key=jax.random.key(0))
-    lin = eqx.tree_at(lambda m: m.weight, lin, kernel.reshape(kernel.shape[0], -1))
-    y = nvfp4x.quantize(lin, recipe)(jnp.moveaxis(patches, 1, -1))
-    return jnp.moveaxis(y, -1, 1)
+    lin = eqx.tree_at(lambda m: m.weight, lin, matrix)
+    y = nvfp4x.quantize(lin, recipe)(patches.reshape(n, -1, window * c))
+    out = y.shape[:1] + tuple(
+        (s + lo + hi - k) // st + 1
+        for s, (lo, hi), k, st in zip(x.shape[2:], padding, kernel.shape[2:], stride, strict=True)
+    )
+    return jnp.moveaxis(y.reshape(out + y.shape[-1:]), -1, 1)
 
 
 def test_convolutions_stay_plain_unless_the_policy_opts_in():

@@ -7,6 +7,8 @@ nothing else, `freeze` packs each kernel as trained (frozen == unfrozen, bit for
 telemetry runs, and what is a convolution does not depend on how the class is written.
 """
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from jax import lax
 from jaxtyping import Array
 
 import nvfp4x
+from nvfp4x._conv import reference_only
 
 CONVS = nvfp4x.Policy([(".*", TRAIN)], convolutions=True)
 FLOAT_CONVS = nvfp4x.Policy([(".*", nvfp4x.recipes.float32())], convolutions=True)
@@ -88,7 +91,10 @@ def unet_loss(model, x):
 
 
 def count(text: str, name: str) -> int:
-    return text.count(f"{name}[")
+    """How many of nvfp4x's GEMMs `name` (`nvfp4x_qdot`, `nvfp4x_dgrad`, `nvfp4x_wgrad`)
+    the jaxpr holds, on patches or as a convolution (`nvfp4x_conv_qdot`...)."""
+    conv = name.replace("nvfp4x_", "nvfp4x_conv_")
+    return text.count(f"{name}[") + text.count(f"{conv}[")
 
 
 def test_every_selected_convolution_gemm_runs_quantised_and_coverage_says_so():
@@ -145,6 +151,60 @@ def test_the_gemm_is_the_convolution(make, shape):
     assert_close(yq, y, "forward")
     assert_close(gq.weight.array, g.weight, "wgrad")
     assert_close(gxq, gx, "dgrad")
+
+
+FAST_CASES = [
+    pytest.param(
+        lambda k: eqx.nn.Conv2d(16, 16, 3, padding=1, key=k), (2, 16, 7, 5), True, id="c16-odd"
+    ),
+    pytest.param(
+        lambda k: eqx.nn.Conv2d(32, 16, 3, stride=2, padding=(1, 2), dilation=2, key=k),
+        (2, 32, 9, 11),
+        False,
+        id="c32-stride-pad-dilation",
+    ),
+    pytest.param(  # stride 3 reads every third pixel: an inf elsewhere is never read
+        lambda k: eqx.nn.Conv1d(48, 16, 1, stride=3, key=k), (3, 48, 10), False, id="c48-unread"
+    ),
+    pytest.param(
+        lambda k: eqx.nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1, groups=2, key=k),
+        (2, 32, 5, 5),
+        False,
+        id="convT-groups",
+    ),
+]
+
+
+@pytest.mark.parametrize("make, shape, eager", FAST_CASES)
+def test_the_fast_convolution_is_the_patch_gemm(make, shape, eager):
+    """Input channels (per group) a multiple of 16: each 16-element block of a patch is
+    one pixel's channels, so the fast path (the input quantised once, real convolutions)
+    computes the reference's patch GEMMs (SR on) up to float32 summation order (a code
+    or scale that differed would move far more): jitted, fprop and wgrad are bit for
+    bit on this CPU, dgrad (the transposed convolution sums the patches' parts in
+    another order) and an eager fprop are not."""
+    qconv = nvfp4x.quantize(make(jax.random.key(0)), CONVS)
+    x = normal(7, shape)
+    if len(shape) == 3:
+        x = x.at[:, :, 1].set(jnp.inf)  # an unread pixel
+    ct = jnp.cos(jnp.arange(math.prod(jax.eval_shape(jax.vmap(qconv), x).shape)))
+
+    def grad(m, x):  # fprop, then wgrad and dgrad of a fixed cotangent
+        y, vjp = eqx.filter_vjp(lambda m, x: jax.vmap(m)(x), m, x)
+        return y, vjp(ct.reshape(y.shape).astype(y.dtype))
+
+    fast_text = str(jax.make_jaxpr(grad)(qconv, x))
+    got = (grad if eager else eqx.filter_jit(grad))(qconv, x)
+    with reference_only():
+        ref_text = str(jax.make_jaxpr(grad)(qconv, x))
+        want = eqx.filter_jit(grad)(qconv, x)
+    assert "nvfp4x_conv_qdot[" in fast_text and "nvfp4x_conv_wgrad[" in fast_text
+    assert "nvfp4x_conv" not in ref_text
+    (y, (gw, gx)), (y0, (gw0, gx0)) = got, want
+    assert np.all(np.isfinite(np.asarray(y)))
+    assert_close(y, y0, "fprop", rtol=1e-6)
+    assert_close(gw.weight.array, gw0.weight.array, "wgrad", rtol=1e-6)
+    assert_close(gx, gx0, "dgrad", rtol=1e-6)
 
 
 def test_a_grouped_convolution_is_one_problem_per_group():

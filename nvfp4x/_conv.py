@@ -1,0 +1,483 @@
+"""Quantised convolutions: a convolution is a GEMM whose contraction runs over the kernel
+window and the input channels.
+
+The contraction order is **window major, input channels minor**: the kernel's GEMM
+matrix is `(out, window x in)` (`gemm_matrix`), a patch of the input is its window's
+pixels one after another, each pixel's channels together (`conv_patches`). Training,
+`freeze`, telemetry, coverage and the checkpoint and HF paths all read a kernel through
+`gemm_matrix` / `kernel_from_matrix`, so they agree on which elements share a block.
+
+Two ways to run the same GEMMs (fprop `Q(patches) @ Q(W).T`, dgrad `Q(dy) @ Q(W)` then
+back to the input, wgrad `Q(dy).T @ Q(patches)`):
+
+- the **reference**, `conv_gemm` with `qdot` on the patches: the input's patches are
+  strided slices of the input (exact; their transpose carries dgrad back to the input),
+  one `(tokens, window x in)` GEMM operand.
+- the **fast path**, when each 16-element block of a patch row (NVFP4 1x16; 32 for
+  MXFP8; any format without blocks) holds channels of one input pixel, i.e. when the
+  input channels (per feature group) are a multiple of the block: then quantising the
+  patches along their contraction is quantising the input once, per pixel along its
+  channels, with the tensor amax of the pixels some patch reads (`covered`). fprop and
+  its tangents run as a real `lax.conv_general_dilated` on the quantised operands
+  (exact products, float32 accumulation), dgrad (dy blocked along out channels per
+  output pixel, as in the reference) as the convolution's transpose; wgrad contracts
+  over tokens (blocks of 16 output pixels) and runs the reference's `wgrad` on the
+  patches. Only float32 summation order differs from the reference (the tests bound
+  it). The primitives (`conv_qdot_p`, `conv_dgrad_p`, `conv_wgrad_p`, the JVP's
+  `conv_tx_p` / `conv_tw_p`) batch as `qdot`'s do: a vmapped axis of the input folds
+  into its images (one tensor scale over the whole batch).
+
+A layer with telemetry (`probe`) or an `enabled` mask runs the reference.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+from ._formats import gemm_dtype, quantize_operand, widest_float
+from ._formats._dot import apply_scales, dot_precision
+from ._gemm import (
+    _make_primitive,
+    _no_derivative,
+    _second_order,
+    grad_key,
+    mix_weight,
+    needs_key,
+    quantize_weight,
+    shares_weight,
+    wgrad,
+)
+from ._policy import Recipe
+from ._prims import def_jvp, def_transpose, is_undefined, is_zero, vmapped, zero, zero_tangent
+
+# --- the kernel as a GEMM matrix ---
+
+
+def gemm_matrix(kernel: Array, kernel_axes: tuple[int, ...], groups: int) -> Array:
+    """A convolution kernel (possibly stacked) as its GEMM's weight: `(stack..., out,
+    window x in)`, or `(stack..., groups, out / groups, window x in / groups)` for a
+    grouped convolution (each group its own GEMM). `kernel_axes` gives the roles of the
+    kernel's trailing axes (out channels, in channels, window...), as
+    `lax.conv_general_dilated`'s kernel spec; the contraction is window major (row-major
+    over the window), input channels minor: a 16-element block holds 16 channels of one
+    kernel tap when the channels are a multiple of 16."""
+    lead = kernel.ndim - len(kernel_axes)
+    o, i, *window = (lead + a for a in kernel_axes)
+    k = jnp.transpose(kernel, (*range(lead), o, *window, i))
+    out = k.shape[lead]
+    shape = k.shape[:lead] + ((groups,) if groups > 1 else ()) + (out // groups, -1)
+    return k.reshape(shape)
+
+
+def kernel_from_matrix(
+    m: Array, kernel_shape: tuple[int, ...], kernel_axes: tuple[int, ...], groups: int
+) -> Array:
+    """`gemm_matrix`'s inverse: the kernel of shape `kernel_shape` (per layer, in its
+    stored layout) from its GEMM matrix `m` (possibly stacked)."""
+    lead = m.ndim - 2 - (1 if groups > 1 else 0)
+    o, i, *window = kernel_axes
+    order = (o, *window, i)  # the matrix's axes, as stored-kernel axes
+    k = m.reshape(m.shape[:lead] + tuple(kernel_shape[a] for a in order))
+    inverse = np.argsort(order)
+    return jnp.transpose(k, (*range(lead), *(lead + int(j) for j in inverse)))
+
+
+def check_conv_kernel(w: Any, rhs_spec: tuple, groups: int) -> tuple[int, ...]:
+    """`w.kernel_axes`; raises unless the convolution reads the quantised kernel `w` as
+    it was quantised (its kernel layout and feature groups): `freeze` packs the kernel's
+    GEMM matrix by them."""
+    if w.kernel_axes is None:
+        raise ValueError(
+            f"nvfp4x: `{w.path}` was selected as a linear layer's weight, but its module "
+            "runs it as a convolution kernel (nvfp4x could not trace the module's call on "
+            "a guessed input to tell). Leave it out of the policy, or call the convolution "
+            "from a module whose call takes one input array of shape `(channels, "
+            "spatial...)`, and quantise it with `nvfp4x.Policy(rules, convolutions=True)`."
+        )
+    if tuple(rhs_spec) != tuple(w.kernel_axes) or groups != w.groups:
+        raise ValueError(
+            f"nvfp4x: the convolution kernel `{w.path}` was quantised with kernel layout "
+            f"{w.kernel_axes} and {w.groups} feature group(s), but is used with layout "
+            f"{tuple(rhs_spec)} and {groups}; `freeze` would pack it wrongly. Quantise the "
+            "model again (`nvfp4x.quantize(nvfp4x.dequantize(model), policy)`)."
+        )
+    return w.kernel_axes
+
+
+# --- geometry ---
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A convolution's geometry, per spatial axis (a static primitive parameter):
+    kernel `window`, `strides`, `padding` (low, high), `lhs_dilation`, `rhs_dilation`,
+    and the input's spatial shape `in_spatial` (undilated, unpadded)."""
+
+    window: tuple[int, ...]
+    strides: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    lhs_dilation: tuple[int, ...]
+    rhs_dilation: tuple[int, ...]
+    in_spatial: tuple[int, ...]
+
+    @property
+    def out_spatial(self) -> tuple[int, ...]:
+        out = []
+        for s, (lo, hi), ld, w, rd, st in zip(
+            self.in_spatial,
+            self.padding,
+            self.lhs_dilation,
+            self.window,
+            self.rhs_dilation,
+            self.strides,
+            strict=True,
+        ):
+            size = max(0, (s - 1) * ld + 1) + lo + hi
+            out.append(max(0, (size - (w - 1) * rd - 1) // st + 1))
+        return tuple(out)
+
+    def covered(self) -> list[np.ndarray]:
+        """Per spatial axis, which input positions some patch reads (a static mask)."""
+        masks = []
+        for s, (lo, _), ld, w, rd, st, n in zip(
+            self.in_spatial,
+            self.padding,
+            self.lhs_dilation,
+            self.window,
+            self.rhs_dilation,
+            self.strides,
+            self.out_spatial,
+            strict=True,
+        ):
+            read = {o * st + j * rd for o in range(n) for j in range(w)}
+            masks.append(np.array([i * ld + lo in read for i in range(s)]))
+        return masks
+
+    def conv(self, a: Array, kernel: Array, precision, preferred) -> Array:
+        """The convolution of channels-last `a: (N, spatial..., C)` with `kernel: (O,
+        window..., C)`, channels last."""
+        nsp = len(self.window)
+        spec = (0, nsp + 1, *range(1, nsp + 1))
+        return lax.conv_general_dilated(
+            a,
+            kernel,
+            self.strides,
+            self.padding,
+            self.lhs_dilation,
+            self.rhs_dilation,
+            lax.ConvDimensionNumbers(spec, spec, spec),
+            precision=precision,
+            preferred_element_type=preferred,
+        )
+
+
+def covered(x: Array, geom: Geometry) -> Array:
+    """`x: (..., spatial..., C)` with the pixels no patch reads set to zero: the tensor
+    amax of the result is the patches' (padding adds zeros only)."""
+    nsp = len(geom.window)
+    mask = None
+    for d, m in enumerate(geom.covered()):
+        if m.all():
+            continue
+        shape = [1] * x.ndim
+        shape[x.ndim - 1 - nsp + d] = m.size
+        part = jnp.asarray(m).reshape(shape)
+        mask = part if mask is None else mask & part
+    return x if mask is None else jnp.where(mask, x, jnp.zeros((), x.dtype))
+
+
+def conv_patches(x: Array, geom: Geometry) -> Array:
+    """The patches of channels-last `x: (N..., spatial..., C)`: `(N..., out spatial...,
+    window x C)`, the window row-major and each pixel's channels together (the GEMM's
+    contraction order), by slicing (exact; no GEMM): one strided slice of the padded,
+    dilated input per window offset."""
+    lead = x.ndim - 1 - len(geom.window)
+    config = [(0, 0, 0)] * lead
+    config += [(lo, hi, d - 1) for (lo, hi), d in zip(geom.padding, geom.lhs_dilation, strict=True)]
+    x = lax.pad(x, jnp.zeros((), x.dtype), [*config, (0, 0, 0)])
+    out = geom.out_spatial
+    slices = []
+    for offset in itertools.product(*(range(w) for w in geom.window)):
+        start = tuple(o * d for o, d in zip(offset, geom.rhs_dilation, strict=True))
+        limit = tuple(
+            b + (n - 1) * st + 1 if n else b
+            for b, n, st in zip(start, out, geom.strides, strict=True)
+        )
+        slices.append(
+            lax.slice(
+                x,
+                (0,) * lead + start + (0,),
+                x.shape[:lead] + limit + (x.shape[-1],),
+                (1,) * lead + geom.strides + (1,),
+            )
+        )
+    p = jnp.stack(slices, axis=-2)  # (N..., out spatial..., window, C)
+    return p.reshape(p.shape[:-2] + (-1,))
+
+
+# --- the fast path: one problem ---
+
+
+def _images(a: Array, nsp: int) -> tuple[Array, tuple[int, ...]]:
+    """`a: (lead..., spatial..., C)` as `(N, spatial..., C)`, and its leading shape."""
+    lead = a.shape[: a.ndim - 1 - nsp]
+    return a.reshape((math.prod(lead),) + a.shape[len(lead) :]), lead
+
+
+def _kernel(wm: Array, geom: Geometry) -> Array:
+    """The GEMM matrix `(O, window x C)` as a channels-last kernel `(O, window..., C)`."""
+    return wm.reshape((wm.shape[0], *geom.window, -1))
+
+
+def scaled_conv(a: Array, a_scale, wm: Array, w_scale, *, geom: Geometry, dtype) -> Array:
+    """The convolution of `a: (lead..., spatial..., C)` with the GEMM matrix `wm`,
+    accumulated in float32, then times `a_scale * w_scale`; operands as `scaled_dot`'s
+    (`dtype` for two bfloat16 operands, else float32 or wider)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if not (dtype is not None and a.dtype == bf16 and wm.dtype == bf16):
+        dtype = widest_float(a.dtype, wm.dtype, jnp.float32)
+    images, lead = _images(a.astype(dtype), len(geom.window))
+    kernel = _kernel(wm.astype(dtype), geom)
+    out = geom.conv(images, kernel, dot_precision(dtype), jnp.float32)
+    return apply_scales(out.reshape(lead + out.shape[1:]), a_scale, w_scale)
+
+
+def conv_fprop(x, w, wv, ws, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
+    """fprop: `conv(Q(x), Q(W))`, x quantised once, per pixel along its channels, with
+    the tensor amax of the pixels the patches read."""
+    del w, seed  # the master weight and seed matter to the derivatives only
+    xv, xs = quantize_operand(covered(x, geom), recipe.input, axis=-1)
+    return scaled_conv(xv, xs, wv, ws, geom=geom, dtype=dtype)
+
+
+def conv_tangent_x(xt, wv, ws, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
+    """Forward-mode tangent along x: `conv(x', Q(W))` (straight-through)."""
+    return scaled_conv(xt, None, wv, ws, geom=geom, dtype=dtype)
+
+
+def conv_tangent_w(x, wt, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
+    """Forward-mode tangent along W: `conv(Q(x), W')` (straight-through)."""
+    xv, xs = quantize_operand(covered(x, geom), recipe.input, axis=-1)
+    return scaled_conv(xv, xs, wt, None, geom=geom, dtype=dtype)
+
+
+def conv_dgrad(dy, wv, ws, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
+    """dgrad: `Q(dy)` (along out channels, per output pixel, as the reference's) through
+    the transpose of the convolution with `Q(W)`, in float32 (exact operands)."""
+    key = grad_key(seed, 1) if needs_key(recipe) else None
+    gv, gs = quantize_operand(dy, recipe.grad, axis=-1, key=key)
+    nsp = len(geom.window)
+    g, lead = _images(gv.astype(jnp.float32), nsp)
+    kernel = _kernel(wv.astype(jnp.float32), geom)
+    shape = (g.shape[0], *geom.in_spatial, kernel.shape[-1])
+    precision = dot_precision(jnp.dtype(jnp.float32))
+    forward = lambda a: geom.conv(a, kernel, precision, jnp.float32)
+    (dx,) = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, jnp.float32))(g)
+    return apply_scales(dx.reshape(lead + dx.shape[1:]), gs, ws)
+
+
+def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
+    """wgrad: the reference's `Q(H dy).T @ Q(H patches)` (blocks along tokens)."""
+    return wgrad(dy, conv_patches(x, geom), seed, recipe=recipe, dtype=dtype)
+
+
+def _out_abstract(a, w, *_, geom: Geometry, **__):
+    nsp = len(geom.window)
+    return a.shape[: a.ndim - 1 - nsp] + geom.out_spatial + (w.shape[-2],), jnp.float32
+
+
+def _dgrad_abstract(ct, wv, *_, geom: Geometry, **__):
+    nsp = len(geom.window)
+    c = wv.shape[-1] // math.prod(geom.window)
+    return ct.shape[: ct.ndim - 1 - nsp] + geom.in_spatial + (c,), jnp.float32
+
+
+def _wgrad_abstract(ct, a, seed, *, nbatch, geom: Geometry, **_):
+    k = a.shape[-1] * math.prod(geom.window)
+    return ct.shape[:nbatch] + (ct.shape[-1], k), jnp.float32
+
+
+#: The fast path's GEMMs (operands as `qdot_p`'s; `geom` a static `Geometry`).
+conv_qdot_p = _make_primitive("nvfp4x_conv_qdot", conv_fprop, _out_abstract)
+conv_tx_p = _make_primitive("nvfp4x_conv_qdot_tangent_x", conv_tangent_x, _out_abstract)
+conv_tw_p = _make_primitive("nvfp4x_conv_qdot_tangent_w", conv_tangent_w, _out_abstract)
+conv_dgrad_p = _make_primitive("nvfp4x_conv_dgrad", conv_dgrad, _dgrad_abstract, stack=True)
+conv_wgrad_p = _make_primitive("nvfp4x_conv_wgrad", conv_wgrad, _wgrad_abstract, stack=True)
+
+
+def _conv_jvp(primals, tangents, **params):
+    x, w, wv, ws, seed = primals
+    tx, tw = tangents[:2]
+    recipe, dtype, nbatch = params["recipe"], params["dtype"], params["nbatch"]
+    y = conv_qdot_p.bind(x, w, wv, ws, seed, **params)
+    if needs_key(recipe):
+        seed = mix_weight(seed, w)
+    parts = []
+    if not is_zero(tx):
+        if not shares_weight(recipe):
+            quant = functools.partial(quantize_weight, recipe=recipe, axis=0, dtype=dtype)
+            wv, ws = vmapped(quant, nbatch)(w)
+        parts.append(conv_tx_p.bind(tx, wv, ws, seed, **params))
+    if not is_zero(tw):
+        parts.append(conv_tw_p.bind(x, tw, seed, **params))
+    if not parts:
+        return y, zero_tangent(y)
+    return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def _tx_transpose(ct, a, wv, ws, seed, **params):
+    if is_undefined(wv) or is_undefined(ws):
+        raise _second_order()
+    if is_zero(ct):
+        return [zero(a.aval), None, None, None]
+    dx = conv_dgrad_p.bind(ct, wv, ws, seed, **params)
+    return [dx.astype(a.aval.dtype), None, None, None]
+
+
+def _tw_transpose(ct, a, b, seed, **params):
+    if is_undefined(a):
+        raise _second_order()
+    if is_zero(ct):
+        return [None, zero(b.aval), None]
+    return [None, conv_wgrad_p.bind(ct, a, seed, **params).astype(b.aval.dtype), None]
+
+
+def_jvp(conv_qdot_p, _conv_jvp)
+def_transpose(conv_tx_p, _tx_transpose)
+def_transpose(conv_tw_p, _tw_transpose)
+for _p in (conv_tx_p, conv_tw_p, conv_dgrad_p, conv_wgrad_p):  # derivatives of a derivative
+    def_jvp(_p, _no_derivative)
+
+#: The fast path's primitives and their passes (for `coverage`).
+CONV_PASS = {conv_qdot_p: "fprop", conv_tx_p: "fprop (jvp)", conv_tw_p: "fprop (jvp)",
+             conv_dgrad_p: "dgrad", conv_wgrad_p: "wgrad"}  # fmt: skip
+
+
+def conv_qdot(
+    x: Array,
+    wm: Array,
+    *,
+    recipe: Recipe,
+    fast: bool,
+    name: str,
+    geom: Geometry,
+    weight: tuple[Array, Array] | None = None,
+) -> Array:
+    """The fast path's convolution of channels-last `x: (N..., spatial..., C)` with the
+    GEMM matrix `wm: (O, window x C)`: fprop, dgrad and wgrad as the module docstring
+    says. `weight`: the quantised weight `(values, tensor scale)` when it is given (a
+    frozen kernel's decoded values), else quantised from `wm` here."""
+    dtype = gemm_dtype(fast)
+    if weight is None:
+        wv, ws = quantize_weight(lax.stop_gradient(wm), recipe=recipe, axis=-1, dtype=dtype)
+    else:
+        wv, ws = weight
+    seed = jnp.zeros((2,), jnp.uint32)
+    return conv_qdot_p.bind(
+        x, wm, wv, ws, seed, recipe=recipe, dtype=dtype, nbatch=0, name=name, geom=geom
+    )
+
+
+#: Whether eligible convolutions take the fast path (`reference_only` turns it off).
+_FAST = [True]
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Within this context, every quantised convolution traced runs the reference (the
+    patch GEMM): for tests and benchmarks that compare the two. (JAX's trace caches are
+    cleared on entry and exit: the choice is made when a convolution is traced.)"""
+    jax.clear_caches()
+    _FAST.append(False)
+    try:
+        yield
+    finally:
+        _FAST.pop()
+        jax.clear_caches()
+
+
+def runs_fast(recipe: Recipe, channels: int, probe: Any = None, enabled: Any = None) -> bool:
+    """Whether a convolution with `channels` input channels per feature group runs the
+    fast path: every input block along the contraction lies in one pixel's channels, and
+    the layer has no telemetry probe or `enabled` mask."""
+    if not _FAST[-1] or probe is not None or enabled is not None or channels == 0:
+        return False
+    fmt = recipe.input
+    if fmt is None or fmt.block is None:
+        return True
+    return fmt.block[0] == 1 and channels % fmt.block[1] == 0
+
+
+# --- the rule: a convolution as its GEMM ---
+
+
+def conv_gemm(
+    lhs: ArrayLike,
+    kernel_shape: tuple[int, ...],
+    gemm: Callable,
+    *,
+    path: str,
+    window_strides,
+    padding,
+    lhs_dilation,
+    rhs_dilation,
+    dimension_numbers,
+    feature_group_count,
+    batch_group_count,
+    preferred_element_type=None,
+    rhs_dtype=None,
+    fast: Callable | None = None,
+    **_,
+) -> Array:
+    """`lax.conv_general_dilated` of `lhs` with a quantised kernel of shape
+    `kernel_shape`, as its GEMM: `gemm(x, nbatch)` on the patches `x: (groups..., N,
+    out spatial..., window x in/groups)` (the reference; see `gemm_matrix` for the
+    weight's side; a grouped convolution is `groups` independent GEMMs, `nbatch=1`), or,
+    given, `fast(x, geom, nbatch)` on the channels-last input `x: (groups..., N,
+    spatial..., in/groups)` when `runs_fast` holds for the caller (it decides). The
+    output is put back in the convolution's layout."""
+    if batch_group_count != 1:
+        raise NotImplementedError(
+            f"nvfp4x: the convolution of `{path}` has batch groups ({batch_group_count}); "
+            "only feature groups run in NVFP4. Leave the layer out of the policy."
+        )
+    lhs_spec, rhs_spec, out_spec = dimension_numbers
+    g = feature_group_count
+    x = jnp.transpose(jnp.asarray(lhs), (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+    geom = Geometry(
+        window=tuple(kernel_shape[i] for i in rhs_spec[2:]),
+        strides=tuple(window_strides),
+        padding=tuple((int(lo), int(hi)) for lo, hi in padding),
+        lhs_dilation=tuple(lhs_dilation),
+        rhs_dilation=tuple(rhs_dilation),
+        in_spatial=tuple(x.shape[1:-1]),
+    )
+    tokens = x.shape[0] * math.prod(geom.out_spatial)
+    if fast is not None and tokens and x.shape[-1]:
+        xg = x.reshape(x.shape[:-1] + (g, -1))  # (N, spatial..., groups, C / groups)
+        xg = jnp.moveaxis(xg, -2, 0) if g > 1 else xg[..., 0, :]
+        y = fast(xg, geom, 1 if g > 1 else 0)
+    else:
+        p = conv_patches(x, geom)  # (N, out..., window x C)
+        c = x.shape[-1]
+        p = p.reshape(p.shape[:-1] + (-1, g, c // g))  # (N, out..., window, groups, C/g)
+        p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
+        p = p.reshape(p.shape[:-2] + (-1,))  # (groups..., N, out..., K)
+        y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
+    if g > 1:
+        y = jnp.moveaxis(y, 0, -2)
+        y = y.reshape(y.shape[:-2] + (-1,))
+    y = jnp.moveaxis(y, -1, 1)  # (N, O, out spatial...)
+    inverse = tuple(int(i) for i in np.argsort(out_spec))
+    dtype = preferred_element_type or widest_float(jnp.result_type(lhs), rhs_dtype)
+    return jnp.transpose(y, inverse).astype(dtype)
