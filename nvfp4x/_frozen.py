@@ -89,6 +89,8 @@ class FrozenWeight(WeightValue):
     kernel_axes: tuple[int, ...] | None = eqx.field(static=True, default=None)
     groups: int = eqx.field(static=True, default=1)
 
+    reads_as_array = False  # outside the model's call: only under `nvfp4x.quantized`
+
     def _stack(self) -> tuple[int, ...]:
         """The packed array's stack axes (before the matrix, or a conv's groups)."""
         shape = tuple(self.packed.shape)

@@ -19,15 +19,20 @@ inside a module's `__call__` (see `interpreted`) and in its own operators (`w.T`
 - `jax.checkpoint` and `jax.custom_vjp` bodies are looked into; a primitive nvfp4x
   cannot look into that holds a GEMM warns, naming the weight.
 
-Outside an interpreted call, a `QWeight` is not an array: passing it to a `jnp`
-function raises JAX's `TypeError` (its repr names the weight's path), so a silent float
-GEMM is never possible. `nvfp4x.quantized(fn)` makes any function interpreted.
+Outside an interpreted call, a `QWeight` reads as its master array in `jax.numpy`
+functions (`jnp.linalg.norm(g)`, `jnp.sum(g)`, `jnp.where(g > 0, g, 0)`): gradients of
+a quantised model hold `QWeight`s, and clipping and logging code reads them so. The
+`jax.numpy` functions that would multiply it as a matrix (`jnp.dot`, `jnp.einsum`, ...)
+and `lax` functions refuse it with a `TypeError` naming the weight's path and the fix,
+so a silent float GEMM is never possible (`_array_read`). `nvfp4x.quantized(fn)` makes
+any function interpreted.
 """
 
 import dataclasses
 import functools
 import math
 import operator
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,14 +45,10 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-# quax's tracer and trace, for the `custom_vjp` rule it lacks (`_install_custom_vjp`)
-# and for reading the value a tracer carries (`as_qweight`).
-from quax._trace import _QuaxTrace, _QuaxTracer
-from quax._values import _dense, _DenseArrayValue
-
 from ._axes import explicit_axes_as_auto
 from ._conv import check_conv_kernel, conv_gemm, conv_qdot, gemm_matrix, runs_fast
 from ._formats import widest_float
+from ._internals import install_custom_vjp, refuse_lax_operand, tracer_value
 from ._policy import Recipe
 from ._prims import (
     GEMM_PRIMITIVES as GEMM_PRIMITIVES,  # (for `_coverage`)
@@ -67,9 +68,18 @@ class WeightValue(quax.ArrayValue):
     value with a `recipe`, a `path` and a `fast` flag, whose GEMMs nvfp4x runs, and
     the array operators (`w.T`, `x @ w`, `w * g`...), each run through the rules."""
 
+    #: Whether `jax.numpy` functions other than GEMMs read it as an array outside an
+    #: interpreted call (a `QWeight`, as a gradient is one; a frozen weight is not).
+    reads_as_array = True
+
     def __array__(self, dtype=None, copy=None):
-        # Host reads (`np.asarray(w)`, printing) see the master values; JAX never does.
+        # Host reads (`np.asarray(w)`, printing) see the master values.
         return np.asarray(type(self).materialise(self), dtype=dtype)
+
+    @property
+    def __jax_array__(self) -> Callable[[], ArrayLike]:
+        # A property, as on JAX's own tracers: who asks decides (see `_array_read`).
+        return _array_read(self, sys._getframe(1))
 
     # Array-like operators outside an interpreted call: each runs through the rules.
     @property
@@ -121,6 +131,184 @@ class WeightValue(quax.ArrayValue):
 
     def __neg__(self):
         return _op(operator.neg)(self)
+
+    # Operators whose result is not the weight: arrays (through the rules, as above).
+    def __pow__(self, other):
+        return _op(operator.pow)(self, other)
+
+    def __rpow__(self, other):
+        return _op(operator.pow)(other, self)
+
+    def __abs__(self):
+        return _op(operator.abs)(self)
+
+    def __lt__(self, other):
+        return _op(operator.lt)(self, other)
+
+    def __le__(self, other):
+        return _op(operator.le)(self, other)
+
+    def __gt__(self, other):
+        return _op(operator.gt)(self, other)
+
+    def __ge__(self, other):
+        return _op(operator.ge)(self, other)
+
+
+#: The `jax.numpy` (and `jax.scipy`, `jax.nn`) functions that multiply their operands
+#: as matrices: a quantised weight read by one of them outside an interpreted call
+#: would run its GEMM in float, so it refuses them.
+GEMM_READERS = frozenset(
+    {
+        "dot",
+        "vdot",
+        "vecdot",
+        "matmul",
+        "matvec",
+        "vecmat",
+        "inner",
+        "tensordot",
+        "einsum",
+        "multi_dot",
+        "matrix_power",
+        "convolve",
+        "correlate",
+        "convolve2d",
+        "correlate2d",
+        "cov",
+        "corrcoef",
+        "dot_product_attention",
+    }
+)
+
+#: `lax` functions that are GEMMs (named in the refusal's message).
+_LAX_GEMMS = frozenset(
+    {
+        "dot",
+        "dot_general",
+        "batch_matmul",
+        "ragged_dot",
+        "ragged_dot_general",
+        "conv",
+        "conv_general_dilated",
+        "conv_with_general_padding",
+        "conv_transpose",
+    }
+)
+
+#: JAX array operators (`x @ w`, `x * w`, `x + w`, `x - w` with `x` an array) that
+#: leave their turn to the weight's own reflected operator, which runs through the
+#: rules: the product is quantised, and a scaled weight is still the weight.
+_OWN_OPERATORS = frozenset({"_operator_matmul", "_operator_mul", "_operator_add", "_operator_sub"})
+
+#: The modules where JAX asks for `__jax_array__` only to refuse it while abstracting a
+#: `lax` function's operand (JAX no longer converts there): the weight refuses first.
+_ABSTRACTIFY = ("jax._src.core", "jax._src.dtypes")
+
+_NUMPY_LIKE = ("jax._src.numpy.", "jax._src.scipy.", "jax._src.nn.")
+
+_PUBLIC = (
+    ("jax._src.numpy.linalg", "jnp.linalg."),
+    ("jax._src.numpy.", "jnp."),
+    ("jax._src.scipy.signal", "jax.scipy.signal."),
+    ("jax._src.nn.", "jax.nn."),
+    ("jax._src.lax.", "lax."),
+)
+
+
+def _public_name(module: str, name: str) -> str:
+    for prefix, public in _PUBLIC:
+        if module.startswith(prefix):
+            return public + name
+    return name
+
+
+#: Modules whose frames stand between a caller and the weight's own code: Equinox's
+#: attribute access and the jaxtyping/beartype wrappers (the test run checks types).
+_WRAPPERS = ("equinox._module", "jaxtyping.", "beartype.")
+
+
+def _caller(frame: Any) -> Any:
+    """`frame`, or the first frame above it that is not one of `_WRAPPERS`."""
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(_WRAPPERS):
+        frame = frame.f_back
+    return frame
+
+
+def _array_read(w: Any, frame: Any) -> Callable[[], ArrayLike]:
+    """`w.__jax_array__`, as looked up from `frame`: JAX's conversion to an array.
+
+    JAX's `jax.numpy` functions and array operators convert an object with
+    `__jax_array__` to an array. A quantised weight lets them, except where that array
+    would be multiplied as a matrix (a GEMM would run unquantised, silently): the
+    `jax.numpy` GEMMs (`GEMM_READERS`) raise a `TypeError`, `lax` functions (which JAX
+    does not convert for) a `ValueError`, naming the weight and the fix. JAX's array operators for
+    which the weight has its own (`x @ w`, `x * w`, ...) see no `__jax_array__`, so that
+    the weight's operator runs; so does every caller outside JAX (`eqx.is_array_like`,
+    quax: a quantised weight is a quax value, not an array)."""
+    frame = _caller(frame)
+    module = frame.f_globals.get("__name__", "")
+    if not module.startswith("jax."):
+        raise AttributeError("__jax_array__")
+    if module == "jax._src.numpy.array_methods" and frame.f_code.co_name in _OWN_OPERATORS:
+        raise AttributeError("__jax_array__")
+    abstractify = module in _ABSTRACTIFY
+    reader = None  # the JAX function that reads the weight, as (module, name)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("jax."):
+            break
+        name = frame.f_code.co_name
+        if abstractify and module.startswith("jax._src.lax."):
+            reader = (module, name)  # the outermost `lax` function
+        elif not abstractify and name in GEMM_READERS and module.startswith(_NUMPY_LIKE):
+            reader = reader or (module, name)
+        frame = frame.f_back
+    if abstractify:  # a ValueError, as JAX's own here: JAX rewraps a TypeError
+        raise ValueError(_misuse(w, reader, abstractify))
+    if reader is not None:
+        raise TypeError(_misuse(w, reader, abstractify))
+    if not w.reads_as_array:
+        raise TypeError(
+            f"nvfp4x: `{w.path}` is a frozen weight, read by a `jax.numpy` function "
+            "outside the model's call. Run that code under `nvfp4x.quantized(fn)`: there "
+            "every read but a GEMM sees what training read."
+        )
+    return functools.partial(type(w).materialise, w)
+
+
+def _lax_operand(w: Any) -> None:
+    """JAX's hook for a `lax` function's operand that is not an array (see
+    `_install_lax_refusal`): refuse it, naming the weight and the `lax` function."""
+    frame, reader = _caller(sys._getframe(1)), None
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("jax."):
+        if frame.f_globals["__name__"].startswith("jax._src.lax."):
+            reader = (frame.f_globals["__name__"], frame.f_code.co_name)
+        frame = frame.f_back
+    raise ValueError(_misuse(w, reader, True))
+
+
+def _misuse(w: Any, reader: tuple[str, str] | None, lax_operand: bool) -> str:
+    """The message of a quantised weight's refused read (see `_array_read`)."""
+    fn = "a `lax` function" if reader is None else f"`{_public_name(*reader)}`"
+    kind = "quantised" if w.reads_as_array else "frozen"
+    array = " `.array` is its master (or gradient) array." if w.reads_as_array else ""
+    if lax_operand and (reader is None or reader[1] not in _LAX_GEMMS):
+        return (
+            f"nvfp4x: {fn} got the {kind} weight `{w.path}` ({type(w).__name__}), not an "
+            "array. Run the code under `nvfp4x.quantized(fn)`, where a quantised weight "
+            "is its array in every use but a GEMM, or read it with a `jax.numpy` "
+            f"function.{array}"
+        )
+    return (
+        f"nvfp4x: {fn} would multiply the {kind} weight `{w.path}` as a plain float "
+        "array, outside a quantised call: its GEMM would run unquantised. Call the "
+        "model or layer that holds it (its `__call__` runs quantised), or run the code "
+        f"under `nvfp4x.quantized(fn)`.{array}"
+    )
+
+
+refuse_lax_operand(WeightValue, _lax_operand)
 
 
 class QWeight(WeightValue):
@@ -583,31 +771,17 @@ def _(*args: quax.ArrayValue | ArrayLike, jaxpr, prevent_cse, differentiated, po
     return fn(*args)
 
 
-def _process_custom_vjp_call(self, primitive, fun, fwd, bwd, tracers, **params):
-    """quax has no rule for `custom_vjp` calls: run them on the master arrays, with the
-    user's own backward; a quantised weight that enters one is reported."""
-    values = [self.to_value(t) for t in tracers]
-    arrays = []
-    for v in values:
-        if isinstance(v, QWeight):
-            _report_unquantised(v.path, "a `jax.custom_vjp` function")
-            v = v.array
-        arrays.append(v.array if isinstance(v, _DenseArrayValue) else v)
-    avals = tuple(jax.typeof(a) for a in arrays)
-    outs = primitive.bind_with_trace(
-        self.parent_trace, tuple(arrays), avals, dict(params, subfuns=(fun, fwd, bwd))
-    )
-    return [_QuaxTracer(self, _dense(o)) for o in outs]
+def _custom_vjp_operand(v: Any) -> Any:
+    """A quax value entering a `jax.custom_vjp` call (which runs on plain arrays, with
+    the user's own backward): a quantised weight is reported, and its master array
+    enters."""
+    if isinstance(v, QWeight):
+        _report_unquantised(v.path, "a `jax.custom_vjp` function")
+        return v.array
+    return v
 
 
-def _install_custom_vjp() -> None:
-    if not hasattr(_QuaxTrace, "_nvfp4x_custom_vjp"):
-        _QuaxTrace.process_custom_vjp_call = _process_custom_vjp_call
-        # a marker of nvfp4x's on quax's class (installed once, also across reloads)
-        _QuaxTrace._nvfp4x_custom_vjp = True  # pyright: ignore[reportAttributeAccessIssue]
-
-
-_install_custom_vjp()
+install_custom_vjp(_custom_vjp_operand)
 
 
 # --- modules whose calls are interpreted ---
@@ -616,7 +790,7 @@ _install_custom_vjp()
 def as_qweight(x: Any) -> Any:
     """The `QWeight` behind `x`: `x` itself, or, inside an interpreted call, the value
     its tracer carries (a layer that runs its own GEMM reads it directly)."""
-    return x.value if isinstance(x, _QuaxTracer) else x
+    return tracer_value(x)
 
 
 _M = TypeVar("_M", bound=eqx.Module)
