@@ -1,7 +1,7 @@
 """GPU benchmark (issues 26 and 27): every figure as a ratio measured in this one process.
 
 ```
-python benchmarks/bench_gpu.py [--quick] [--only SECTION ...] [--out PATH] [--repeats N]
+python benchmarks/bench_gpu.py [--quick | --lean] [--only SECTION ...] [--out PATH] [--repeats N]
 python benchmarks/bench_gpu.py --cpu-smoke     # every section at toy sizes, on the CPU
 ```
 
@@ -730,6 +730,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median)")
+    parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="full sizes, but the train section without the SR/RHT/scanned variants",
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.cpu_smoke:
         print(f"bench_gpu: no GPU at hand (backend {jax.default_backend()}): skipped.")
@@ -737,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
     if args.repeats:
         sizes = dataclasses.replace(sizes, repeats=args.repeats)
+    if args.lean:
+        sizes = dataclasses.replace(sizes, full_train=False)
     print(f"bench_gpu on {device_line()}, sizes {sizes}", flush=True)
     table, state = Table(), {}
     table.add("device", "device", device_line())
