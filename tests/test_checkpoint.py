@@ -31,7 +31,7 @@ import resumable_training
 from helpers import assert_same_bits, build_frozen, run_script
 
 import nvfp4x
-from nvfp4x import _checkpoint, _files
+from nvfp4x import _checksum, _files
 
 HERE = pathlib.Path(__file__).parent
 TIMEOUT = 240  # seconds, for any subprocess
@@ -124,8 +124,8 @@ def test_checksum_is_the_same_for_numpy_and_jax_and_sees_every_word(tmp_path):
     for dtype in dtypes:
         a = (base > 0) if dtype == np.bool_ else (base * 20).astype(dtype)
         arrays.append(np.asarray(a, dtype))
-    sums = _checkpoint.checksums([jnp.asarray(a) for a in arrays])
-    assert sums == _checkpoint.checksums(arrays)
+    sums = _checksum.checksums([jnp.asarray(a) for a in arrays])
+    assert sums == _checksum.checksums(arrays)
     for dtype, a, s in zip(dtypes, arrays, sums, strict=True):
         flat = a.reshape(-1)
         changed = []
@@ -133,7 +133,7 @@ def test_checksum_is_the_same_for_numpy_and_jax_and_sees_every_word(tmp_path):
             b = flat.copy()
             b.view(np.uint8)[i * b.itemsize] ^= 1
             changed.append(b.reshape(a.shape))
-        for t in _checkpoint.checksums(changed):
+        for t in _checksum.checksums(changed):
             assert t[:8] != s[:8] and t[8:] != s[8:], np.dtype(dtype).name
 
 
