@@ -599,16 +599,30 @@ def test_a_claimed_step_is_refused_unless_its_writer_is_gone(tmp_path):
         assert_same_bits(ckpt.restore(small_state(1)), state, "after a stale claim")
 
 
-def test_argument_errors_name_the_argument(tmp_path):
-    # (the tests' runtime type checks may name the argument first; users get nvfp4x's)
-    with pytest.raises(TypeError, match=r"`max_to_keep` must be an int|parameter 'max_to_keep'"):
-        nvfp4x.TrainingCheckpointer(tmp_path, max_to_keep="3")
-    with pytest.raises(ValueError, match=r"`max_to_keep` must be at least 1"):
-        nvfp4x.TrainingCheckpointer(tmp_path, max_to_keep=0)
-    with pytest.raises(TypeError, match=r"`async_save` must be True or False|'async_save'"):
-        nvfp4x.TrainingCheckpointer(tmp_path, async_save="no")
-    with pytest.raises(TypeError, match=r"`directory` must be a path|'directory'"):
-        nvfp4x.TrainingCheckpointer(3)
+# (the tests' runtime type checks may name the argument first; users get nvfp4x's)
+BAD_ARGUMENTS = {
+    "max_to_keep not an int": (
+        {"max_to_keep": "3"}, TypeError, r"`max_to_keep` must be an int|parameter 'max_to_keep'"
+    ),
+    "max_to_keep below 1": ({"max_to_keep": 0}, ValueError, r"`max_to_keep` must be at least 1"),
+    "async_save not a bool": (
+        {"async_save": "no"}, TypeError, r"`async_save` must be True or False|'async_save'"
+    ),
+    "directory not a path": (
+        {"directory": 3}, TypeError, r"`directory` must be a path|'directory'"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS.values()), ids=list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_refused_by_name(tmp_path, case):
+    kwargs, error, match = case
+    kwargs = {"directory": tmp_path, **kwargs}
+    with pytest.raises(error, match=match):
+        nvfp4x.TrainingCheckpointer(kwargs.pop("directory"), **kwargs)
+
+
+def test_a_traced_state_is_refused(tmp_path):
     with nvfp4x.TrainingCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
 
         @jax.jit
