@@ -5,11 +5,7 @@ import importlib.metadata
 from . import _telemetry as telemetry  # noqa: F401 - the `nvfp4x.telemetry` namespace
 from ._array import NVFP4Array as NVFP4Array, fake_quantize as fake_quantize, to_nvfp4 as to_nvfp4
 from ._caches import clear_caches as clear_caches
-from ._checkpoint import (
-    TrainingCheckpointer as TrainingCheckpointer,
-    load as load,
-    save as save,
-)
+from ._checkpoint import load as load, save as save
 from ._coverage import (
     CoverageReport as CoverageReport,
     CoverageRow as CoverageRow,
@@ -38,6 +34,7 @@ from ._sensitivity import (
 )
 from ._sharding import packed_sharding as packed_sharding, shard_packed as shard_packed
 from ._summary import summary as summary
+from ._training_state import TrainingCheckpointer as TrainingCheckpointer
 from ._transform import (
     dequantize as dequantize,
     quantize as quantize,

@@ -32,11 +32,6 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
-# `os.umask` cannot be read without setting it (and setting it is not thread-safe), so it
-# is read once, at import; a new file gets the mode `open` would have given it.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
 #: A temporary of another host (a shared file system) is stale after this many seconds
 #: without a change; on this host, as soon as the process that made it is gone.
 STALE_AFTER_S = 24 * 3600
@@ -52,6 +47,7 @@ _TEMPORARY = re.compile(
 )
 _live: set[str] = set()  # absolute paths of the temporaries this process is writing
 _live_lock = threading.Lock()
+_umask_lock = threading.Lock()
 
 
 # --- temporaries ---
@@ -83,7 +79,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _is_stale(path: str, host: str, pid: int) -> bool:
+def writer_gone(path: str, host: str, pid: int) -> bool:
+    """Whether the writer of `path` (a temporary, or a claim on a step) is gone, so that
+    `path` may be removed: the one rule for every leftover of a killed writer.
+
+    `path` was made by process `pid` of host `host` (a hash, as `HOST`). Never while
+    this process holds it (`hold`); else when it is untouched for `STALE_AFTER_S`, or
+    when it is of this host and its process no longer runs (or is this process, which
+    does not hold it: an earlier process that had the same id). A path that cannot be
+    read is not removed.
+    """
     with _live_lock:
         if path in _live:
             return False
@@ -96,6 +101,36 @@ def _is_stale(path: str, host: str, pid: int) -> bool:
     if host != HOST:
         return False
     return pid == os.getpid() or not pid_alive(pid)
+
+
+def hold(path: str) -> None:
+    """Mark `path` (a file this process made, such as a lock file) as held by this
+    process: `writer_gone` says no for it until `let_go`."""
+    with _live_lock:
+        _live.add(path)
+
+
+def let_go(path: str) -> None:
+    """Remove `path`, held with `hold`, and stop holding it (a missing file is fine)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with _live_lock:
+        _live.discard(path)
+
+
+def umask() -> int:
+    """The process's umask now (read when a file is made, so that a change after import
+    counts): from `/proc/self/status` where Linux gives it, else by setting it and
+    setting it back (`os.umask` cannot be read otherwise; other threads may then see the
+    stand-in for a moment, as `os.umask` is process-wide)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"Umask:"):
+                return int(line.split()[1], 8)
+    with _umask_lock:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
 
 
 def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:
@@ -118,7 +153,7 @@ def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:
         if m is None or m["target"] != base:
             continue
         path = os.path.join(directory, name)
-        if not _is_stale(path, m["host"], int(m["pid"])):
+        if not writer_gone(path, m["host"], int(m["pid"])):
             continue
         try:
             if os.path.isdir(path) and not os.path.islink(path):
@@ -178,7 +213,7 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     try:
         mode = os.stat(path).st_mode & 0o7777
     except FileNotFoundError:
-        mode = 0o666 & ~_UMASK
+        mode = 0o666 & ~umask()
     with _temporary(path, "tmp") as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
         try:
@@ -287,7 +322,7 @@ def atomic_folder(directory: str | os.PathLike, replaced: Callable[[str], bool])
         os.makedirs(target, exist_ok=True)
         yield target
         return
-    mode = (os.stat(target).st_mode & 0o7777) if exists else (0o777 & ~_UMASK)
+    mode = (os.stat(target).st_mode & 0o7777) if exists else (0o777 & ~umask())
     with _temporary(target, "new") as staging, _temporary(target, "old") as old:
         os.mkdir(staging, 0o700)
         try:
@@ -333,7 +368,7 @@ def recover_folder(directory: str | os.PathLike) -> None:
         if m is None or m["target"] != base or m["kind"] != "old":
             continue
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and _is_stale(path, m["host"], int(m["pid"])):
+        if os.path.isdir(path) and writer_gone(path, m["host"], int(m["pid"])):
             olds.append((os.stat(path).st_mtime, path))
     if olds:
         with contextlib.suppress(OSError):

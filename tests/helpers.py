@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import nvfp4x
 
@@ -41,6 +42,61 @@ RECIPES = {
 # ---------------------------------------------------------------------------------------
 # Test data.
 # ---------------------------------------------------------------------------------------
+
+
+#: The kinds of tensor `tensors` draws: every one a format must get right.
+TENSOR_KINDS = (
+    "gaussian",
+    "heavy_tail",
+    "log_spread",  # magnitudes 2^-40 .. 2^40 in one tensor
+    "zeros",
+    "zero_blocks",
+    "underflow_blocks",  # some blocks far below amax: E4M3-subnormal or zero scales
+    "outlier",
+    "non_finite",
+    "tiny",  # tensor scales in float32's subnormal range, subnormal elements
+)
+#: Those without NaN or infinity.
+FINITE_KINDS = tuple(k for k in TENSOR_KINDS if k != "non_finite")
+
+
+@st.composite
+def tensors(draw, shapes, kinds=TENSOR_KINDS, dtype=np.float32) -> tuple[str, np.ndarray]:
+    """A hypothesis strategy: `(kind, array)`, an array of one of `shapes` (few: each shape
+    is a compile) in `dtype`, of one of `kinds`, scaled by a drawn power of two (2^-40 to
+    2^40, except `log_spread` and `tiny`, which set their own magnitudes)."""
+    shape = draw(st.sampled_from(list(shapes)))
+    kind = draw(st.sampled_from(kinds))
+    e = draw(st.integers(-40, 40))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = rng.standard_normal(shape)
+    cols = shape[-1]
+    chunks = [slice(j, min(j + 16, cols)) for j in range(0, cols, 16)]
+    if kind == "heavy_tail":
+        x = np.clip(rng.standard_cauchy(shape), -(2.0**60), 2.0**60)
+    elif kind == "log_spread":
+        x = rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.uniform(-40, 40, shape)
+        e = 0
+    elif kind == "zeros":
+        x = np.zeros(shape)
+    elif kind == "zero_blocks":
+        for c in chunks:
+            if rng.random() < 0.5:
+                x[..., c] = 0.0
+    elif kind == "underflow_blocks":
+        for c in chunks:
+            x[..., c] *= 2.0 ** rng.choice([0, -12, -16, -20, -30])
+    elif kind == "outlier":
+        idx = tuple(int(rng.integers(n)) for n in shape)
+        x[idx] = rng.choice([-1.0, 1.0]) * 2.0 ** draw(st.integers(10, 40))
+    elif kind == "non_finite":
+        for _ in range(draw(st.integers(1, 3))):
+            idx = tuple(int(rng.integers(n)) for n in shape)
+            x[idx] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    elif kind == "tiny":
+        x = x * 2.0 ** draw(st.integers(-140, -110))
+        e = 0
+    return kind, (x * 2.0**e).astype(np.float32).astype(dtype)
 
 
 def normal_np(seed: int, shape, scale: float = 1.0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""A pytest plugin that gives XLA:CPU a GPU's loose float arithmetic (issue 24).
+"""A pytest plugin that gives XLA:CPU a GPU's loose float arithmetic.
 
 XLA:GPU's float32 `/` is not correctly rounded (measured 1 ulp off for 1.15% of
 reciprocals on an H200) and its float32 dots at default precision multiply in TF32 (10

@@ -1,4 +1,4 @@
-"""Issue 12: every GEMM on a selected weight is quantised, however the model reads it.
+"""Every GEMM on a selected weight is quantised, however the model reads it.
 
 Each test builds a model in the style of public Equinox ports and counts nvfp4x's GEMM
 primitive in `jax.make_jaxpr` of the forward and of the gradient."""
@@ -352,7 +352,7 @@ def test_tied_weights_through_shared():
     assert eqx.tree_equal(nvfp4x.dequantize(qmodel), model)
     report = nvfp4x.sensitivity(model, lambda m, t: jnp.mean(m(t) ** 2), tokens)
     assert [r.path for r in report.rows] == ["shared.pytree[1]"]
-    # The tied weight's gradient is found where the table sits (issue 23: it was NaN);
+    # The tied weight's gradient is found where the table sits (it must not be NaN);
     # the table is the model's only float array, so both errors are its.
     [row] = report.rows
     assert 0 < row.weight_grad_error == pytest.approx(row.grad_error, rel=1e-6)
@@ -369,7 +369,7 @@ def test_spectral_norm_trains_and_freezes():
         return jax.vmap(m, in_axes=(0, None), out_axes=(0, None), axis_name="b")(x, s)
 
     # The layer's GEMM is quantised; σ (the power iteration and `u W v`) is computed from
-    # the master weight, as Equinox computes it on the float layer (issue 23: σ ran as a
+    # the master weight, as Equinox computes it on the float layer (not as a
     # 1-token NVFP4 GEMM), so the state is Equinox's bit for bit, and the output is the
     # quantised GEMM of `W / σ`.
     jaxpr = eqx.filter_make_jaxpr(run)(qlayer, state)[0]

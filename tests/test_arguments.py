@@ -1,4 +1,4 @@
-"""The argument checks of recipes, policies, `qdot`, the layers and telemetry (issue 28).
+"""The argument checks of recipes, policies, `qdot`, the layers and telemetry.
 
 Each wrong argument gets one error that names it and the fix; nothing is taken silently
 (a string `"False"` is truthy, a complex array loses its imaginary part when cast). The

@@ -31,7 +31,7 @@ import resumable_training
 from helpers import assert_same_bits, build_frozen, run_script
 
 import nvfp4x
-from nvfp4x import _checkpoint, _files
+from nvfp4x import _checksum, _files
 
 HERE = pathlib.Path(__file__).parent
 TIMEOUT = 240  # seconds, for any subprocess
@@ -124,8 +124,8 @@ def test_checksum_is_the_same_for_numpy_and_jax_and_sees_every_word(tmp_path):
     for dtype in dtypes:
         a = (base > 0) if dtype == np.bool_ else (base * 20).astype(dtype)
         arrays.append(np.asarray(a, dtype))
-    sums = _checkpoint.checksums([jnp.asarray(a) for a in arrays])
-    assert sums == _checkpoint.checksums(arrays)
+    sums = _checksum.checksums([jnp.asarray(a) for a in arrays])
+    assert sums == _checksum.checksums(arrays)
     for dtype, a, s in zip(dtypes, arrays, sums, strict=True):
         flat = a.reshape(-1)
         changed = []
@@ -133,7 +133,7 @@ def test_checksum_is_the_same_for_numpy_and_jax_and_sees_every_word(tmp_path):
             b = flat.copy()
             b.view(np.uint8)[i * b.itemsize] ^= 1
             changed.append(b.reshape(a.shape))
-        for t in _checkpoint.checksums(changed):
+        for t in _checksum.checksums(changed):
             assert t[:8] != s[:8] and t[8:] != s[8:], np.dtype(dtype).name
 
 
@@ -599,16 +599,30 @@ def test_a_claimed_step_is_refused_unless_its_writer_is_gone(tmp_path):
         assert_same_bits(ckpt.restore(small_state(1)), state, "after a stale claim")
 
 
-def test_argument_errors_name_the_argument(tmp_path):
-    # (the tests' runtime type checks may name the argument first; users get nvfp4x's)
-    with pytest.raises(TypeError, match=r"`max_to_keep` must be an int|parameter 'max_to_keep'"):
-        nvfp4x.TrainingCheckpointer(tmp_path, max_to_keep="3")
-    with pytest.raises(ValueError, match=r"`max_to_keep` must be at least 1"):
-        nvfp4x.TrainingCheckpointer(tmp_path, max_to_keep=0)
-    with pytest.raises(TypeError, match=r"`async_save` must be True or False|'async_save'"):
-        nvfp4x.TrainingCheckpointer(tmp_path, async_save="no")
-    with pytest.raises(TypeError, match=r"`directory` must be a path|'directory'"):
-        nvfp4x.TrainingCheckpointer(3)
+# (the tests' runtime type checks may name the argument first; users get nvfp4x's)
+BAD_ARGUMENTS = {
+    "max_to_keep not an int": (
+        {"max_to_keep": "3"}, TypeError, r"`max_to_keep` must be an int|parameter 'max_to_keep'"
+    ),
+    "max_to_keep below 1": ({"max_to_keep": 0}, ValueError, r"`max_to_keep` must be at least 1"),
+    "async_save not a bool": (
+        {"async_save": "no"}, TypeError, r"`async_save` must be True or False|'async_save'"
+    ),
+    "directory not a path": (
+        {"directory": 3}, TypeError, r"`directory` must be a path|'directory'"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS.values()), ids=list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_refused_by_name(tmp_path, case):
+    kwargs, error, match = case
+    kwargs = {"directory": tmp_path, **kwargs}
+    with pytest.raises(error, match=match):
+        nvfp4x.TrainingCheckpointer(kwargs.pop("directory"), **kwargs)
+
+
+def test_a_traced_state_is_refused(tmp_path):
     with nvfp4x.TrainingCheckpointer(tmp_path / "ckpt", async_save=False) as ckpt:
 
         @jax.jit

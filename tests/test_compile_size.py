@@ -1,4 +1,4 @@
-"""Guards on the size of the program one NVFP4 quantisation gives XLA (issue 17).
+"""Guards on the size of the program one NVFP4 quantisation gives XLA.
 
 A training step quantises five operands per layer and XLA inlines every one of them, so
 its compile time grows with the size of each. These bounds hold with a margin today;

@@ -1,4 +1,4 @@
-"""Issue 23: convolutions end to end, built as the Equinox U-Net and DCGAN examples and a
+"""Convolutions end to end, built as the Equinox U-Net and DCGAN examples and a
 Gated-DeltaNet LM's short convolution write them.
 
 Every selected convolution's GEMMs (fprop, dgrad, wgrad) run through nvfp4x (counted

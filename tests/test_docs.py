@@ -1,4 +1,4 @@
-"""Every page's Python snippets run (issue 23): the ```python blocks of README.md and
+"""Every page's Python snippets run: the ```python blocks of README.md and
 docs/*.md, in order, one namespace per page, as a reader would paste them.
 
 Markers in the Markdown (HTML comments, invisible on the site), right before a block:

@@ -1,4 +1,4 @@
-"""Bits that do not lean on the backend's arithmetic (issue 24).
+"""Bits that do not lean on the backend's arithmetic.
 
 A GPU's float32 `/` is not correctly rounded, and its float32 dots at default precision
 multiply in TF32; a CPU does neither, so the rest of the suite cannot see a library that
@@ -214,7 +214,7 @@ def test_the_check_finds_loose_arithmetic():
 
 
 # ---------------------------------------------------------------------------------------
-# Random tensors give the spec's bits (the issue's check: 355 of 480 under inexact
+# Random tensors give the spec's bits (355 of 480 under inexact
 # division before the fix).
 # ---------------------------------------------------------------------------------------
 

@@ -161,6 +161,20 @@ def test_tile_block_needs_two_axes(fn, mode):
         call(fn, mode, jnp.ones(32), block=(16, 16))
 
 
+@nvfp4_quantisers
+def test_bad_rounding(fn):
+    with pytest.raises(ValueError, match=r"`rounding='up'`.*nearest.*stochastic"):
+        fn(jnp.ones(32), rounding="up")
+    with pytest.raises(ValueError, match=r"`key"):
+        fn(jnp.ones(32), rounding="stochastic")
+
+
+@nvfp4_quantisers
+def test_negative_amax(fn):
+    with pytest.raises(ValueError, match=r"`amax=-1.0`.*negative"):
+        fn(jnp.ones(32), amax=-1.0)
+
+
 BAD_AMAX_TYPES = {
     "str": "3",
     "bytes": b"3",

@@ -1,4 +1,4 @@
-"""Inference (issue 4): `nvfp4x.freeze` packs each quantised weight in its recipe's format
+"""Inference: `nvfp4x.freeze` packs each quantised weight in its recipe's format
 and drops the master copy; frozen models take 3.5x fewer weight bytes than bf16,
 dequantise one layer at a time, and cannot be differentiated. (Their files:
 `test_save_load.py`.)

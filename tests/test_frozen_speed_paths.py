@@ -1,4 +1,4 @@
-"""The frozen layer's fast path at a few tokens (issue 17): on a CPU, a GEMM of at most
+"""The frozen layer's fast path at a few tokens: on a CPU, a GEMM of at most
 `CHUNKED_MAX_TOKENS` tokens runs as `chunked_dot`, a fixed-order multiply-add loop,
 and the frozen layer runs the same loop on its packed codes (decoded chunk by chunk,
 inside the loop). Checked here: the arithmetic decoders equal the reference decoders
@@ -60,19 +60,35 @@ RECIPES = [
 ]
 
 
+#: `(out, in)` of the layers: one chunk of the loop, no padding; several chunks, with
+#: padded rows (for 16x16 tiles), a padded block and a padded chunk.
+SHAPES = [(16, 64), (33, 250)]
+#: On the chunked path (one token, the most it takes) and next to it.
+TOKENS = [1, CHUNKED_MAX_TOKENS, CHUNKED_MAX_TOKENS + 1]
+
+
+@eqx.filter_jit
+def _both(frozen, trained, xs):
+    """Every layer of both models on each of its inputs, in one compile."""
+    run = lambda layers: [
+        [jax.vmap(layer)(x) for x in inputs] for layer, inputs in zip(layers, xs, strict=True)
+    ]
+    return run(frozen), run(trained)
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.name}{r.weight.block}")
-@pytest.mark.parametrize("shape", [(48, 64), (40, 100), (33, 250), (64, 1024)])
-def test_frozen_equals_unfrozen_at_a_few_tokens(recipe, shape):
-    n, k = shape
-    q, f = _pair(recipe, n, k)
-    fwd = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
-    for m in range(1, CHUNKED_MAX_TOKENS + 2):
-        x = jax.random.normal(jax.random.key(m), (m, k))
-        np.testing.assert_array_equal(jax.vmap(f)(x), jax.vmap(q)(x))
-        np.testing.assert_array_equal(fwd(f, x), fwd(q, x))
-        y = fwd(f, x)
-        ref = x @ q.weight.array.T  # close to the float product (quantisation error)
-        assert np.all(np.isfinite(y)) and y.shape == ref.shape
+def test_frozen_equals_unfrozen_at_a_few_tokens(recipe):
+    pairs = [_pair(recipe, n, k, seed) for seed, (n, k) in enumerate(SHAPES)]
+    trained, frozen = [q for q, _ in pairs], [f for _, f in pairs]
+    xs = [[jax.random.normal(jax.random.key(m), (m, k)) for m in TOKENS] for _, k in SHAPES]
+    ys_f, ys_q = _both(frozen, trained, xs)
+    for shape, row_f, row_q in zip(SHAPES, ys_f, ys_q, strict=True):
+        for m, y_f, y_q in zip(TOKENS, row_f, row_q, strict=True):
+            np.testing.assert_array_equal(y_f, y_q, err_msg=f"jit, {m} tokens, {shape}")
+            assert y_f.shape == (m, shape[0]) and np.all(np.isfinite(y_f)), (m, shape)
+    # Eagerly too (every primitive run on its own), at one token, on the padded layer.
+    x = xs[-1][0]
+    np.testing.assert_array_equal(jax.vmap(frozen[-1])(x), jax.vmap(trained[-1])(x))
 
 
 def test_the_chunked_loop_runs_on_a_cpu_at_one_token():

@@ -1,4 +1,4 @@
-"""Issue 23 item 11: what gradients of a quantised model hold, used the way training code
+"""What gradients of a quantised model hold, used the way training code
 uses them (optax's global-norm clipping, per-example gradient norms, logging one weight's
 gradient norm), as the training guide shows."""
 

@@ -564,22 +564,34 @@ def test_names_map_errors(weight_only_frozen, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()  # nothing written by a refusal
 
 
-def test_argument_errors(weight_only_frozen, tmp_path):
-    frozen = weight_only_frozen
+def test_input_amax_of_a_layer_without_quantised_activations_is_refused(
+    weight_only_frozen, tmp_path
+):
     with pytest.raises(
         ValueError, match=r"`input_amax` names `blocks\[0\]\.attn\.wq`, whose recipe"
     ):
-        nvfp4x.export_hf(frozen, tmp_path, names=NAMES, input_amax={"blocks[0].attn.wq": 1.0})
+        nvfp4x.export_hf(
+            weight_only_frozen, tmp_path, names=NAMES, input_amax={"blocks[0].attn.wq": 1.0}
+        )
+
+
+def test_a_model_not_frozen_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"quantised training weight.*nvfp4x\.freeze"):
         nvfp4x.export_hf(nvfp4x.quantize(build(), "nvfp4_inference"), tmp_path, names=NAMES)
+
+
+def test_quantised_activations_need_their_input_amax(tmp_path):
     w4a4 = nvfp4x.freeze(nvfp4x.quantize(build(), w4a4_policy()))
     with pytest.raises(
         ValueError, match=r"`blocks\[0\]\.attn\.wq` quantises its activations.*input_amax"
     ):
         nvfp4x.export_hf(w4a4, tmp_path, names=NAMES)
+
+
+def test_a_folder_holding_another_exports_shards_is_refused(weight_only_frozen, tmp_path):
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match=r"already holds \['model-00001-of-00002\.safetensors'\]"):
-        nvfp4x.export_hf(frozen, tmp_path, names=NAMES)
+        nvfp4x.export_hf(weight_only_frozen, tmp_path, names=NAMES)
 
 
 def test_names_rules():

@@ -1,4 +1,4 @@
-"""`benchmarks/long_run.py`, the 10,000-step study's runner (issue 14): a run killed and
+"""`benchmarks/long_run.py`, the 10,000-step study's runner: a run killed and
 resumed from its checkpoint equals an uninterrupted one bit for bit, across a precision
 switch too. (The study itself is a benchmark, not a test.)"""
 

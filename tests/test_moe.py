@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (issue 23): the NVFP4 grouped GEMM behind `lax.ragged_dot`,
+"""Mixture-of-experts layers: the NVFP4 grouped GEMM behind `lax.ragged_dot`,
 experts vmapped inside a module, their freezing, telemetry and coverage, and a short
 training run against float32.
 

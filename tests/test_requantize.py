@@ -1,4 +1,4 @@
-"""`nvfp4x.requantize`: switching a quantised model's recipes mid-run (issue 14: the
+"""`nvfp4x.requantize`: switching a quantised model's recipes mid-run (the
 paper's precision schedule, NVFP4 then bf16), with its optimiser state."""
 
 import equinox as eqx

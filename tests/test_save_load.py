@@ -321,12 +321,26 @@ def test_atomic_write_keeps_the_replaced_files_permissions(tmp_path):
     path = tmp_path / "file.bin"
     with _files.atomic_write(path) as f:
         f.write(b"one")
-    assert path.stat().st_mode & 0o777 == 0o666 & ~_files._UMASK
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_files.umask()
     path.chmod(0o640)
     with _files.atomic_write(path) as f:
         f.write(b"two")
     assert path.read_bytes() == b"two"
     assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_new_file_follows_the_umask_of_when_it_is_written(tmp_path):
+    previous = os.umask(0o077)  # set after nvfp4x was imported: must still count
+    try:
+        assert _files.umask() == 0o077
+        with _files.atomic_write(tmp_path / "file.bin") as f:
+            f.write(b"one")
+        _files.write_folder(tmp_path / "folder", {"a.txt": b"a"})
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "file.bin").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "folder").stat().st_mode & 0o777 == 0o700
+    assert _files.umask() == previous
 
 
 SAVER = """
@@ -401,6 +415,33 @@ def test_stale_temporaries_are_removed_but_not_a_live_writers(tmp_path, frozen_p
         assert not stale.exists(), use
         assert live.exists() and other_target.exists() and not_ours.exists(), use
         stale.write_bytes(b"partial")
+
+
+def test_one_rule_says_when_a_writer_is_gone(tmp_path):
+    """`_files.writer_gone` decides for temporaries and for the training checkpointer's
+    claims alike: gone when its process of this host has ended, or is this process's
+    id but not held by it (an earlier process with the same id), or when another host's
+    file is untouched for `STALE_AFTER_S`; never for a file this process holds."""
+    path = tmp_path / "claim"
+    path.write_text("x")
+    host, other_host = _files.HOST, "0123abcd" if _files.HOST != "0123abcd" else "4567cdef"
+    assert _files.writer_gone(str(path), host, dead_pid())
+    assert not _files.writer_gone(str(path), host, os.getppid())
+    assert _files.writer_gone(str(path), host, os.getpid())
+    assert not _files.writer_gone(str(path), other_host, dead_pid())
+    _files.hold(str(path))
+    try:
+        assert not _files.writer_gone(str(path), host, os.getpid())
+        day_old = time.time() - _files.STALE_AFTER_S - 60
+        os.utime(path, (day_old, day_old))
+        assert not _files.writer_gone(str(path), other_host, 1)
+    finally:
+        _files.let_go(str(path))
+    assert not path.exists()
+    path.write_text("x")
+    os.utime(path, (day_old, day_old))
+    assert _files.writer_gone(str(path), other_host, os.getppid())
+    assert not _files.writer_gone(str(tmp_path / "missing"), host, dead_pid())
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])

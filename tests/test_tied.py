@@ -1,4 +1,4 @@
-"""Issue 23: frozen models compute what the trained ones did where a weight is read two
+"""Frozen models compute what the trained ones did where a weight is read two
 ways (an LM head tied to the input embedding: a quantised GEMM and a lookup of the master
 values), and where a user's head kept in bf16 is read directly under `jax.jit`.
 

@@ -17,6 +17,7 @@ import pytest
 from helpers import RECIPES, TRAIN, normal
 
 import nvfp4x
+from nvfp4x._sites import path_str
 
 D = 24  # feature size, not a multiple of 16
 
@@ -223,26 +224,13 @@ def tower():
     return Tower(jax.random.key(3))
 
 
-def path_string(path) -> str:
-    """The issue's path syntax: attributes joined by dots, indices and keys in brackets."""
-    out = ""
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            out += ("." if out else "") + k.name
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out += f"[{k.idx}]"
-        else:
-            out += f"[{k.key}]"
-    return out
-
-
 def recipe_by_path(model) -> dict:
     """`{path: recipe or None}` for every linear layer, in tree order."""
     out = {}
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
     for path, v in leaves:
         if is_linear(v):
-            out[path_string(path)] = v.recipe if isinstance(v, nvfp4x.QuantizedLinear) else None
+            out[path_str(path)] = v.recipe if isinstance(v, nvfp4x.QuantizedLinear) else None
     return out
 
 

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import nvfp4x
-from nvfp4x import _checkpoint
+from nvfp4x import _checksum
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -83,12 +83,12 @@ def test_checksums_do_not_depend_on_the_sharding(mesh):
         (x * 20).astype(jnp.int8).astype(jnp.uint8),
         jax.random.key_data(jax.random.split(jax.random.key(1), 64)),
     ]
-    want = _checkpoint.checksums([np.asarray(a) for a in arrays])
+    want = _checksum.checksums([np.asarray(a) for a in arrays])
     for name, layout in LAYOUTS.items():
         placed = [jax.device_put(a, layout(mesh, a)) for a in arrays]
-        assert _checkpoint.checksums(placed) == want, name
+        assert _checksum.checksums(placed) == want, name
         if name in ("rows", "columns", "both-axes"):  # partial sums, then one all-reduce
-            hlo = _checkpoint._checksums_jit.lower(placed).compile().as_text()
+            hlo = _checksum._checksums_jit.lower(placed).compile().as_text()
             assert "all-reduce" in hlo and "all-gather" not in hlo, name
 
 
@@ -158,4 +158,4 @@ def test_recorded_checksums_equal_one_devices(mesh, tmp_path):
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 leaf = jax.random.key_data(leaf)
             values.append(np.asarray(leaf))
-    assert [r["checksum"] for r in record["leaves"]] == _checkpoint.checksums(values)
+    assert [r["checksum"] for r in record["leaves"]] == _checksum.checksums(values)
