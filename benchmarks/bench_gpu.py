@@ -540,7 +540,9 @@ class Chain(eqx.Module):
 def frozen_thunk(impl: str | None, fn: Callable, *args) -> Callable[[], Any]:
     """`fn(*args)` as a thunk, `fn` jitted afresh and traced (run once) with the frozen
     GEMM implementation `impl` (None: the default): later calls reuse that program."""
-    jitted = eqx.filter_jit(fn)
+    # A fresh function per variant: jit caches programs by function, and the pick is not
+    # an argument, so two variants sharing `fn` would share the first one's program.
+    jitted = eqx.filter_jit(lambda *a: fn(*a))
     if impl is not None:
         with _kernels.use("frozen_gemm", impl):
             ready(jitted(*args))

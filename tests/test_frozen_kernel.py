@@ -163,7 +163,8 @@ def test_frozen_forward_runs_the_kernel(monkeypatch):
     lin = eqx.nn.Linear(100, 40, key=jax.random.key(3))
     frozen = nvfp4x.freeze(nvfp4x.quantize(lin, nvfp4x.recipes.nvfp4_inference()))
     x = activations(3, 100, jnp.float32)
-    want = jax.jit(lambda x: frozen(x))(x)
+    with _kernels.use("frozen_gemm", "xla"):
+        want = jax.jit(lambda x: frozen(x))(x)
     assert calls == []
     with _kernels.use("frozen_gemm", "pallas"):
         got = jax.jit(lambda x: frozen(x))(x)
@@ -175,11 +176,11 @@ def test_frozen_forward_runs_the_kernel(monkeypatch):
 
 
 def test_chooser_and_uncovered_cases():
-    assert _kernels.pick("frozen_gemm", "gpu") == "pallas"
+    assert _kernels.pick("frozen_gemm", "gpu") == "xla"  # opt-in: see `_kernels`
     assert _kernels.pick("frozen_gemm", "cpu") == "xla"
     codes, scale_bits = jnp.zeros((32, 32), jnp.uint8), jnp.zeros((32, 4), jnp.uint8)
     args = (codes, scale_bits, (1, 16), (32, 64))
-    assert _kernels.frozen_gemm(jnp.ones((2, 64)), *args) is None  # the CPU's default
+    assert _kernels.frozen_gemm(jnp.ones((2, 64)), *args) is None  # the default: XLA
     assert _kernels.frozen_gemm(jnp.ones((2, 64), jnp.int32), *args, "pallas") is None
     assert _kernels.frozen_gemm(jnp.ones((0, 64)), *args, "pallas") is None
 
