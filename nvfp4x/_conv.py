@@ -32,7 +32,6 @@ A layer with telemetry (`probe`) or an `enabled` mask runs the reference.
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -48,17 +47,13 @@ from ._formats import gemm_dtype, quantize_operand, widest_float
 from ._formats._dot import apply_scales, dot_precision
 from ._gemm import (
     _make_primitive,
-    _no_derivative,
-    _second_order,
+    def_gemm_rules,
     grad_key,
-    mix_weight,
     needs_key,
     quantize_weight,
-    shares_weight,
     wgrad,
 )
 from ._policy import Recipe
-from ._prims import def_jvp, def_transpose, is_undefined, is_zero, vmapped, zero, zero_tangent
 
 # --- the kernel as a GEMM matrix ---
 
@@ -315,48 +310,7 @@ conv_dgrad_p = _make_primitive("nvfp4x_conv_dgrad", conv_dgrad, _dgrad_abstract,
 conv_wgrad_p = _make_primitive("nvfp4x_conv_wgrad", conv_wgrad, _wgrad_abstract, stack=True)
 
 
-def _conv_jvp(primals, tangents, **params):
-    x, w, wv, ws, seed = primals
-    tx, tw = tangents[:2]
-    recipe, dtype, nbatch = params["recipe"], params["dtype"], params["nbatch"]
-    y = conv_qdot_p.bind(x, w, wv, ws, seed, **params)
-    if needs_key(recipe):
-        seed = mix_weight(seed, w)
-    parts = []
-    if not is_zero(tx):
-        if not shares_weight(recipe):
-            quant = functools.partial(quantize_weight, recipe=recipe, axis=0, dtype=dtype)
-            wv, ws = vmapped(quant, nbatch)(w)
-        parts.append(conv_tx_p.bind(tx, wv, ws, seed, **params))
-    if not is_zero(tw):
-        parts.append(conv_tw_p.bind(x, tw, seed, **params))
-    if not parts:
-        return y, zero_tangent(y)
-    return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
-
-
-def _tx_transpose(ct, a, wv, ws, seed, **params):
-    if is_undefined(wv) or is_undefined(ws):
-        raise _second_order()
-    if is_zero(ct):
-        return [zero(a.aval), None, None, None]
-    dx = conv_dgrad_p.bind(ct, wv, ws, seed, **params)
-    return [dx.astype(a.aval.dtype), None, None, None]
-
-
-def _tw_transpose(ct, a, b, seed, **params):
-    if is_undefined(a):
-        raise _second_order()
-    if is_zero(ct):
-        return [None, zero(b.aval), None]
-    return [None, conv_wgrad_p.bind(ct, a, seed, **params).astype(b.aval.dtype), None]
-
-
-def_jvp(conv_qdot_p, _conv_jvp)
-def_transpose(conv_tx_p, _tx_transpose)
-def_transpose(conv_tw_p, _tw_transpose)
-for _p in (conv_tx_p, conv_tw_p, conv_dgrad_p, conv_wgrad_p):  # derivatives of a derivative
-    def_jvp(_p, _no_derivative)
+def_gemm_rules(conv_qdot_p, conv_tx_p, conv_tw_p, conv_dgrad_p, conv_wgrad_p)
 
 #: The fast path's primitives and their passes (for `coverage`).
 CONV_PASS = {conv_qdot_p: "fprop", conv_tx_p: "fprop (jvp)", conv_tw_p: "fprop (jvp)",

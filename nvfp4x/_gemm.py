@@ -242,26 +242,6 @@ dgrad_p = _make_primitive("nvfp4x_dgrad", dgrad, _dgrad_abstract, stack=True)
 wgrad_p = _make_primitive("nvfp4x_wgrad", wgrad, _wgrad_abstract, stack=True)
 
 
-def _qdot_jvp(primals, tangents, **params):
-    x, w, wv, ws, seed = primals
-    tx, tw = tangents[:2]
-    recipe, dtype, nbatch = params["recipe"], params["dtype"], params["nbatch"]
-    y = qdot_p.bind(x, w, wv, ws, seed, **params)
-    if needs_key(recipe):
-        seed = mix_weight(seed, w)
-    parts = []
-    if not is_zero(tx):
-        if not shares_weight(recipe):
-            quant = functools.partial(quantize_weight, recipe=recipe, axis=0, dtype=dtype)
-            wv, ws = vmapped(quant, nbatch)(w)
-        parts.append(tx_p.bind(tx, wv, ws, seed, **params))
-    if not is_zero(tw):
-        parts.append(tw_p.bind(x, tw, seed, **params))
-    if not parts:
-        return y, zero_tangent(y)
-    return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
-
-
 def _second_order():
     return NotImplementedError(
         "nvfp4x: second-order derivatives (jax.hessian, jacfwd/jvp of a gradient, "
@@ -270,31 +250,59 @@ def _second_order():
     )
 
 
-def _tx_transpose(ct, a, wv, ws, seed, **params):
-    if is_undefined(wv) or is_undefined(ws):
-        raise _second_order()
-    if is_zero(ct):
-        return [zero(a.aval), None, None, None]
-    return [dgrad_p.bind(ct, wv, ws, seed, **params).astype(a.aval.dtype), None, None, None]
-
-
-def _tw_transpose(ct, a, b, seed, **params):
-    if is_undefined(a):
-        raise _second_order()
-    if is_zero(ct):
-        return [None, zero(b.aval), None]
-    return [None, wgrad_p.bind(ct, a, seed, **params).astype(b.aval.dtype), None]
-
-
 def _no_derivative(primals, tangents, **params):
     raise _second_order()
 
 
-def_jvp(qdot_p, _qdot_jvp)
-def_transpose(tx_p, _tx_transpose)
-def_transpose(tw_p, _tw_transpose)
-for _p in (tx_p, tw_p, dgrad_p, wgrad_p):  # derivatives of a derivative
-    def_jvp(_p, _no_derivative)
+def def_gemm_rules(fprop_p, tx_p, tw_p, dgrad_p, wgrad_p) -> None:
+    """The derivative rules of a quantised GEMM's five primitives (operands as
+    `qdot_p`'s: `x, w, wv, ws, seed`): fprop's JVP runs the tangent GEMMs `tx_p` (on the
+    quantised weight) and `tw_p`, whose transposes are dgrad (`dgrad_p`) and wgrad
+    (`wgrad_p`); none of the four has a derivative of its own (second order raises).
+    Shared by the dense GEMM here and the convolution's (`_conv`)."""
+
+    def jvp(primals, tangents, **params):
+        x, w, wv, ws, seed = primals
+        tx, tw = tangents[:2]
+        recipe, dtype, nbatch = params["recipe"], params["dtype"], params["nbatch"]
+        y = fprop_p.bind(x, w, wv, ws, seed, **params)
+        if needs_key(recipe):
+            seed = mix_weight(seed, w)
+        parts = []
+        if not is_zero(tx):
+            if not shares_weight(recipe):
+                quant = functools.partial(quantize_weight, recipe=recipe, axis=0, dtype=dtype)
+                wv, ws = vmapped(quant, nbatch)(w)
+            parts.append(tx_p.bind(tx, wv, ws, seed, **params))
+        if not is_zero(tw):
+            parts.append(tw_p.bind(x, tw, seed, **params))
+        if not parts:
+            return y, zero_tangent(y)
+        return y, parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+    def tx_transpose(ct, a, wv, ws, seed, **params):
+        if is_undefined(wv) or is_undefined(ws):
+            raise _second_order()
+        if is_zero(ct):
+            return [zero(a.aval), None, None, None]
+        dx = dgrad_p.bind(ct, wv, ws, seed, **params)
+        return [dx.astype(a.aval.dtype), None, None, None]
+
+    def tw_transpose(ct, a, b, seed, **params):
+        if is_undefined(a):
+            raise _second_order()
+        if is_zero(ct):
+            return [None, zero(b.aval), None]
+        return [None, wgrad_p.bind(ct, a, seed, **params).astype(b.aval.dtype), None]
+
+    def_jvp(fprop_p, jvp)
+    def_transpose(tx_p, tx_transpose)
+    def_transpose(tw_p, tw_transpose)
+    for p in (tx_p, tw_p, dgrad_p, wgrad_p):  # derivatives of a derivative
+        def_jvp(p, _no_derivative)
+
+
+def_gemm_rules(qdot_p, tx_p, tw_p, dgrad_p, wgrad_p)
 
 
 def qdot(
