@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from ._numerics._constants import GOLDEN_RATIO_32
+from ._numerics._e2m1 import _fmix32
 
 _WORD = {4: ml_dtypes.uint4, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint32}
 if hasattr(ml_dtypes, "uint2"):
@@ -34,15 +35,6 @@ def _bits(dtype) -> int:
         except (TypeError, ValueError):
             continue
     return 8 * dtype.itemsize
-
-
-def _fmix32(h):
-    """MurmurHash3's 32-bit finaliser (a bijection), on uint32 numpy or jax arrays."""
-    h = h ^ (h >> 16)
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
 
 
 def _mix(words, index):

@@ -1,9 +1,19 @@
 """Names: nvfp4x module paths -> checkpoint module names (`hf_names`, `NameRules`, and
 the `names` argument of `export_hf` / `import_hf` made into one callable)."""
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from .._policy import compile_rules, first_rule
+
+
+def _check_template(i: int, pattern: str, template: Any) -> str:
+    if not isinstance(template, str):
+        raise TypeError(
+            f"Names rule {i} (`{pattern}`): the template must be a string, got "
+            f"{type(template).__name__}."
+        )
+    return template
 
 
 class NameRules:
@@ -17,30 +27,11 @@ class NameRules:
     """
 
     def __init__(self, rules: Sequence[tuple[str, str]]):
-        compiled = []
-        for i, rule in enumerate(rules):
-            if not (isinstance(rule, tuple | list) and len(rule) == 2):
-                raise TypeError(f"Names rule {i} must be a `(regex, template)` pair, got {rule!r}.")
-            pattern, template = rule
-            if not isinstance(template, str):
-                raise TypeError(
-                    f"Names rule {i} (`{pattern}`): the template must be a string, got "
-                    f"{type(template).__name__}."
-                )
-            try:
-                compiled.append((re.compile(pattern), template))
-            except (re.error, TypeError) as e:
-                raise ValueError(
-                    f"Names rule {i}: regex `{pattern!r}` does not compile: {e}."
-                ) from e
-        self.rules = tuple(compiled)
+        self.rules = compile_rules(rules, "Names rule", "template", _check_template)
 
     def __call__(self, path: str) -> str | None:
-        for regex, template in self.rules:
-            m = regex.fullmatch(path)
-            if m:
-                return m.expand(template)
-        return None
+        found = first_rule(self.rules, path)
+        return None if found is None else found[1].expand(found[2])
 
     def __repr__(self) -> str:
         return f"NameRules({[(r.pattern, t) for r, t in self.rules]})"
