@@ -6,6 +6,8 @@ Rounding works on the E2M1 grid directly: between 0 and 2 the grid step is 0.5, 
 lands on the value with an even code).
 """
 
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,7 +87,11 @@ def decode(code: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where((code & 8) != 0, -mag, mag)
 
 
-def _fmix32(h: Array) -> Array:
+#: uint32 words, of jax (stochastic rounding) or NumPy (checkpoint checksums).
+_Words = TypeVar("_Words", Array, np.ndarray)
+
+
+def _fmix32(h: _Words) -> _Words:
     """MurmurHash3's 32-bit finaliser: a bijective, well-mixing integer hash, on uint32
     jax or NumPy arrays (stochastic rounding's samples and checkpoint checksums)."""
     h = h ^ (h >> 16)
