@@ -203,10 +203,10 @@ class NVFP4(Codec):
         return {}, layers
 
     def tensors(self, layer):
-        assert layer.block_scales is not None  # made by `export`
+        scales = _block_scales(layer)
         out = {
             f"{layer.name}.weight": layer.elements,
-            f"{layer.name}.weight_scale": layer.block_scales.view(ml_dtypes.float8_e4m3fn),
+            f"{layer.name}.weight_scale": scales.view(ml_dtypes.float8_e4m3fn),
             f"{layer.name}.weight_scale_2": np.asarray(layer.tensor_scale, np.float32).reshape(()),
         }
         if layer.input_amax is not None:
@@ -214,8 +214,8 @@ class NVFP4(Codec):
         return out
 
     def requantize(self, layer, tensor_scale):
-        assert layer.block_scales is not None  # made by `export`
-        rows = (layer.elements, layer.block_scales, layer.tensor_scale)
+        scales = _block_scales(layer)
+        rows = (layer.elements, scales, layer.tensor_scale)
         codes, bits, ts = requantize_rows(rows, tensor_scale)
         return dataclasses.replace(layer, elements=codes, block_scales=bits, tensor_scale=ts)
 
@@ -311,3 +311,14 @@ def unquantised_layers(model: Any, entries: list[Entry]) -> set[str]:
         if entry is not None:
             out.update(entry.module_names())
     return out
+
+
+def _block_scales(layer):
+    """An NVFP4 layer's block scales, which `export` always makes; a layer without them
+    was built by hand and cannot be written."""
+    if layer.block_scales is None:
+        raise ValueError(
+            f"Layer `{layer.name}` has no NVFP4 block scales: build its row form with "
+            "`export` (the NVFP4 codec's plan), not by hand."
+        )
+    return layer.block_scales
