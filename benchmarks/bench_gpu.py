@@ -43,6 +43,13 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   (`nvfp4x._kernels`' `frozen_gemm`: `xla` decodes the weight then calls a dot,
   `pallas` decodes it inside the GEMM), against bfloat16 and float32, with the weight
   bytes and the GB/s they are read at.
+- `profile`: where a training step's time goes. The `train` section's model stepped
+  in mixed bf16 and with the `nvfp4_training` and `fp8` recipes, each traced with
+  `jax.profiler` over a few steps: the device time per step summed per HLO operation
+  of the compiled program, grouped by kind (GEMMs: cuBLAS/cuDNN calls, Triton GEMM
+  fusions, dots and convolutions; the other fusions; copies and the rest), the top
+  operations with their kind and output shape. With `--out`, each step's optimised HLO
+  is written next to it (`<out>.<step>.hlo.txt.gz`) to read what a costly fusion does.
 - `frozen_sweep`: the Pallas frozen GEMM kernel alone (`_pallas_gemm.frozen_matmul`,
   bfloat16 activations, 1x16 blocks) with each of its `SWEEP_TILES`, at 16 tokens on a
   32768x8192 weight (packed 151 MB, more than the L2 cache) and at 4096 tokens on an
@@ -61,6 +68,7 @@ import contextlib
 import dataclasses
 import functools
 import platform
+import re
 import statistics
 import sys
 import time
@@ -99,6 +107,7 @@ SECTIONS = (
     "frozen",
     "frozen_sweep",
     "native",
+    "profile",
 )
 #: Arguments `benchmarks/run_all.py --quick` would pass (it skips without a GPU).
 QUICK_ARGV = ["--quick"]
@@ -702,6 +711,125 @@ def native(s: Sizes, table: Table, state: dict) -> None:
         table.add("native", f"{k} forward, {m}^3 bf16 inputs", ms(secs), note)
 
 
+# --------------------------------------------------------------------------- profile
+
+#: The steps the `profile` section traces: (label, recipe or None, cast to bf16).
+PROFILED = (("mixed bf16", None, True), ("nvfp4", "nvfp4_training", False), ("fp8", "fp8", False))
+PROFILE_TOP = 15
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """`{instruction name: (kind, output shape)}` for the instructions of an optimised
+    HLO module's text. Kinds: `gemm` (cuBLAS/cuDNN custom calls, Triton GEMM fusions,
+    `dot`, `convolution`), `fusion`, `copy` (copies, transposes, bitcasts), `other`."""
+    ops = {}
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\(")
+    for line in hlo_text.splitlines():
+        m = pattern.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        gemm_markers = ("__cublas", "__cudnn", "triton_gemm", "cublas", "gemm_fusion")
+        if opcode in ("dot", "convolution") or any(g in line for g in gemm_markers):
+            kind = "gemm"
+        elif opcode == "fusion":
+            kind = "fusion"
+        elif opcode in ("copy", "transpose", "bitcast", "copy-start", "copy-done"):
+            kind = "copy"
+        else:
+            kind = "other"
+        ops[name] = (kind, shape[:60])
+    return ops
+
+
+def op_times(trace_dir: str, platform: str) -> dict[str, float]:
+    """`{HLO op name: nanoseconds}` summed over the device events of a `jax.profiler`
+    trace in `trace_dir` (on a CPU: the host's XLA thunk events). Events are matched to
+    ops by their `hlo_op` statistic (or their name); a derived "XLA Ops" line, where the
+    trace has one, is used alone (it would count each op twice otherwise)."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    times: dict[str, float] = {}
+    for pb in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        data = ProfileData.from_file(pb)
+        for plane in data.planes:
+            on_device = plane.name.startswith("/device:")
+            if not (on_device or (platform == "cpu" and plane.name == "/host:CPU")):
+                continue
+            lines = list(plane.lines)
+            derived = [ln for ln in lines if ln.name == "XLA Ops"]
+            skip = {"XLA Modules", "Steps", "XLA TraceMe", "Launch Stats", "python"}
+            for line in derived or [ln for ln in lines if ln.name not in skip]:
+                for event in line.events:
+                    stats = dict(event.stats)
+                    op = stats.get("hlo_op") or (event.name if derived else None)
+                    if op:
+                        times[str(op)] = times.get(str(op), 0.0) + event.duration_ns
+    return times
+
+
+def profile(s: Sizes, table: Table, state: dict) -> None:
+    import gzip
+    import tempfile
+
+    kx, ky, km = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (s.tokens, s.d), jnp.float32)
+    y = jax.random.normal(ky, (s.tokens, s.d), jnp.float32)
+    model = Stack(s.d, s.hidden, s.blocks, km)
+    n = max(2, min(s.repeats, 5))
+    for label, recipe, cast in PROFILED:
+        try:
+            m = (
+                model
+                if recipe is None
+                else nvfp4x.quantize(model, getattr(nvfp4x.recipes, recipe)())
+            )
+            step = Step(m, x, y, cast=cast)
+            ready(step())
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d):
+                    for _ in range(n):
+                        ready(step())
+                times = op_times(d, jax.default_backend())
+        except Exception as e:  # noqa: BLE001 - one failing step must not stop the rest
+            table.add("profile", label, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
+            continue
+        hlo = step.compiled.as_text()
+        if state.get("out"):
+            path = f"{state['out']}.{label.replace(' ', '_')}.hlo.txt.gz"
+            with gzip.open(path, "wt") as f:
+                f.write(hlo)
+        ops = hlo_ops(hlo)
+        if not times:
+            table.add("profile", f"{label} step", "**no device events**", "trace had no hlo_op")
+            continue
+        total = sum(times.values()) / n
+        by_kind: dict[str, float] = {}
+        for op, ns in times.items():
+            kind = ops.get(op, ("unmatched", ""))[0]
+            by_kind[kind] = by_kind.get(kind, 0.0) + ns / n
+        note = ", ".join(
+            f"{k} {v / 1e6:.2f} ms ({v / total:.0%})"
+            for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        )
+        table.add(
+            "profile",
+            f"{label} step: device time per step, {len(times)} ops",
+            f"{total / 1e6:.3f} ms",
+            note,
+        )
+        for op, ns in sorted(times.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]:
+            kind, shape = ops.get(op, ("unmatched", ""))
+            table.add(
+                "profile",
+                f"{label}: {op} ({kind}) {shape}",
+                f"{ns / n / 1e6:.3f} ms",
+                f"{ns / n / total:.1%} of the step",
+            )
+
+
 RUN = {
     "bandwidth": bandwidth,
     "quantize": quantize,
@@ -712,6 +840,7 @@ RUN = {
     "frozen": frozen,
     "native": native,
     "frozen_sweep": frozen_sweep,
+    "profile": profile,
 }
 
 
@@ -747,7 +876,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lean:
         sizes = dataclasses.replace(sizes, full_train=False)
     print(f"bench_gpu on {device_line()}, sizes {sizes}", flush=True)
-    table, state = Table(), {}
+    table, state = Table(), {"out": args.out}
     table.add("device", "device", device_line())
     start = time.perf_counter()
     for section in args.only:

@@ -68,3 +68,28 @@ def test_bench_gpu_skips_without_a_gpu_and_writes_its_table(tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("## bench_gpu (cpu smoke) on ")
     assert any(line.startswith("| bandwidth | copy (x + 1, float32) | ") for line in lines)
+
+
+def test_bench_gpu_profile_sums_each_compiled_op_and_names_its_kind(tmp_path):
+    import jax.numpy as jnp
+
+    from benchmarks import bench_gpu
+
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b) + 1.0)
+    a = jnp.ones((64, 64), jnp.float32)
+    compiled = f.lower(a, a).compile()
+    jax.block_until_ready(compiled(a, a))
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            jax.block_until_ready(compiled(a, a))
+    times = bench_gpu.op_times(str(tmp_path), jax.default_backend())
+    ops = bench_gpu.hlo_ops(compiled.as_text())
+    assert times and all(ns > 0 for ns in times.values())
+    assert set(times) <= set(ops)  # every timed event is an op of the compiled program
+    tuple_op = "  %f.1 = (f32[16]{0}, s32[16]{0}) fusion(f32[16,16]{1,0} %p), kind=kLoop"
+    cublas = "  ROOT %cc = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(), "
+    cublas += 'custom_call_target="__cublas$gemm"'
+    assert bench_gpu.hlo_ops(tuple_op + "\n" + cublas) == {
+        "f.1": ("fusion", "(f32[16]{0}, s32[16]{0})"),
+        "cc": ("gemm", "(bf16[8,8]{1,0}, s8[0]{0})"),
+    }
