@@ -27,7 +27,8 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   layers vmapped over tokens): float32; mixed bf16 (weights and activations cast to
   bfloat16 in the step, float32 master weights); nvfp4x's `bf16`, `fp8`, `mxfp8` and
   `nvfp4_training` recipes (with and without SR and RHT, unrolled and scanned, and with
-  the XLA quantisers instead of the default, the Pallas kernel on a GPU), ratios against
+  the XLA quantisers instead of the default, the Pallas kernel on a GPU), and NVFP4 inside
+  the mixed-bf16 step (bfloat16 weights and activations quantised), ratios against
   mixed bf16.
 - `compile`: the compile times of those steps (lowering + XLA), NVFP4 against float32.
 - `native`: the native low-precision GEMMs (`nvfp4x._kernels`: `fp8_gemm`,
@@ -44,7 +45,8 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   `pallas` decodes it inside the GEMM), against bfloat16 and float32, with the weight
   bytes and the GB/s they are read at.
 - `profile`: where a training step's time goes. The `train` section's model stepped
-  in mixed bf16 and with the `nvfp4_training` and `fp8` recipes, each traced with
+  in mixed bf16, with the `nvfp4_training` recipe (float32 and inside mixed bf16) and
+  with the `fp8` recipe, each traced with
   `jax.profiler` over a few steps: the device time per step summed per HLO operation
   of the compiled program, grouped by kind (GEMMs: cuBLAS/cuDNN calls, Triton GEMM
   fusions, dots and convolutions; the other fusions; copies and the rest), the top
@@ -494,6 +496,12 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         "nvfp4 (xla quantisers)": lambda: Step(
             nvfp4x.quantize(model, R.nvfp4_training()), x, y, impl="xla"
         ),
+        # NVFP4 GEMMs inside a mixed-bf16 step (bf16 weights and activations, float32
+        # master), as Transformer Engine and qwix run them: the GEMM outputs, the
+        # activations and the quantisers' inputs are bfloat16.
+        "nvfp4 in mixed bf16": lambda: Step(
+            nvfp4x.quantize(model, R.nvfp4_training()), x, y, cast=True
+        ),
     }
     if s.full_train:
         nv = R.nvfp4_training
@@ -714,7 +722,12 @@ def native(s: Sizes, table: Table, state: dict) -> None:
 # --------------------------------------------------------------------------- profile
 
 #: The steps the `profile` section traces: (label, recipe or None, cast to bf16).
-PROFILED = (("mixed bf16", None, True), ("nvfp4", "nvfp4_training", False), ("fp8", "fp8", False))
+PROFILED = (
+    ("mixed bf16", None, True),
+    ("nvfp4", "nvfp4_training", False),
+    ("nvfp4 in mixed bf16", "nvfp4_training", True),
+    ("fp8", "fp8", False),
+)
 PROFILE_TOP = 15
 
 
