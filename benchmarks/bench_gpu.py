@@ -46,7 +46,7 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   bytes and the GB/s they are read at.
 - `profile`: where a training step's time goes. The `train` section's model stepped
   in mixed bf16, with the `nvfp4_training` recipe (float32 and inside mixed bf16) and
-  with the `fp8` recipe, each traced with
+  with the `fp8` recipe (emulated and native GEMMs), each traced with
   `jax.profiler` over a few steps: the device time per step summed per HLO operation
   of the compiled program, grouped by kind (GEMMs: cuBLAS/cuDNN calls, Triton GEMM
   fusions, dots and convolutions; the other fusions; copies and the rest), the top
@@ -721,12 +721,13 @@ def native(s: Sizes, table: Table, state: dict) -> None:
 
 # --------------------------------------------------------------------------- profile
 
-#: The steps the `profile` section traces: (label, recipe or None, cast to bf16).
+#: The steps the `profile` section traces: (label, recipe or None, cast to bf16, picks).
 PROFILED = (
-    ("mixed bf16", None, True),
-    ("nvfp4", "nvfp4_training", False),
-    ("nvfp4 in mixed bf16", "nvfp4_training", True),
-    ("fp8", "fp8", False),
+    ("mixed bf16", None, True, {}),
+    ("nvfp4", "nvfp4_training", False, {}),
+    ("nvfp4 in mixed bf16", "nvfp4_training", True, {}),
+    ("fp8", "fp8", False, {}),
+    ("fp8 native", "fp8", False, {"fp8_gemm": "native"}),
 )
 PROFILE_TOP = 15
 
@@ -792,14 +793,14 @@ def profile(s: Sizes, table: Table, state: dict) -> None:
     y = jax.random.normal(ky, (s.tokens, s.d), jnp.float32)
     model = Stack(s.d, s.hidden, s.blocks, km)
     n = max(2, min(s.repeats, 5))
-    for label, recipe, cast in PROFILED:
+    for label, recipe, cast, picks in PROFILED:
         try:
             m = (
                 model
                 if recipe is None
                 else nvfp4x.quantize(model, getattr(nvfp4x.recipes, recipe)())
             )
-            step = Step(m, x, y, cast=cast)
+            step = Step(m, x, y, cast=cast, picks=picks)
             ready(step())
             with tempfile.TemporaryDirectory() as d:
                 with jax.profiler.trace(d):

@@ -55,7 +55,9 @@ bfloat16 or float32 operands, wherever `None` comes back):
   native GEMMs made the `fp8` recipe's training step no faster (17.08 ms against
   17.08 ms emulated) and the 8192^3 forward slower (2.03 ms against 1.94 ms), and their
   results differed from the emulated GEMM's by more than float32 summation order
-  (two tests, marked there); `DEVICE_DEFAULTS` holds the rule for when it is fixed.
+  (two tests, marked there). Those dots ran at DEFAULT precision, for which XLA:GPU
+  asks cuBLASLt for FP8 fast accumulation; they now ask HIGHEST (float32 accumulation),
+  not yet measured on a GPU. `DEVICE_DEFAULTS` holds the rule for when it is.
 - `"block_scaled_gemm"`: a GEMM of two NVFP4 or two MXFP8 operands: `"xla"`
   (emulated), `"scaled_matmul"` (`jax.nn.scaled_matmul`: cuDNN's block-scaled GEMM on
   Blackwell; CUDA and ROCm only) or `"lax_scaled_dot"` (`jax.lax.scaled_dot`, which

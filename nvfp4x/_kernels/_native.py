@@ -11,8 +11,11 @@ a block), which the tests bound.
 
 - `fp8_dot`: per-tensor-scaled FP8 (the `fp8` recipe): the values cast to
   `float8_e4m3fn` / `float8_e5m2` (exact: they are FP8 values), then `lax.dot_general`
-  with `preferred_element_type=float32`, which XLA:GPU rewrites to a cuBLASLt FP8 GEMM
-  on devices with FP8 tensor cores (compute capability 8.9+). Each operand is laid out
+  with `preferred_element_type=float32` and `precision=HIGHEST`, which XLA:GPU rewrites
+  to a cuBLASLt FP8 GEMM on devices with FP8 tensor cores (compute capability 8.9+),
+  with float32 accumulation (at DEFAULT precision XLA asks for cuBLASLt's FP8 fast
+  accumulation, which keeps partial sums in less than float32: the likely cause of
+  the H200 run's differences beyond summation order, before this was set). Each operand is laid out
   with its contraction axis last (`(M, K) x (N, K)`, the "TN" layout cuBLASLt's FP8
   GEMMs take): fprop `x (T, k) . W (n, k)` needs no transpose; dgrad transposes the
   weight to `(k, n)`, wgrad both operands to `(n, T)` and `(k, T)` (on FP8 bytes).
@@ -72,7 +75,16 @@ def fp8_dot(
     values, cast to their element dtypes first)."""
     a2, lead_a = _rows(a.astype(a_native.element), dims[0][0])
     b2, lead_b = _rows(b.astype(b_native.element), dims[1][0])
-    out = lax.dot_general(a2, b2, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # HIGHEST: XLA:GPU asks cuBLASLt for its FP8 "fast accumulation" mode (partial sums
+    # kept in less than float32 inside the tensor cores) when an FP8 dot's precision is
+    # DEFAULT; any other precision keeps float32 accumulation, as the emulated GEMM has.
+    out = lax.dot_general(
+        a2,
+        b2,
+        (((1,), (1,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
     return out.reshape(*lead_a, *lead_b)
 
 
