@@ -50,8 +50,10 @@ Without a GPU it prints a message and exits 0 (unless `--cpu-smoke`). Sections:
   `jax.profiler` over a few steps: the device time per step summed per HLO operation
   of the compiled program, grouped by kind (GEMMs: cuBLAS/cuDNN calls, Triton GEMM
   fusions, dots and convolutions; the other fusions; copies and the rest), the top
-  operations with their kind and output shape. With `--out`, each step's optimised HLO
-  is written next to it (`<out>.<step>.hlo.txt.gz`) to read what a costly fusion does.
+  operations with their kind and output shape; likewise the `frozen` section's bf16 and
+  W4A16 forwards at one token (bfloat16 activations, each frozen GEMM implementation).
+  With `--out`, each program's optimised HLO is written next to it
+  (`<out>.<label>.hlo.txt.gz`) to read what a costly fusion does.
 - `frozen_sweep`: the Pallas frozen GEMM kernel alone (`_pallas_gemm.frozen_matmul`,
   bfloat16 activations, 1x16 blocks) with each of its `SWEEP_TILES`, at 16 tokens on a
   32768x8192 weight (packed 151 MB, more than the L2 cache) and at 4096 tokens on an
@@ -785,63 +787,84 @@ def op_times(trace_dir: str, platform: str) -> dict[str, float]:
 
 
 def profile(s: Sizes, table: Table, state: dict) -> None:
-    import gzip
-    import tempfile
-
     kx, ky, km = jax.random.split(jax.random.key(2), 3)
     x = jax.random.normal(kx, (s.tokens, s.d), jnp.float32)
     y = jax.random.normal(ky, (s.tokens, s.d), jnp.float32)
     model = Stack(s.d, s.hidden, s.blocks, km)
-    n = max(2, min(s.repeats, 5))
     for label, recipe, cast, picks in PROFILED:
-        try:
-            m = (
-                model
-                if recipe is None
-                else nvfp4x.quantize(model, getattr(nvfp4x.recipes, recipe)())
-            )
+
+        def make(recipe=recipe, cast=cast, picks=picks):
+            r = nvfp4x.recipes
+            m = model if recipe is None else nvfp4x.quantize(model, getattr(r, recipe)())
             step = Step(m, x, y, cast=cast, picks=picks)
-            ready(step())
-            with tempfile.TemporaryDirectory() as d:
-                with jax.profiler.trace(d):
-                    for _ in range(n):
-                        ready(step())
-                times = op_times(d, jax.default_backend())
-        except Exception as e:  # noqa: BLE001 - one failing step must not stop the rest
-            table.add("profile", label, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
-            continue
-        hlo = step.compiled.as_text()
-        if state.get("out"):
-            path = f"{state['out']}.{label.replace(' ', '_')}.hlo.txt.gz"
-            with gzip.open(path, "wt") as f:
-                f.write(hlo)
-        ops = hlo_ops(hlo)
-        if not times:
-            table.add("profile", f"{label} step", "**no device events**", "trace had no hlo_op")
-            continue
-        total = sum(times.values()) / n
-        by_kind: dict[str, float] = {}
-        for op, ns in times.items():
-            kind = ops.get(op, ("unmatched", ""))[0]
-            by_kind[kind] = by_kind.get(kind, 0.0) + ns / n
-        note = ", ".join(
-            f"{k} {v / 1e6:.2f} ms ({v / total:.0%})"
-            for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
-        )
+            return step, step.compiled.as_text()
+
+        profile_one(f"{label} step", make, s, table, state)
+    # The frozen forward at one token, bfloat16 activations (see the `frozen` section).
+    chain = Chain(s.frozen_d, s.frozen_layers, jax.random.key(3))
+    x1 = jax.random.normal(jax.random.key(4), (1, s.frozen_d), jnp.bfloat16)
+    w4a16 = nvfp4x.freeze(nvfp4x.quantize(chain, nvfp4x.recipes.nvfp4_weight_only()))
+    frozen_cases = [("bf16 forward, 1 token", to_bf16(chain), "xla")]
+    frozen_cases += [
+        (f"W4A16 ({impl}) forward, 1 token, bf16 activations", w4a16, impl)
+        for impl in _kernels.IMPLEMENTATIONS["frozen_gemm"]
+    ]
+    for label, m, impl in frozen_cases:
+
+        def make_frozen(m=m, impl=impl):
+            arrays, static = eqx.partition(m, eqx.is_array)
+            fn = jax.jit(lambda a, x: jax.vmap(eqx.combine(a, static))(x))
+            with _kernels.use("frozen_gemm", impl):
+                compiled = fn.lower(arrays, x1).compile()
+            return functools.partial(compiled, arrays, x1), compiled.as_text()
+
+        profile_one(label, make_frozen, s, table, state)
+
+
+def profile_one(label: str, make: Callable, s: Sizes, table: Table, state: dict) -> None:
+    """Rows for one profiled program: `make()` gives `(thunk, optimised HLO text)`."""
+    import gzip
+    import tempfile
+
+    n = max(2, min(s.repeats, 5))
+    try:
+        thunk, hlo = make()
+        ready(thunk())
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                for _ in range(n):
+                    ready(thunk())
+            times = op_times(d, jax.default_backend())
+    except Exception as e:  # noqa: BLE001 - one failing program must not stop the rest
+        table.add("profile", label, "**error**", f"{type(e).__name__}: {str(e)[:300]}")
+        return
+    if state.get("out"):
+        name = re.sub(r"[^\w]+", "_", label).strip("_")
+        with gzip.open(f"{state['out']}.{name}.hlo.txt.gz", "wt") as f:
+            f.write(hlo)
+    ops = hlo_ops(hlo)
+    if not times:
+        table.add("profile", label, "**no device events**", "the trace had no HLO ops")
+        return
+    total = sum(times.values()) / n
+    by_kind: dict[str, float] = {}
+    for op, ns in times.items():
+        kind = ops.get(op, ("unmatched", ""))[0]
+        by_kind[kind] = by_kind.get(kind, 0.0) + ns / n
+    note = ", ".join(
+        f"{k} {v / 1e6:.2f} ms ({v / total:.0%})"
+        for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+    )
+    what = f"{label}: device time per call, {len(times)} ops"
+    table.add("profile", what, f"{total / 1e6:.3f} ms", note)
+    for op, ns in sorted(times.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]:
+        kind, shape = ops.get(op, ("unmatched", ""))
         table.add(
             "profile",
-            f"{label} step: device time per step, {len(times)} ops",
-            f"{total / 1e6:.3f} ms",
-            note,
+            f"{label}: {op} ({kind}) {shape}",
+            f"{ns / n / 1e6:.3f} ms",
+            f"{ns / n / total:.1%} of the call",
         )
-        for op, ns in sorted(times.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]:
-            kind, shape = ops.get(op, ("unmatched", ""))
-            table.add(
-                "profile",
-                f"{label}: {op} ({kind}) {shape}",
-                f"{ns / n / 1e6:.3f} ms",
-                f"{ns / n / total:.1%} of the step",
-            )
 
 
 RUN = {
