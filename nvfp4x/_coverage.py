@@ -11,12 +11,13 @@ import numpy as np
 from jax import lax
 
 from ._conv import CONV_PASS, conv_tw_p, conv_tx_p
+from ._dispatch import LAYOUT, NORMALISER, record_unquantised
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
-from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
+from ._prims import GEMM_PRIMITIVES, Literal, jaxprs_in_params, ragged_dot_general_p
 from ._probe import layer_stats
-from ._qweight import GEMM_PRIMITIVES, LAYOUT, NORMALISER, QWeight, record_unquantised
+from ._qweight import QWeight
 from ._ragged import (
     grouped_dgrad_p,
     grouped_qdot_p,

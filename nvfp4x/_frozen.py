@@ -17,6 +17,14 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
 from ._conv import check_conv_kernel, conv_gemm, conv_qdot, kernel_from_matrix, runs_fast
+from ._dispatch import (
+    Layout,
+    as_qweight,
+    default_rule,
+    gemm_out_dtype,
+    ragged_rule,
+    weight_gemm,
+)
 from ._formats import gemm_dtype, quantize_operand
 from ._formats._dot import (
     CHUNK,
@@ -42,16 +50,7 @@ from ._prims import (
     vmapped,
     zero_tangent,
 )
-from ._qweight import (
-    Layout,
-    QWeight,
-    WeightValue,
-    as_qweight,
-    default_rule,
-    gemm_out_dtype,
-    ragged_rule,
-    weight_gemm,
-)
+from ._qweight import QWeight, WeightValue
 from ._ragged import frozen_grouped_qdot
 
 PackedWeight = PackedArray | Array
