@@ -322,19 +322,20 @@ def _(lhs: ArrayLike, rhs: QWeight, **params):
         )
         return (jax.vmap(fn) if nb else fn)(x, wm)
 
-    shape = tuple(rhs.array.shape)
-    quick = len(shape) == len(axes) and runs_fast(
-        rhs.recipe, shape[axes[1]], rhs.probe, rhs.enabled
-    )
-    return conv_gemm(
-        lhs,
-        shape,
-        gemm,
-        path=rhs.path,
-        rhs_dtype=rhs.array.dtype,
-        fast=fast if quick else None,
-        **params,
-    )
+    fast_ok = functools.partial(runs_fast, rhs.recipe, probe=rhs.probe, enabled=rhs.enabled)
+    kernel = (tuple(rhs.array.shape), rhs.array.dtype, rhs.path, axes)
+    return kernel_conv(lhs, kernel, gemm, fast, fast_ok, params)
+
+
+def kernel_conv(lhs, kernel: tuple, gemm: Callable, fast: Callable, fast_ok, params) -> Array:
+    """The convolution of `lhs` with a quantised kernel (a `QWeight` or a frozen
+    weight), `kernel` its `(shape, stored dtype, path, axes' roles)`, run as its GEMM
+    (`conv_gemm`): by `gemm`, or by `fast` where it is one kernel (no stack) and
+    `fast_ok(in_channels)` holds (`runs_fast`)."""
+    shape, dtype, path, axes = kernel
+    quick = len(shape) == len(axes) and fast_ok(shape[axes[1]])
+    chosen = fast if quick else None
+    return conv_gemm(lhs, shape, gemm, path=path, rhs_dtype=dtype, fast=chosen, **params)
 
 
 # --- everything else ---

@@ -15,12 +15,13 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
 from ._axes import explicit_axes_as_auto
-from ._conv import check_conv_kernel, conv_gemm, conv_qdot, kernel_from_matrix, runs_fast
+from ._conv import check_conv_kernel, conv_qdot, kernel_from_matrix, runs_fast
 from ._dispatch import (
     Layout,
     as_qweight,
     default_rule,
     gemm_out_dtype,
+    kernel_conv,
     ragged_rule,
     weight_gemm,
 )
@@ -413,17 +414,9 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
 
         return (jax.vmap(one) if nb else one)(x, wv, ws)
 
-    shape = tuple(rhs.shape)
-    quick = len(shape) == len(axes) and runs_fast(rhs.recipe, shape[axes[1]])
-    return conv_gemm(
-        lhs,
-        shape,
-        gemm,
-        path=rhs.path,
-        rhs_dtype=rhs.packed.dtype,
-        fast=fast if quick else None,
-        **params,
-    )
+    fast_ok = functools.partial(runs_fast, rhs.recipe)
+    kernel = (tuple(rhs.shape), rhs.packed.dtype, rhs.path, axes)
+    return kernel_conv(lhs, kernel, gemm, fast, fast_ok, params)
 
 
 def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
