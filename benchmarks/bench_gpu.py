@@ -415,34 +415,45 @@ def _qwix_quantizer(table: Table) -> Callable | None:
         return None
 
 
-def gemm(s: Sizes, table: Table, state: dict) -> None:
+def square_gemms(s: Sizes, table: Table, section: str, fns: dict, label: str) -> None:
+    """Time `x @ w.T` on two bf16 `(m, m)` matrices (`m = s.gemm`) by each of `fns`
+    (name -> jitted function of `(x, w)`) next to its baselines, bf16 `jnp.dot` and
+    `jax.nn.scaled_dot_general` in NVFP4, in TFLOP/s and as a ratio to the bf16 dot;
+    rows `label.format(name=..., m=...)` of `section`."""
     m = s.gemm
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (m, m), jnp.bfloat16)
     w = jax.random.normal(kw, (m, m), jnp.bfloat16)
-    recipe = nvfp4x.recipes.nvfp4_training()
     configs = [jax.nn.get_scaled_dot_general_config("nvfp4")] * 3
     dims = (((1,), (1,)), ((), ()))
-
-    def qdot(x, w):
-        return nvfp4x.qdot(x, w, recipe=recipe)
-
     fns = {
         "bf16 dot": jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32)),
-        "nvfp4x qdot forward (default quantisers)": jax.jit(qdot),
-        "nvfp4x qdot forward (xla quantisers)": jax.jit(xla_traced(qdot)),
         "jax.nn.scaled_dot_general nvfp4": jax.jit(
             lambda x, w: jax.nn.scaled_dot_general(x, w, dims, configs=configs)
         ),
+        **fns,
     }
     t = interleaved(
-        {k: functools.partial(f, x, w) for k, f in fns.items()}, s.repeats, table, "gemm"
+        {k: functools.partial(f, x, w) for k, f in fns.items()}, s.repeats, table, section
     )
     base = t.get("bf16 dot")
     for k, secs in t.items():
         tflops = 2 * m**3 / secs / 1e12
         note = f"{tflops:.0f} TFLOP/s" + (f", {secs / base:.2f}x bf16" if base else "")
-        table.add("gemm", f"{k}, {m}^3 bf16 inputs", ms(secs), note)
+        table.add(section, label.format(name=k, m=m), ms(secs), note)
+
+
+def gemm(s: Sizes, table: Table, state: dict) -> None:
+    recipe = nvfp4x.recipes.nvfp4_training()
+
+    def qdot(x, w):
+        return nvfp4x.qdot(x, w, recipe=recipe)
+
+    fns = {
+        "nvfp4x qdot forward (default quantisers)": jax.jit(qdot),
+        "nvfp4x qdot forward (xla quantisers)": jax.jit(xla_traced(qdot)),
+    }
+    square_gemms(s, table, "gemm", fns, "{name}, {m}^3 bf16 inputs")
 
 
 class Step:
@@ -690,35 +701,19 @@ def native(s: Sizes, table: Table, state: dict) -> None:
             note += f", {secs / emulated:.2f}x emulated"
         table.add("native", f"{name} step ({shape})", ms(secs), note)
 
-    m = s.gemm
-    kx, kw = jax.random.split(jax.random.key(1))
-    a = jax.random.normal(kx, (m, m), jnp.bfloat16)
-    b = jax.random.normal(kw, (m, m), jnp.bfloat16)
     nvfp4 = nvfp4x.recipes.nvfp4_training()
-    configs = [jax.nn.get_scaled_dot_general_config("nvfp4")] * 3
     scaled = "scaled_matmul" if jax.default_backend() == "gpu" else "lax_scaled_dot"
 
     def qdot(recipe, **picks):
         return jax.jit(traced_with(lambda a, b: nvfp4x.qdot(a, b, recipe=recipe), **picks))
 
     fns = {
-        "bf16 dot": jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32)),
-        "jax.nn.scaled_dot_general nvfp4": jax.jit(
-            lambda a, b: jax.nn.scaled_dot_general(a, b, (((1,), (1,)), ((), ())), configs=configs)
-        ),
         "nvfp4x qdot nvfp4, emulated GEMM": qdot(nvfp4, block_scaled_gemm="xla"),
         f"nvfp4x qdot nvfp4, {scaled}": qdot(nvfp4, block_scaled_gemm=scaled),
         "nvfp4x qdot fp8, native FP8 GEMM": qdot(nvfp4x.recipes.fp8(), fp8_gemm="native"),
         "nvfp4x qdot fp8, emulated GEMM": qdot(nvfp4x.recipes.fp8(), fp8_gemm="xla"),
     }
-    t = interleaved(
-        {k: functools.partial(f, a, b) for k, f in fns.items()}, s.repeats, table, "native"
-    )
-    base = t.get("bf16 dot")
-    for k, secs in t.items():
-        note = f"{2 * m**3 / secs / 1e12:.0f} TFLOP/s"
-        note += f", {secs / base:.2f}x bf16" if base else ""
-        table.add("native", f"{k} forward, {m}^3 bf16 inputs", ms(secs), note)
+    square_gemms(s, table, "native", fns, "{name} forward, {m}^3 bf16 inputs")
 
 
 # --------------------------------------------------------------------------- profile

@@ -11,6 +11,7 @@ from ._coverage import (
     CoverageRow as CoverageRow,
     coverage as coverage,
 )
+from ._dispatch import quantized as quantized
 from ._formats import FORMATS as FORMATS, Format as Format
 from ._formats._fp8 import FP8Array as FP8Array, to_fp8 as to_fp8
 from ._formats._mxfp8 import MXFP8Array as MXFP8Array, to_mxfp8 as to_mxfp8
@@ -25,7 +26,7 @@ from ._hf import (
 from ._linear import QuantizedLinear as QuantizedLinear
 from ._numerics._hadamard import hadamard_matrix as hadamard_matrix
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
-from ._qweight import QWeight as QWeight, quantized as quantized
+from ._qweight import QWeight as QWeight
 from ._rht import rht as rht
 from ._sensitivity import (
     SensitivityReport as SensitivityReport,

@@ -3,10 +3,10 @@ pattern of `eqx.clear_caches`). Every cache in the package is listed here, in `C
 or, with the reason, in `KEPT`; a test fails on a module-level cache in neither."""
 
 from ._axes import _auto_gemm
+from ._dispatch import interpreted_class
 from ._kernels import _cpu_multiplies_bf16, _device_capability
 from ._numerics._nvfp4 import _fake_quantize_loops
 from ._prims import _compiled
-from ._qweight import interpreted_class
 from ._sites import _cached_traced_gemm
 
 #: The caches `clear_caches` empties: jitted GEMMs and quantiser loops (`_compiled`,

@@ -11,12 +11,13 @@ import numpy as np
 from jax import lax
 
 from ._conv import CONV_PASS, conv_tw_p, conv_tx_p
+from ._dispatch import LAYOUT, NORMALISER, record_unquantised
 from ._frozen import frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
-from ._prims import Literal, jaxprs_in_params, ragged_dot_general_p
+from ._prims import GEMM_PRIMITIVES, Literal, jaxprs_in_params, ragged_dot_general_p
 from ._probe import layer_stats
-from ._qweight import GEMM_PRIMITIVES, LAYOUT, NORMALISER, QWeight, record_unquantised
+from ._qweight import QWeight
 from ._ragged import (
     grouped_dgrad_p,
     grouped_qdot_p,
@@ -113,13 +114,17 @@ def _dtype_name(aval) -> str:
     return np.dtype(aval.dtype).name
 
 
-def _quantised_row(eqn, repeats: int) -> CoverageRow:
-    p = eqn.params
-    recipe: Recipe = p["recipe"]
+def _read_gemm(eqn, passes: dict) -> tuple[Recipe, list, int, int, str]:
+    """One of nvfp4x's GEMM equations: `(recipe, operand avals, batch axes, batch
+    problems, pass)`, the pass named by `passes`."""
+    recipe: Recipe = eqn.params["recipe"]
     avals = [v.aval for v in eqn.invars]
-    nb = p["nbatch"]
-    batch = math.prod(avals[0].shape[:nb])
-    kind = _PASS[eqn.primitive]
+    nb = eqn.params["nbatch"]
+    return recipe, avals, nb, math.prod(avals[0].shape[:nb]), passes[eqn.primitive]
+
+
+def _quantised_row(eqn, repeats: int) -> CoverageRow:
+    recipe, avals, nb, batch, kind = _read_gemm(eqn, _PASS)
     if kind == "wgrad":  # ct (tokens..., n), a (tokens..., k)
         ct, a = avals[0], avals[1]
         n, k = ct.shape[-1], a.shape[-1]
@@ -162,12 +167,7 @@ def _recipe_row(
 def _conv_row(eqn, repeats: int) -> CoverageRow:
     """A convolution's GEMM on the fast path (`_conv.py`): the patch GEMM it computes,
     `(tokens, window x in) x (window x in, out)`, tokens the output pixels."""
-    p = eqn.params
-    recipe: Recipe = p["recipe"]
-    avals = [v.aval for v in eqn.invars]
-    nb = p["nbatch"]
-    batch = math.prod(avals[0].shape[:nb])
-    kind = CONV_PASS[eqn.primitive]
+    recipe, avals, nb, batch, kind = _read_gemm(eqn, CONV_PASS)
     out = eqn.outvars[0].aval
     if kind == "wgrad":  # ct (images..., out..., n), x (images..., in..., C) -> (n, k)
         ct = avals[0]
@@ -200,12 +200,7 @@ def _grouped_row(eqn, repeats: int) -> CoverageRow:
     """A grouped GEMM (`ragged_dot` on experts): each token meets one expert, so its
     FLOPs are `2 * tokens * n * k` however many experts there are; the shape shows the
     experts as `[G experts]`."""
-    p = eqn.params
-    recipe: Recipe = p["recipe"]
-    avals = [v.aval for v in eqn.invars]
-    nb = p["nbatch"]
-    batch = math.prod(avals[0].shape[:nb])
-    kind = _GROUPED_PASS[eqn.primitive]
+    recipe, avals, nb, batch, kind = _read_gemm(eqn, _GROUPED_PASS)
     if kind == "wgrad":  # ct (T, n), a (T, k), sizes (G,)
         ct, a, sizes = avals[0], avals[1], avals[2]
         m, n, k, g = ct.shape[-2], ct.shape[-1], a.shape[-1], sizes.shape[-1]
@@ -288,22 +283,22 @@ def _origin(origin: dict, var) -> str | None:
     return None if isinstance(var, Literal) else origin.get(var)
 
 
+#: nvfp4x's own GEMM primitives and the function that makes each one's row.
+_RECIPE_ROWS: dict[Any, Callable[[Any, int], CoverageRow]] = {
+    **dict.fromkeys(_PASS, _quantised_row),
+    frozen_p: _frozen_row,
+    **dict.fromkeys(_GROUPED_PASS, _grouped_row),
+    **dict.fromkeys(CONV_PASS, _conv_row),
+}
+
+
 def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected: set):
     """Collect the GEMMs of `jaxpr` (and its sub-jaxprs); `origin` maps a variable to the
     path of the model array it is (through layout changes)."""
     for eqn in jaxpr.eqns:
         prim = eqn.primitive
-        if prim in _PASS:
-            rows.append(_quantised_row(eqn, repeats))
-            continue
-        if prim is frozen_p:
-            rows.append(_frozen_row(eqn, repeats))
-            continue
-        if prim in _GROUPED_PASS:
-            rows.append(_grouped_row(eqn, repeats))
-            continue
-        if prim in CONV_PASS:
-            rows.append(_conv_row(eqn, repeats))
+        if (row_of := _RECIPE_ROWS.get(prim)) is not None:
+            rows.append(row_of(eqn, repeats))
             continue
         if prim in GEMM_PRIMITIVES:
             ragged = prim is ragged_dot_general_p

@@ -14,23 +14,24 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Shaped
 
-from ._array import NVFP4Array
 from ._axes import explicit_axes_as_auto
-from ._conv import check_conv_kernel, conv_gemm, conv_qdot, kernel_from_matrix, runs_fast
+from ._conv import check_conv_kernel, conv_qdot, kernel_from_matrix, runs_fast
+from ._dispatch import (
+    Layout,
+    as_qweight,
+    default_rule,
+    gemm_out_dtype,
+    kernel_conv,
+    ragged_rule,
+    weight_gemm,
+)
 from ._formats import gemm_dtype, quantize_operand
 from ._formats._dot import (
-    CHUNK,
-    Pairs,
-    apply_scales,
-    chunk_steps,
-    chunked_dot,
     runs_chunked,
 )
 from ._gemm import batched_problem, fprop, quantised_dot
-from ._kernels import frozen_gemm, pick
+from ._kernels import pick
 from ._linear import apply_linear, product_seen_by_interpreter
-from ._numerics._constants import BLOCK, BLOCK_BYTES, is_tile
-from ._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
 from ._packed import PackedArray
 from ._policy import Recipe
 from ._prims import (
@@ -42,16 +43,7 @@ from ._prims import (
     vmapped,
     zero_tangent,
 )
-from ._qweight import (
-    Layout,
-    QWeight,
-    WeightValue,
-    as_qweight,
-    default_rule,
-    gemm_out_dtype,
-    ragged_rule,
-    weight_gemm,
-)
+from ._qweight import QWeight, WeightValue
 from ._ragged import frozen_grouped_qdot
 
 PackedWeight = PackedArray | Array
@@ -279,66 +271,33 @@ def _frozen_fprop(x, *leaves, wdef, recipe, dtype, gemm):
     w = jax.tree_util.tree_unflatten(wdef, leaves)
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
     dims = ((x.ndim - 1,), (1,))
-    if isinstance(w, NVFP4Array) and len(w.shape) == 2:  # a kernel decoding inside the GEMM
-        out = frozen_gemm(xv, w.codes, w.scale_bits, w.block, w.shape, gemm)
+    spec = None if recipe.weight is None else recipe.weight.spec
+    if spec is not None:  # a kernel decoding inside the GEMM, where the format has one
+        out = spec.packed_gemm(xv, xs, w, gemm)
         if out is not None:
-            return apply_scales(out, xs, w.tensor_scale)
+            return out
     # A few tokens on a CPU: `scaled_dot` would run `chunked_dot` on the decoded weight;
     # run it here on the packed one (the same values, so the same bits), decoding each
-    # chunk inside its loop: only the packed bytes are read, no decoded weight is made.
+    # chunk inside its loop (the format's few-token decoder): only the packed bytes are
+    # read, no decoded weight is made.
     decoded = jax.ShapeDtypeStruct(tuple(w.shape), jnp.bfloat16)  # what `operand()` gives
-    chunked = isinstance(w, NVFP4Array) and runs_chunked(xv, decoded, dims, dtype)
     # Tie the packed weight to this layer's input, so that XLA cannot decode every layer's
     # weight up front: only one dequantised weight is alive at a time. (An optimisation
     # barrier does not survive XLA's CPU pipeline.) `clz(u32) >> 6` is always 0, but no
-    # simplifier can know that, so adding it makes the decode wait for `x`. (The chunked
-    # loop decodes as it goes and depends on `x` already; only its block scales, decoded
-    # before it, are tied.)
+    # simplifier can know that, so adding it makes the decode wait for `x`. (The
+    # few-token decoder decodes as it goes and depends on `x` already; it ties only what
+    # it decodes before its loop.)
     first = lax.bitcast_convert_type(x.reshape(-1)[:1].astype(jnp.float32), jnp.uint32)
     zero = lax.clz(first) >> 6
     tie = lambda leaf: leaf + zero.astype(leaf.dtype) if leaf.dtype == jnp.uint8 else leaf
-    if chunked:
-        w = eqx.tree_at(lambda w: w.scale_bits, w, tie(w.scale_bits))
-        k = w.shape[-1]
-        out = chunked_dot(xv, nvfp4_pairs(w, chunk_steps(k)), w.shape[0], k)
-        return apply_scales(out, xs, w.tensor_scale)
+    if spec is not None and runs_chunked(xv, decoded, dims, dtype):
+        out = spec.chunked_gemm(xv, xs, w, tie)
+        if out is not None:
+            return out
     w = jax.tree_util.tree_map(tie, w)
     wv, ws = weight_operand(w, recipe)
     # (as the unfrozen fprop: the native GEMM `_kernels` picks for the two formats)
     return quantised_dot(xv, xs, recipe.input, wv, ws, recipe.weight, dims, dtype=dtype)
-
-
-def nvfp4_pairs(w: NVFP4Array, steps: int) -> Pairs:
-    """`chunked_dot`'s weight columns decoded from a 2-D `NVFP4Array`, chunk by chunk:
-    the values of `w.operand()` (E2M1 value times E4M3 block scale, exact in float32),
-    zero past the logical shape. The block scales are decoded once, before the loop."""
-    n, k = w.shape
-    codes = w.codes
-    width = CHUNK * steps  # bytes of codes per row that the steps read
-    # (E2M1 value x 2^-14) x (block scale x 2^14): exact, the block value.
-    scales = decode_e4m3(w.scale_bits) * jnp.float32(1 / NIBBLE_SCALE)
-    if codes.shape[-1] < width:
-        codes = jnp.pad(codes, ((0, 0), (0, width - codes.shape[-1])))
-        scales = jnp.pad(scales, ((0, 0), (0, width // BLOCK_BYTES - scales.shape[-1])))
-    tile = is_tile(w.block)
-
-    def pairs(i):
-        c = lax.dynamic_slice_in_dim(codes, i * CHUNK, CHUNK, axis=1)[:n]
-        per_chunk = CHUNK // BLOCK_BYTES  # block scales per chunk of codes
-        s = lax.dynamic_slice_in_dim(scales, i * per_chunk, per_chunk, axis=1)
-        if tile:  # one scale per 16 rows
-            s = jnp.broadcast_to(s[:, None], (s.shape[0], BLOCK, s.shape[1]))
-            s = s.reshape(-1, s.shape[-1])[:n]
-        s = jnp.broadcast_to(s[..., None], (n, per_chunk, BLOCK_BYTES)).reshape(n, CHUNK)
-        lo, hi = nibble_values(c)
-        even, odd = lo * s, hi * s
-        if k % BLOCK:  # a padded block's scale (NaN for a NaN block) must not reach past k
-            j = 2 * (i * CHUNK + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1))
-            even = jnp.where(j < k, even, 0.0)
-            odd = jnp.where(j + 1 < k, odd, 0.0)
-        return even, odd
-
-    return pairs
 
 
 def _frozen_abstract(x, *leaves, wdef, recipe, dtype, gemm, nbatch):
@@ -455,17 +414,9 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
 
         return (jax.vmap(one) if nb else one)(x, wv, ws)
 
-    shape = tuple(rhs.shape)
-    quick = len(shape) == len(axes) and runs_fast(rhs.recipe, shape[axes[1]])
-    return conv_gemm(
-        lhs,
-        shape,
-        gemm,
-        path=rhs.path,
-        rhs_dtype=rhs.packed.dtype,
-        fast=fast if quick else None,
-        **params,
-    )
+    fast_ok = functools.partial(runs_fast, rhs.recipe)
+    kernel = (tuple(rhs.shape), rhs.packed.dtype, rhs.path, axes)
+    return kernel_conv(lhs, kernel, gemm, fast, fast_ok, params)
 
 
 def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, Shaped
 
 from ._axes import explicit_axes_as_auto
+from ._dispatch import as_qweight, interpreting, with_class
 from ._formats import widest_float
 from ._policy import Recipe
 from ._probe import gemm_with_probe
-from ._qweight import QWeight, as_qweight, interpreting, with_class
+from ._qweight import QWeight
 
 
 class QuantizedLinear(eqx.nn.Linear):

@@ -60,11 +60,9 @@ from ._gemm import (
     shares_weight,
     wgrad,
 )
-from ._numerics import _e2m1
 from ._numerics._constants import BLOCK, ROW_BLOCK
 from ._numerics._hadamard import rht
 from ._numerics._ieee import INF_BITS, abs_bits, from_bits
-from ._numerics._nvfp4 import expand, from_blocks, pad_to_blocks, scale_blocks, tensor_scales
 from ._policy import Recipe
 from ._prims import (
     Primitive,
@@ -145,21 +143,12 @@ def _group_amax(a: Array, gid: Array, ng: int) -> Float[Array, " G"]:
 # --- the token-side quantiser: each group its own tensor scale and keys ---
 
 
-def _nvfp4_piece(
-    a: Float[Array, "r w"], amax, key, offset, *, fmt: Format, block
-) -> tuple[Array, Array]:
-    """Quantise a piece of a group's operand (a row, `block` 1x16, or a 16-token chunk,
-    `block` 16x1) with the group's `amax`, drawing the group's stochastic-rounding
-    thresholds at `offset`, the piece's first flat index in the group's padded operand:
-    what the dense quantiser gives those elements of the whole group."""
-    xp = pad_to_blocks(a, block)
-    v, scale_b, s_dec = scale_blocks(xp, block, amax, fmt.scale_rounding)  # pyright: ignore[reportArgumentType]
-    if fmt.rounding == "stochastic":
-        q = _e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape, offset))
-    else:
-        q = _e2m1.round_nearest(v)
-    values = from_blocks(q * expand(scale_b, block), block)[: a.shape[0], : a.shape[1]]
-    return values.astype(jnp.bfloat16), s_dec
+def _piece(a: Float[Array, "r w"], amax, key, offset, *, fmt: Format, block) -> tuple[Array, Array]:
+    """A piece of a group's operand (a row, `block` 1x16, or a 16-token chunk, `block`
+    16x1) quantised with the group's `amax`, its stochastic-rounding thresholds drawn at
+    `offset`, the piece's first flat index in the group's padded operand: what the dense
+    quantiser gives those elements of the whole group (`FormatSpec.quantize_piece`)."""
+    return fmt.spec.quantize_piece(a, fmt, amax, key, offset, block)
 
 
 def _keys(seeds: UInt32[Array, "G 2"] | None, tag: int):
@@ -180,7 +169,7 @@ def quantize_rows(
     inside = jnp.minimum(g.gid, ng - 1)
     width = -(-a.shape[-1] // BLOCK) * BLOCK
     offset = g.row.astype(jnp.uint32) * jnp.uint32(width)
-    piece = functools.partial(_nvfp4_piece, fmt=fmt, block=ROW_BLOCK)
+    piece = functools.partial(_piece, fmt=fmt, block=ROW_BLOCK)
     key = None if keys is None else keys[inside]
     fn = jax.vmap(
         lambda r, m, k, o: piece(r[None], m, k, o), in_axes=(0, 0, None if key is None else 0, 0)
@@ -203,16 +192,17 @@ def quantize_tokens(
     amax = _group_amax(chunks.reshape(chunks.shape[0], -1), g.chunk_gid, ng)
     inside = jnp.minimum(g.chunk_gid, ng - 1)
     offset = g.chunk_index.astype(jnp.uint32) * jnp.uint32(BLOCK * a.shape[-1])
-    piece = functools.partial(_nvfp4_piece, fmt=fmt, block=_TOKEN_BLOCK)
+    piece = functools.partial(_piece, fmt=fmt, block=_TOKEN_BLOCK)
     key = None if keys is None else keys[inside]
     in_axes = (0, 0, None if key is None else 0, 0)
     values, _ = jax.vmap(piece, in_axes=in_axes)(chunks, amax[inside], key, offset)
-    return values.reshape(a.shape), jax.vmap(tensor_scales)(amax)[1]  # each group's own
+    return values.reshape(a.shape), fmt.spec.tensor_decode_scale(amax)  # each group's own
 
 
 def _fast(recipe: Recipe) -> bool:
-    """Whether the fast path implements the recipe's token-side formats (NVFP4 or none)."""
-    return all(f is None or f.name == "nvfp4" for f in (recipe.input, recipe.grad))
+    """Whether the fast path implements the recipe's token-side formats: formats that
+    quantise pieces of an operand (NVFP4), or none."""
+    return all(f is None or f.spec.quantizes_pieces for f in (recipe.input, recipe.grad))
 
 
 # --- the GEMMs ---

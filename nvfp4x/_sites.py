@@ -99,14 +99,23 @@ def _is_weight_array(w: Any) -> bool:
         return False
 
 
+def _candidate_weight(x: Any) -> Any:
+    """The floating-point `weight` of `x` when `x` is a callable module that may run it
+    as a layer (not one of `_NOT_LINEAR`, not a weight itself), else None."""
+    if not isinstance(x, eqx.Module) or isinstance(x, (*_NOT_LINEAR, WeightValue)):
+        return None
+    weight = getattr(x, "weight", None)
+    if weight is None or not _is_weight_array(weight) or not callable(x):
+        return None
+    return weight
+
+
 def is_layer(x: Any) -> bool:
     """Whether `x` is a linear-like layer (see the module docstring)."""
     if isinstance(x, eqx.nn.Linear):
         return True
-    if not isinstance(x, eqx.Module) or isinstance(x, (*_NOT_LINEAR, WeightValue)):
-        return False
-    weight = getattr(x, "weight", None)
-    if weight is None or not _is_weight_array(weight) or not callable(x):
+    weight = _candidate_weight(x)
+    if weight is None:
         return False
     if isinstance(weight, WeightValue):  # already chosen by `quantize`
         return getattr(weight, "kernel_axes", None) is None
@@ -121,10 +130,8 @@ def is_conv(x: Any) -> bool:
     `lax.conv_general_dilated`, no `dot_general`: a user's depthwise short convolution)."""
     if isinstance(x, eqx.nn.Conv | eqx.nn.ConvTranspose):
         return True
-    if not isinstance(x, eqx.Module) or isinstance(x, (*_NOT_LINEAR, WeightValue)):
-        return False
-    weight = getattr(x, "weight", None)
-    if weight is None or not _is_weight_array(weight) or not callable(x):
+    weight = _candidate_weight(x)
+    if weight is None:
         return False
     if isinstance(weight, WeightValue):
         return getattr(weight, "kernel_axes", None) is not None

@@ -8,9 +8,10 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._dispatch import base_class, interpreted_class, with_class
 from ._linear import QuantizedLinear
 from ._policy import Policy, PolicyLike, Recipe, as_recipe
-from ._qweight import QWeight, base_class, interpreted_class, with_class
+from ._qweight import QWeight
 from ._sites import (
     at_path,
     children,

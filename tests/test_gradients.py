@@ -24,20 +24,32 @@ def loss(model, x):
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
-def test_global_norm_clipping_with_optax_sees_the_master_gradients():
-    qmodel, x = model_and_batch()
-    optim = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2))
-    opt_state = optim.init(eqx.filter(qmodel, eqx.is_array))
+def optax_step(optim):
+    """The training step users write, jitted, with `optim` (an optax transformation):
+    `(model, opt_state, x) -> (model, opt_state, loss, grads, norms)`, `norms` each
+    layer's gradient norm (logged as floats) and a `jnp.where` guard dropping the
+    updates of a step whose gradients are not finite, all read from the gradients."""
 
     @eqx.filter_jit
     def step(qmodel, opt_state, x):
         value, grads = eqx.filter_value_and_grad(loss)(qmodel, x)
+        norms = [jnp.linalg.norm(layer.weight) for layer in grads.layers]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g.weight)) for g in grads.layers]))
         updates, opt_state = optim.update(grads, opt_state, eqx.filter(qmodel, eqx.is_array))
-        return eqx.apply_updates(qmodel, updates), opt_state, value, grads
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, 0.0), updates)
+        return eqx.apply_updates(qmodel, updates), opt_state, value, grads, norms
 
+    return step
+
+
+def test_global_norm_clipping_with_optax_sees_the_master_gradients():
+    qmodel, x = model_and_batch()
+    optim = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2))
+    opt_state = optim.init(eqx.filter(qmodel, eqx.is_array))
+    step = optax_step(optim)
     with jax.numpy_dtype_promotion("standard"):  # optax's AdamW mixes weak and strong types
-        new, opt_state, _, grads = step(qmodel, opt_state, x)
-        _, opt_state2, value, _ = step(new, opt_state, x)
+        new, opt_state, _, grads, _ = step(qmodel, opt_state, x)
+        _, opt_state2, value, _, _ = step(new, opt_state, x)
     # A weight's gradient is a `QWeight` whose array is the master weight's gradient:
     # `dequantize` gives the float model's gradient tree, and the norms agree.
     plain = nvfp4x.dequantize(grads)
@@ -194,24 +206,15 @@ def test_a_frozen_weight_in_a_gemm_outside_the_model_call_is_refused_naming_it()
 
 
 def test_a_training_loop_that_clips_and_logs_gradient_norms():
-    """The loop users write: global-norm clipping, per-layer gradient norms logged as
-    floats, a `jnp.where` guard against non-finite gradients, all on the gradients."""
+    """The loop users write (`optax_step`): global-norm clipping, per-layer gradient
+    norms logged as floats, a `jnp.where` guard against non-finite gradients."""
     qmodel, x = model_and_batch()
     optim = optax.chain(optax.clip_by_global_norm(1e-2), optax.sgd(1e-1))
     opt_state = optim.init(eqx.filter(qmodel, eqx.is_array))
-
-    @eqx.filter_jit
-    def step(qmodel, opt_state, x):
-        value, grads = eqx.filter_value_and_grad(loss)(qmodel, x)
-        norms = [jnp.linalg.norm(layer.weight) for layer in grads.layers]
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g.weight)) for g in grads.layers]))
-        updates, opt_state = optim.update(grads, opt_state)
-        updates = jax.tree.map(lambda u: jnp.where(finite, u, 0.0), updates)
-        return eqx.apply_updates(qmodel, updates), opt_state, value, norms
-
+    step = optax_step(optim)
     log = []
     for _ in range(3):
-        qmodel, opt_state, value, norms = step(qmodel, opt_state, x)
+        qmodel, opt_state, value, _, norms = step(qmodel, opt_state, x)
         log.append((float(value), [float(n) for n in norms]))
     assert isinstance(qmodel.layers[0].weight, nvfp4x.QWeight)
     assert log[-1][0] < log[0][0]

@@ -24,6 +24,7 @@ import safetensors.numpy
 from helpers import assert_same_bits
 
 import nvfp4x
+from nvfp4x._hf import _names
 
 CFG = lm.SMOKE  # d_model 64, 2 blocks, 2 heads, SwiGLU 192
 NAMES = nvfp4x.hf_names.llama
@@ -602,3 +603,7 @@ def test_names_rules():
     assert NAMES("blocks.attn.wo") == "model.layers.{i}.self_attn.o_proj"
     with pytest.raises(ValueError, match=r"does not compile"):
         nvfp4x.hf_names.rules([(r"(", "x")])
+    # A template that is not a string (refused by `hf_names.rules`' annotation first where
+    # beartype checks calls, as in this test run):
+    with pytest.raises(TypeError, match=r"`rules\[1\]\[1\]` must be a string .* regex `head`"):
+        _names._check_template(1, "head", 3)

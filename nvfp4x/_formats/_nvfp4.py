@@ -2,18 +2,23 @@
 the GEMM's contraction axis, or 16x16 tiles of a weight), a float32 tensor scale."""
 
 import functools
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, Bool, Float
 
 from .. import _kernels
 from .._array import NVFP4Array, to_nvfp4
 from .._kernels import _native
+from .._numerics import _e2m1
 from .._numerics._constants import (
     BLOCK,
+    BLOCK_BYTES,
     E2M1_MAX,
     NVFP4_BLOCKS,
     NVFP4_RANGE,
@@ -31,9 +36,12 @@ from .._numerics._nvfp4 import (
     from_blocks,
     pad_to_blocks,
     quantize_blocks,
+    scale_blocks,
     tensor_scales,
     to_blocks,
 )
+from .._numerics._pack import NIBBLE_SCALE, decode_e4m3, nibble_values
+from ._dot import CHUNK, Pairs, apply_scales, chunk_steps, chunked_dot
 from ._spec import Format, FormatSpec
 
 
@@ -55,6 +63,7 @@ class NVFP4Spec(FormatSpec):
     roundings = ROUNDINGS
     scale_roundings = SCALE_ROUNDINGS
     shared_tensor_scale = True
+    quantizes_pieces = True
     native = _native.NVFP4
 
     def layouts_agree(self, fmt: Format) -> bool:
@@ -114,6 +123,49 @@ class NVFP4Spec(FormatSpec):
     def pack(self, w: Float[Array, "n k"], fmt: Format, amax: Array | None = None) -> NVFP4Array:
         return to_nvfp4(w, block=_layout(fmt)[0], amax=amax)
 
+    def quantize_piece(
+        self,
+        a: Float[Array, "r w"],
+        fmt: Format,
+        amax: Float[Array, ""],
+        key: jax.Array | None,
+        offset: Array,
+        block: tuple[int, int],
+    ) -> tuple[Array, Float[Array, ""]]:
+        _, rounding, scale_rounding = _layout(fmt)
+        blk = cast(Block, block)
+        xp = pad_to_blocks(a, blk)
+        v, scale_b, s_dec = scale_blocks(xp, blk, amax, scale_rounding)
+        if rounding == "stochastic":
+            # (a stochastic format's caller always passes a key)
+            q = _e2m1.round_stochastic(v, _e2m1.uniform(cast(jax.Array, key), v.shape, offset))
+        else:
+            q = _e2m1.round_nearest(v)
+        values = from_blocks(q * expand(scale_b, blk), blk)[: a.shape[0], : a.shape[1]]
+        return values.astype(jnp.bfloat16), s_dec
+
+    def tensor_decode_scale(self, amax: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
+        return jnp.vectorize(lambda m: tensor_scales(m)[1])(amax)
+
+    def packed_gemm(
+        self, x: Array, x_scale: Array | None, w: Any, implementation: str
+    ) -> Float[Array, "*m n"] | None:
+        if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
+            return None
+        out = _kernels.frozen_gemm(x, w.codes, w.scale_bits, w.block, w.shape, implementation)
+        return None if out is None else apply_scales(out, x_scale, w.tensor_scale)
+
+    def chunked_gemm(
+        self, x: Array, x_scale: Array | None, w: Any, tie: Callable[[Array], Array]
+    ) -> Float[Array, "*m n"] | None:
+        if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
+            return None
+        # Only the block scales are decoded before the loop; the codes, inside it.
+        w = eqx.tree_at(lambda w: w.scale_bits, w, tie(w.scale_bits))
+        k = w.shape[-1]
+        out = chunked_dot(x, _chunk_pairs(w, chunk_steps(k)), w.shape[0], k)
+        return apply_scales(out, x_scale, w.tensor_scale)
+
     def quantize_saturated(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""], Bool[Array, "..."]]:
@@ -132,6 +184,39 @@ class NVFP4Spec(FormatSpec):
 
 
 NVFP4 = NVFP4Spec()
+
+
+def _chunk_pairs(w: NVFP4Array, steps: int) -> Pairs:
+    """`chunked_dot`'s weight columns decoded from a 2-D `NVFP4Array`, chunk by chunk:
+    the values of `w.operand()` (E2M1 value times E4M3 block scale, exact in float32),
+    zero past the logical shape. The block scales are decoded once, before the loop."""
+    n, k = w.shape
+    codes = w.codes
+    width = CHUNK * steps  # bytes of codes per row that the steps read
+    # (E2M1 value x 2^-14) x (block scale x 2^14): exact, the block value.
+    scales = decode_e4m3(w.scale_bits) * jnp.float32(1 / NIBBLE_SCALE)
+    if codes.shape[-1] < width:
+        codes = jnp.pad(codes, ((0, 0), (0, width - codes.shape[-1])))
+        scales = jnp.pad(scales, ((0, 0), (0, width // BLOCK_BYTES - scales.shape[-1])))
+    tile = is_tile(w.block)
+
+    def pairs(i):
+        c = lax.dynamic_slice_in_dim(codes, i * CHUNK, CHUNK, axis=1)[:n]
+        per_chunk = CHUNK // BLOCK_BYTES  # block scales per chunk of codes
+        s = lax.dynamic_slice_in_dim(scales, i * per_chunk, per_chunk, axis=1)
+        if tile:  # one scale per 16 rows
+            s = jnp.broadcast_to(s[:, None], (s.shape[0], BLOCK, s.shape[1]))
+            s = s.reshape(-1, s.shape[-1])[:n]
+        s = jnp.broadcast_to(s[..., None], (n, per_chunk, BLOCK_BYTES)).reshape(n, CHUNK)
+        lo, hi = nibble_values(c)
+        even, odd = lo * s, hi * s
+        if k % BLOCK:  # a padded block's scale (NaN for a NaN block) must not reach past k
+            j = 2 * (i * CHUNK + lax.broadcasted_iota(jnp.int32, (1, CHUNK), 1))
+            even = jnp.where(j < k, even, 0.0)
+            odd = jnp.where(j + 1 < k, odd, 0.0)
+        return even, odd
+
+    return pairs
 
 
 # --- the row form: what checkpoints of other tools store (Model Optimizer's) ---

@@ -3,6 +3,7 @@ means: each format is one `FormatSpec` object, in a module of its own, registere
 name. Nothing else in nvfp4x branches on format names or packed array types."""
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -57,6 +58,12 @@ class FormatSpec:
     #: element dtype, block-scale dtype and block; None: no native GEMM.
     native: NativeOperand | None = None
 
+    #: Whether it quantises pieces of an operand as the whole operand would
+    #: (`quantize_piece`, `tensor_decode_scale`): the grouped GEMM's fast path
+    #: (`_ragged.py`) quantises its token-side operands so, group by group; for other
+    #: formats it runs the reference.
+    quantizes_pieces: ClassVar[bool] = False
+
     def layouts_agree(self, fmt: "Format") -> bool:
         """Whether a weight quantised in `fmt` holds the same values in both GEMM layouts
         (fprop's `(n, k)` and dgrad's `(k, n)`), so that one quantised weight serves both:
@@ -87,6 +94,49 @@ class FormatSpec:
         none for formats that never clamp a finite value below their range."""
         values, scale = self.quantize(a, fmt, axis, key)
         return values, scale, jnp.zeros(a.shape, jnp.bool_)
+
+    def quantize_piece(
+        self,
+        a: Float[Array, "r w"],
+        fmt: "Format",
+        amax: Float[Array, ""],
+        key: jax.Array | None,
+        offset: Array,
+        block: tuple[int, int],
+    ) -> tuple[Array, Float[Array, ""]]:
+        """A piece of a larger operand whose tensor amax is `amax` (a row, `block`
+        `(1, b)`, or a chunk of `b` rows, `block` `(b, 1)`; `b` the format's block),
+        quantised to what quantising the whole operand gives its elements; stochastic
+        rounding draws its thresholds at `offset`, the piece's first flat index in the
+        (block-padded) operand. Formats with `quantizes_pieces` implement it.
+
+        **Returns:** `(values, tensor decode scale)`, `values` in bfloat16."""
+        raise NotImplementedError(f"Format `{self.name}` does not quantise pieces.")
+
+    def tensor_decode_scale(self, amax: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
+        """The float32 tensor decode scale this format gives a tensor of amax `amax`
+        (formats with `quantizes_pieces`)."""
+        raise NotImplementedError(f"Format `{self.name}` has no tensor scale from an amax.")
+
+    def packed_gemm(
+        self, x: Array, x_scale: Array | None, w: Any, implementation: str
+    ) -> Float[Array, "*m n"] | None:
+        """`x @ w.T` times `x_scale` and `w`'s tensor scale, in float32, for the 2-D
+        packed weight `w` (this format's packed array), by a kernel that decodes `w`
+        inside the GEMM (`_kernels.frozen_gemm`'s `implementation`); None where the
+        format or the case has none (the caller decodes the weight)."""
+        return None
+
+    def chunked_gemm(
+        self, x: Array, x_scale: Array | None, w: Any, tie: Callable[[Array], Array]
+    ) -> Float[Array, "*m n"] | None:
+        """The few-token decoder: `x @ w.T` times `x_scale` and `w`'s tensor scale as
+        `chunked_dot` (a few tokens on a CPU) on the 2-D packed weight `w`, each chunk of
+        it decoded inside the loop, so that only the packed bytes are read (the same
+        bits as `chunked_dot` on `w.operand()`'s values); None where the format has no
+        such decoder (the caller decodes the weight whole). `tie` is applied to what it
+        decodes before the loop (the frozen layer ties that to its input)."""
+        return None
 
 
 def register(spec: FormatSpec) -> FormatSpec:

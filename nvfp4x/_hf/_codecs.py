@@ -27,7 +27,7 @@ from .._formats._nvfp4 import (
     to_rows,
 )
 from .._frozen import FrozenWeight
-from .._sites import layers as site_layers
+from .._sites import layers as site_layers, weight_path
 from ._modelopt import Algo, QuantConfig
 from ._plan import Entry
 from ._safetensors import CODES, Tensor
@@ -225,7 +225,7 @@ class NVFP4(Codec):
         out, inn = packed.shape[-2:]
         fmt = fw.recipe.input
         want = W4A4 if fmt is not None and fmt.name == self.format else W4A16
-        holder = f"{entry.module}.weight"
+        holder = weight_path(entry.module)
         if inn % GROUP_SIZE:
             raise ValueError(
                 f"`like` holds `{entry.module}` in NVFP4 with {inn} input features, not a "

@@ -4,16 +4,13 @@ the `names` argument of `export_hf` / `import_hf` made into one callable)."""
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._checks import check_str
 from .._policy import compile_rules, first_rule
 
 
 def _check_template(i: int, pattern: str, template: Any) -> str:
-    if not isinstance(template, str):
-        raise TypeError(
-            f"Names rule {i} (`{pattern}`): the template must be a string, got "
-            f"{type(template).__name__}."
-        )
-    return template
+    example = f'`r"model.\\1.mlp"` (the template for the regex `{pattern}`)'
+    return check_str(template, f"rules[{i}][1]", example)
 
 
 class NameRules:

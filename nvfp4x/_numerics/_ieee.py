@@ -121,6 +121,27 @@ def is_tiny_scale(s: Float[Array, "*s"]) -> Bool[Array, "*s"]:
     return abs_bits(s) < abs_bits(jnp.float32(TINY_SCALE))
 
 
+def split_12(x: Float[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+    """`x = hi + lo` exactly (Dekker's split of a float32): `hi` is `x` with the low 12
+    bits of its significand cleared, so that for a normal `x` each half has at most 12
+    significant bits and the product of two halves is exact."""
+    hi = from_bits(jax.lax.bitcast_convert_type(x, jnp.int32) & ~0xFFF)
+    return hi, x - hi  # exact: |hi| <= |x| < 2 |hi|
+
+
+def round_with_remainder(
+    t: Float[Array, "*s"], err: Float[Array, "*s"], rint: Callable[[Array], Array] = jnp.round
+) -> Float[Array, "*s"]:
+    """`t + err` rounded to an integer, half to even, for `t` exactly representable with
+    its fraction and `err` an exact remainder of magnitude below half an ulp of `t`:
+    `rint(t)` (a half-to-even rounding), a tie (`t` halfway) broken by the sign of
+    `err`."""
+    r = rint(t)
+    frac = t - r  # exact
+    n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
+    return n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
+
+
 def mul_exact(
     p: Float[Array, "..."],
     s: Float[Array, "..."],
@@ -148,17 +169,13 @@ def mul_exact(
     if tiny is None:
         tiny = is_tiny_scale(s)
     sigma = jnp.where(tiny, scale_up_149(s), 1.0)
-    hi = from_bits(jax.lax.bitcast_convert_type(sigma, jnp.int32) & ~0xFFF)
-    lo = sigma - hi  # exact: hi <= sigma < 2 hi
+    hi, lo = split_12(sigma)
     a = jnp.abs(p)
     big_a, small_b = a * hi, a * lo  # exact: at most 24 significant bits each
     total = big_a + small_b
     err = small_b - (total - big_a)  # Fast2Sum: total + err == big_a + small_b exactly
     t = jnp.where(total < 2.0**23, total, 0.0)  # (unused above: keeps `rint` in range)
-    r = rint(t)  # half to even
-    frac = t - r  # exact
-    n = r + jnp.where((frac == 0.5) & (err > 0), 1.0, 0.0)
-    n = n - jnp.where((frac == -0.5) & (err < 0), 1.0, 0.0)
+    n = round_with_remainder(t, err, rint)
     sub = from_bits(n.astype(jnp.int32))
     normal = total >= 2.0**23
     mag = jnp.where(normal, ldexp_normal(jnp.where(normal, total, 1.0), -149), sub)

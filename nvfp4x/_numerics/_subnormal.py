@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._ieee import MIN_NORMAL_BITS, abs_bits, from_bits, ldexp_normal
+from ._ieee import (
+    MIN_NORMAL_BITS,
+    abs_bits,
+    from_bits,
+    ldexp_normal,
+    round_with_remainder,
+    split_12,
+)
 
 #: The power of two by which tiny values are scaled up.
 TINY_SHIFT = 64
@@ -48,21 +55,13 @@ def tiny_down(y: Float[Array, "*s"], err: Float[Array, "*s"] | None = None) -> F
     down = ldexp_normal(jnp.where(normal, a, 1.0), -TINY_SHIFT)
     zero = abs_bits(a) < MIN_NORMAL_BITS  # (0; `y` is never subnormal here)
     field = ldexp_normal(jnp.where(zero | normal, 1.0, a), 149 - TINY_SHIFT)
-    n = jnp.round(field)  # half to even
-    if err is not None:  # a tie broken by the sign of the remainder (of |y|)
-        e = jnp.where(bits < 0, -err, err)
-        frac = field - n  # exact
-        n = n + jnp.where((frac == 0.5) & (e > 0), 1.0, 0.0)
-        n = n - jnp.where((frac == -0.5) & (e < 0), 1.0, 0.0)
+    if err is None:
+        n = jnp.round(field)  # half to even
+    else:  # a tie broken by the sign of the remainder (of |y|)
+        n = round_with_remainder(field, jnp.where(bits < 0, -err, err))
     sub = from_bits(jnp.where(zero | normal, 0, n.astype(jnp.int32)))
     mag = jnp.where(normal, down, sub)
     return from_bits(jax.lax.bitcast_convert_type(mag, jnp.int32) | (bits & _SIGN))
-
-
-def _split(x: Float[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
-    """`x = hi + lo` with 12 significant bits each (exact)."""
-    hi = from_bits(jax.lax.bitcast_convert_type(x, jnp.int32) & ~0xFFF)
-    return hi, x - hi
 
 
 def mul_tiny(a: Float[Array, "*s"], c: float) -> Float[Array, "*s"]:
@@ -77,7 +76,7 @@ def mul_tiny(a: Float[Array, "*s"], c: float) -> Float[Array, "*s"]:
     ap = tiny_up(a)
     c32 = np.float32(c)
     p = ap * c32
-    ah, al = _split(ap)
+    ah, al = split_12(ap)
     ch = np.asarray(np.asarray(c32).view(np.int32) & np.int32(~0xFFF)).view(np.float32)[()]
     cl = np.float32(c32 - ch)
     err = al * cl - (((p - ah * ch) - al * ch) - ah * cl)
