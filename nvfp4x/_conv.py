@@ -32,6 +32,7 @@ A layer with telemetry (`probe`) or an `enabled` mask runs the reference.
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -43,7 +44,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-from ._formats import gemm_dtype, quantize_operand, widest_float
+from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, widest_float
 from ._formats._dot import apply_scales, dot_precision
 from ._gemm import (
     _make_primitive,
@@ -52,7 +53,9 @@ from ._gemm import (
     needs_key,
     quantize_weight,
     wgrad,
+    wgrad_quantised,
 )
+from ._numerics._constants import BLOCK
 from ._policy import Recipe
 
 # --- the kernel as a GEMM matrix ---
@@ -281,9 +284,149 @@ def conv_dgrad(dy, wv, ws, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Ar
     return apply_scales(dx.reshape(lead + dx.shape[1:]), gs, ws)
 
 
+# --- the fast path's wgrad: the patch matrix without its structural zeros ---
+
+
+def token_unit(recipe: Recipe) -> int:
+    """How many consecutive tokens (rows of the patch matrix) wgrad's patch operand
+    treats together: the RHT's 16-token chunks and the input format's blocks along the
+    tokens (their least common multiple; 1 for neither)."""
+    unit = BLOCK if recipe.rht else 1
+    fmt = recipe.input
+    if fmt is not None and fmt.block is not None:
+        unit = math.lcm(unit, fmt.block[1])
+    return unit
+
+
+def pixel_table(geom: Geometry, images: int) -> np.ndarray:
+    """`(tokens, window)` int32: for each token (an image's output pixel, the tokens in
+    `conv_patches`' order) and kernel tap (row-major), the row of the input as `(images
+    x pixels, C)` that the patch reads there, or `images x pixels` (a row of zeros to
+    append) where it reads padding or a hole of the input's dilation."""
+    nsp = len(geom.window)
+    flat = np.zeros((1,) * 2 * nsp, np.int64)
+    valid = np.ones((1,) * 2 * nsp, bool)
+    for d, (s, (lo, _), ld, w, rd, st, n) in enumerate(
+        zip(
+            geom.in_spatial,
+            geom.padding,
+            geom.lhs_dilation,
+            geom.window,
+            geom.rhs_dilation,
+            geom.strides,
+            geom.out_spatial,
+            strict=True,
+        )
+    ):
+        pos = np.arange(n)[:, None] * st + np.arange(w)[None, :] * rd - lo  # (out, window)
+        i = pos // ld
+        shape = [1] * 2 * nsp
+        shape[d], shape[nsp + d] = n, w
+        flat = flat * s + np.maximum(i, 0).reshape(shape)
+        valid = valid & ((pos % ld == 0) & (i >= 0) & (i < s)).reshape(shape)
+    pixels = math.prod(geom.in_spatial)
+    zero = images * pixels
+    per_image = np.where(valid, flat, -1).reshape(math.prod(geom.out_spatial), -1)
+    offsets = np.arange(images)[:, None, None] * pixels
+    table = np.where(per_image >= 0, per_image + offsets, zero)
+    return table.reshape(-1, per_image.shape[-1]).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WgradPlan:
+    """Where the patch matrix of a wgrad is not structurally zero (static, NumPy).
+
+    The patch operand is built by one row gather from the input (`rows`, into `(images
+    x pixels + 1, C)`, the last row zeros), never through the padded, dilated input:
+
+    - dense (`chunks` None): `rows` is `pixel_table`, `(tokens, window)`: the patch
+      matrix itself (`conv_patches`' values, in its layout).
+    - compact: `rows` is `(window, slots x unit)`: per kernel tap, the `unit`-token
+      chunks of the patch matrix in which that tap reads some input pixel (a chunk of a
+      tap that reads only padding or dilation holes is zero, and so are its RHT and its
+      quantised blocks), `slots` per tap (the most any tap has; the rest zero chunks);
+      `chunks` `(window, slots)` the chunk index of each (`nchunks`: a zero chunk of
+      `dy`), `dead` `(window, nchunks)` which chunks each tap skips.
+    """
+
+    rows: np.ndarray
+    chunks: np.ndarray | None = None
+    dead: np.ndarray | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
+    """The `WgradPlan` of a convolution over `images` images, `unit` as `token_unit`:
+    compact where that at least halves the patch operand, else dense."""
+    table = pixel_table(geom, images)
+    tokens, window = table.shape
+    zero = images * math.prod(geom.in_spatial)
+    nchunks = -(-tokens // unit)
+    padded = np.full((nchunks * unit, window), zero, np.int32)
+    padded[:tokens] = table
+    chunked = padded.reshape(nchunks, unit, window)
+    live = (chunked != zero).any(axis=1).T  # (window, nchunks)
+    slots = int(live.sum(axis=1).max(initial=0))
+    if slots == 0 or 2 * slots > nchunks:
+        return WgradPlan(table)
+    chunks = np.full((window, slots), nchunks, np.int32)
+    rows = np.full((window, slots, unit), zero, np.int32)
+    for j in range(window):
+        (live_j,) = np.nonzero(live[j])
+        chunks[j, : live_j.size] = live_j
+        rows[j, : live_j.size] = chunked[live_j, :, j]
+    return WgradPlan(rows.reshape(window, -1), chunks, ~live)
+
+
+def wgrad_patch_operand(x: Array, geom: Geometry, plan: WgradPlan) -> Array:
+    """The patch operand of `plan` from channels-last `x: (N..., spatial..., C)`, by one
+    row gather (exact copies): `(tokens, window x C)` (dense) or `(window x slots x
+    unit, C)` (compact)."""
+    c = x.shape[-1]
+    rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
+    a = rows[jnp.asarray(plan.rows.reshape(-1))]
+    return a.reshape(plan.rows.shape[0], -1) if plan.chunks is None else a
+
+
 def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
-    """wgrad: the reference's `Q(H dy).T @ Q(H patches)` (blocks along tokens)."""
-    return wgrad(dy, conv_patches(x, geom), seed, recipe=recipe, dtype=dtype)
+    """wgrad: the reference's `Q(H dy).T @ Q(H patches)` (blocks along tokens), on the
+    same quantised operands. The patches are gathered from `x` (`WgradPlan`); where a
+    tap's patch column is structurally zero in most token chunks (a transposed
+    convolution: its input is dilated), only the chunks where it reads something are
+    built, transformed, quantised (with the tensor amax of the whole matrix, which the
+    zero chunks do not change) and multiplied, tap by tap, by the chunks of `Q(H dy)`
+    they meet. A skipped chunk contributes `Q(H dy) x 0`: nothing, unless that chunk of
+    `Q(H dy)` is not finite, where the reference's sum is NaN; so is this one."""
+    nsp = len(geom.window)
+    images = math.prod(x.shape[: x.ndim - 1 - nsp])
+    plan = wgrad_plan(geom, images, token_unit(recipe))
+    a = wgrad_patch_operand(x, geom, plan)
+    if plan.chunks is None or plan.dead is None:
+        return wgrad(dy, a, seed, recipe=recipe, dtype=dtype)
+    gv, gs, xv, xs = wgrad_quantised(dy, a, seed, recipe)
+    window, slots = plan.chunks.shape
+    nchunks, n = plan.dead.shape[1], gv.shape[-1]
+    unit = plan.rows.shape[1] // slots
+    g = jnp.pad(gv, [(0, (nchunks + 1) * unit - gv.shape[0]), (0, 0)])
+    g = g.reshape(nchunks + 1, unit, n)  # the token chunks and a zero chunk
+    met = g[jnp.asarray(plan.chunks.reshape(-1))].reshape(window, slots * unit, n)
+    dot_dtype = jnp.dtype(jnp.float32)
+    if dtype is not None and gv.dtype == xv.dtype == jnp.bfloat16:
+        dot_dtype = batched_gemm_dtype(dtype) or dot_dtype
+    else:
+        dot_dtype = widest_float(gv.dtype, xv.dtype, dot_dtype)
+    out = lax.dot_general(
+        met.astype(dot_dtype),
+        xv.reshape(window, slots * unit, -1).astype(dot_dtype),
+        (((1,), (1,)), ((0,), (0,))),
+        precision=dot_precision(dot_dtype),
+        preferred_element_type=jnp.float32,
+    )  # (window, n, C)
+    out = apply_scales(out, gs, xs)
+    bad = jnp.any(~jnp.isfinite(g[:nchunks]), axis=1)  # (nchunks, n)
+    skipped_bad = jnp.any(jnp.asarray(plan.dead)[:, :, None] & bad[None], axis=1)
+    out = jnp.where(skipped_bad[:, :, None], jnp.float32(jnp.nan), out)
+    return jnp.transpose(out, (1, 0, 2)).reshape(n, -1)
 
 
 def _out_abstract(a, w, *_, geom: Geometry, **__):
