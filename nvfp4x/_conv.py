@@ -21,11 +21,16 @@ back to the input, wgrad `Q(dy).T @ Q(patches)`):
   its tangents run as a real `lax.conv_general_dilated` on the quantised operands
   (exact products, float32 accumulation), dgrad (dy blocked along out channels per
   output pixel, as in the reference) as the convolution's transpose; wgrad contracts
-  over tokens (blocks of 16 output pixels) and runs the reference's `wgrad` on the
-  patches. Only float32 summation order differs from the reference (the tests bound
-  it). The primitives (`conv_qdot_p`, `conv_dgrad_p`, `conv_wgrad_p`, the JVP's
-  `conv_tx_p` / `conv_tw_p`) batch as `qdot`'s do: a vmapped axis of the input folds
-  into its images (one tensor scale over the whole batch).
+  over tokens (blocks of 16 output pixels) on the reference's quantised operands,
+  `Q(H dy)` and `Q(H patches)` value for value, without building the patch matrix:
+  its distinct 16-token chunks are gathered from the input and transformed and
+  quantised once each, and for a transposed convolution (dilated input, mostly zero
+  patches) each tap multiplies only the chunks where it reads input (`WgradPlan`).
+  Only float32 summation order differs from the reference (the tests bound it, and
+  compare the quantised operands directly). The primitives (`conv_qdot_p`,
+  `conv_dgrad_p`, `conv_wgrad_p`, the JVP's `conv_tx_p` / `conv_tw_p`) batch as
+  `qdot`'s do: a vmapped axis of the input folds into its images (one tensor scale
+  over the whole batch).
 
 A layer with telemetry (`probe`) or an `enabled` mask runs the reference.
 """
@@ -51,8 +56,8 @@ from ._gemm import (
     def_gemm_rules,
     grad_key,
     needs_key,
+    quantised_dot,
     quantize_weight,
-    wgrad,
     wgrad_quantised,
 )
 from ._numerics._constants import BLOCK
@@ -334,30 +339,41 @@ def pixel_table(geom: Geometry, images: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class WgradPlan:
-    """Where the patch matrix of a wgrad is not structurally zero (static, NumPy).
+    """How wgrad builds its patch operand without the patch matrix's repeats and
+    structural zeros (static, NumPy).
 
-    The patch operand is built by one row gather from the input (`rows`, into `(images
-    x pixels + 1, C)`, the last row zeros), never through the padded, dilated input:
+    Cut into `unit`-token chunks, a column of the patch matrix (one kernel tap, one
+    channel) holds in each chunk the input pixels some `unit` tokens read through that
+    tap: many (chunk, tap) pairs read the same pixels (neighbouring taps of a
+    stride-1 convolution, one output row apart; the taps of a transposed convolution's
+    output phases), and those of a transposed convolution mostly read nothing (padding,
+    dilation holes). Equal chunks have equal RHTs and equal quantised blocks (the
+    tensor amax is over the same values), so each distinct chunk is built, transformed
+    and quantised once:
 
-    - dense (`chunks` None): `rows` is `pixel_table`, `(tokens, window)`: the patch
-      matrix itself (`conv_patches`' values, in its layout).
-    - compact: `rows` is `(window, slots x unit)`: per kernel tap, the `unit`-token
-      chunks of the patch matrix in which that tap reads some input pixel (a chunk of a
-      tap that reads only padding or dilation holes is zero, and so are its RHT and its
-      quantised blocks), `slots` per tap (the most any tap has; the rest zero chunks);
-      `chunks` `(window, slots)` the chunk index of each (`nchunks`: a zero chunk of
-      `dy`), `dead` `(window, nchunks)` which chunks each tap skips.
+    - `pixels` `(distinct x unit,)`: the distinct chunks, as rows of the input `(images x
+      pixels + 1, C)` (the last row zeros; a chunk of zeros is always among them).
+    - `rows`: the GEMM operand as rows of the quantised distinct chunks: dense
+      (`chunks` None) `(chunks x unit, window)`, the patch matrix's layout (tokens
+      padded to whole chunks); compact `(window, slots x unit)`: per tap, only the
+      chunks where it reads some pixel, `slots` per tap (the most any tap has; the rest
+      zero chunks), with `chunks` `(window, slots)` the token chunk of each (`nchunks`: a
+      zero chunk of `dy`) and `dead` `(window, nchunks)` the chunks each tap skips.
+    - `unit`, `nchunks`: the chunks' tokens and how many chunks the tokens fill.
     """
 
+    pixels: np.ndarray
     rows: np.ndarray
+    unit: int
+    nchunks: int
     chunks: np.ndarray | None = None
     dead: np.ndarray | None = None
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
     """The `WgradPlan` of a convolution over `images` images, `unit` as `token_unit`:
-    compact where that at least halves the patch operand, else dense."""
+    compact where that at least halves the GEMM's patch operand, else dense."""
     table = pixel_table(geom, images)
     tokens, window = table.shape
     zero = images * math.prod(geom.in_spatial)
@@ -365,59 +381,78 @@ def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
     padded = np.full((nchunks * unit, window), zero, np.int32)
     padded[:tokens] = table
     chunked = padded.reshape(nchunks, unit, window)
+    keys = np.concatenate([chunked.transpose(2, 0, 1).reshape(-1, unit), np.full((1, unit), zero)])
+    distinct, ids = np.unique(keys, axis=0, return_inverse=True)
+    ids = ids.reshape(-1)
+    zero_id, ids = int(ids[-1]), ids[:-1].reshape(window, nchunks)
+    within = np.arange(unit)
     live = (chunked != zero).any(axis=1).T  # (window, nchunks)
     slots = int(live.sum(axis=1).max(initial=0))
+    pixels = distinct.reshape(-1).astype(np.int32)
     if slots == 0 or 2 * slots > nchunks:
-        return WgradPlan(table)
+        rows = ids.T[:, None, :] * unit + within[None, :, None]  # (nchunks, unit, window)
+        return WgradPlan(pixels, rows.reshape(-1, window).astype(np.int32), unit, nchunks)
     chunks = np.full((window, slots), nchunks, np.int32)
-    rows = np.full((window, slots, unit), zero, np.int32)
+    slot_ids = np.full((window, slots), zero_id)
     for j in range(window):
         (live_j,) = np.nonzero(live[j])
         chunks[j, : live_j.size] = live_j
-        rows[j, : live_j.size] = chunked[live_j, :, j]
-    return WgradPlan(rows.reshape(window, -1), chunks, ~live)
+        slot_ids[j, : live_j.size] = ids[j, live_j]
+    rows = (slot_ids[:, :, None] * unit + within).reshape(window, -1).astype(np.int32)
+    return WgradPlan(pixels, rows, unit, nchunks, chunks, ~live)
 
 
-def wgrad_patch_operand(x: Array, geom: Geometry, plan: WgradPlan) -> Array:
-    """The patch operand of `plan` from channels-last `x: (N..., spatial..., C)`, by one
-    row gather (exact copies): `(tokens, window x C)` (dense) or `(window x slots x
-    unit, C)` (compact)."""
+def conv_wgrad_operands(
+    dy, x, seed, *, recipe: Recipe, geom: Geometry
+) -> tuple[WgradPlan, Array, Array | None, Array, Array | None]:
+    """wgrad's quantised operands as the fast path multiplies them: `(plan, g, gs,
+    operand, xs)`, `g` the reference's `Q(H dy)` values padded with zero rows to whole
+    chunks `(nchunks x unit, n)`, `operand` the patch matrix's quantised values in the
+    `plan`'s layout (dense: `(nchunks x unit, window x C)`, the reference's `Q(H
+    patches)` with the same padding; compact: `(window, slots x unit, C)`), `gs`, `xs`
+    the tensor scales. The distinct chunks of the patches are gathered from `x`,
+    transformed and quantised once each (`WgradPlan`), then gathered into `operand`."""
+    nsp = len(geom.window)
+    images = math.prod(x.shape[: x.ndim - 1 - nsp])
+    plan = wgrad_plan(geom, images, token_unit(recipe))
     c = x.shape[-1]
-    rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
-    a = rows[jnp.asarray(plan.rows.reshape(-1))]
-    return a.reshape(plan.rows.shape[0], -1) if plan.chunks is None else a
+    x_rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
+    distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
+    gv, gs, xv, xs = wgrad_quantised(dy, distinct, seed, recipe)
+    operand = xv[jnp.asarray(plan.rows.reshape(-1))]
+    if plan.chunks is None:
+        operand = operand.reshape(plan.rows.shape[0], -1)  # (tokens, window x C)
+    else:
+        operand = operand.reshape(plan.rows.shape[0], -1, c)  # (window, slots x unit, C)
+    g = jnp.pad(gv, [(0, plan.nchunks * plan.unit - gv.shape[0]), (0, 0)])
+    return plan, g, gs, operand, xs
 
 
 def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
     """wgrad: the reference's `Q(H dy).T @ Q(H patches)` (blocks along tokens), on the
-    same quantised operands. The patches are gathered from `x` (`WgradPlan`); where a
-    tap's patch column is structurally zero in most token chunks (a transposed
-    convolution: its input is dilated), only the chunks where it reads something are
-    built, transformed, quantised (with the tensor amax of the whole matrix, which the
-    zero chunks do not change) and multiplied, tap by tap, by the chunks of `Q(H dy)`
-    they meet. A skipped chunk contributes `Q(H dy) x 0`: nothing, unless that chunk of
-    `Q(H dy)` is not finite, where the reference's sum is NaN; so is this one."""
-    nsp = len(geom.window)
-    images = math.prod(x.shape[: x.ndim - 1 - nsp])
-    plan = wgrad_plan(geom, images, token_unit(recipe))
-    a = wgrad_patch_operand(x, geom, plan)
+    same quantised operands (`conv_wgrad_operands`). Where a tap's patch column is
+    structurally zero in most token chunks (a transposed convolution: its input is
+    dilated), the GEMM runs tap by tap over the chunks where the tap reads something,
+    against the chunks of `Q(H dy)` they meet. A skipped chunk contributes `Q(H dy) x
+    0`: nothing, unless that chunk of `Q(H dy)` is not finite, where the reference's
+    sum is NaN; so is this one."""
+    plan, g, gs, operand, xs = conv_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)
     if plan.chunks is None or plan.dead is None:
-        return wgrad(dy, a, seed, recipe=recipe, dtype=dtype)
-    gv, gs, xv, xs = wgrad_quantised(dy, a, seed, recipe)
+        dims = ((0,), (0,))
+        return quantised_dot(g, gs, recipe.grad, operand, xs, recipe.input, dims, dtype=dtype)
     window, slots = plan.chunks.shape
-    nchunks, n = plan.dead.shape[1], gv.shape[-1]
-    unit = plan.rows.shape[1] // slots
-    g = jnp.pad(gv, [(0, (nchunks + 1) * unit - gv.shape[0]), (0, 0)])
+    nchunks, unit, n = plan.nchunks, plan.unit, g.shape[-1]
+    g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)])
     g = g.reshape(nchunks + 1, unit, n)  # the token chunks and a zero chunk
     met = g[jnp.asarray(plan.chunks.reshape(-1))].reshape(window, slots * unit, n)
     dot_dtype = jnp.dtype(jnp.float32)
-    if dtype is not None and gv.dtype == xv.dtype == jnp.bfloat16:
+    if dtype is not None and g.dtype == operand.dtype == jnp.bfloat16:
         dot_dtype = batched_gemm_dtype(dtype) or dot_dtype
     else:
-        dot_dtype = widest_float(gv.dtype, xv.dtype, dot_dtype)
+        dot_dtype = widest_float(g.dtype, operand.dtype, dot_dtype)
     out = lax.dot_general(
         met.astype(dot_dtype),
-        xv.reshape(window, slots * unit, -1).astype(dot_dtype),
+        operand.astype(dot_dtype),
         (((1,), (1,)), ((0,), (0,))),
         precision=dot_precision(dot_dtype),
         preferred_element_type=jnp.float32,
