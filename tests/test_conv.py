@@ -28,7 +28,7 @@ from nvfp4x._conv import (
     reference_only,
     wgrad_plan,
 )
-from nvfp4x._gemm import wgrad, wgrad_quantised
+from nvfp4x._gemm import wgrad_quantised
 
 CONVS = nvfp4x.Policy([(".*", TRAIN)], convolutions=True)
 FLOAT_CONVS = nvfp4x.Policy([(".*", nvfp4x.recipes.float32())], convolutions=True)
@@ -253,8 +253,8 @@ def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe
     """wgrad's patch operand, built from the distinct chunks of the patches (and for a
     transposed convolution only where a tap reads input), is the reference's `Q(H
     patches)` value for value, and `Q(H dy)` and both tensor scales are its own (SR key,
-    RHT); the GEMM equals the reference's up to float32 summation order, and a
-    non-finite `dy` in a chunk some tap skips still gives NaN there. (Eagerly and
+    RHT); the tap-by-tap GEMM of a compact plan equals the reference's up to float32
+    summation order, and a non-finite `dy` in a chunk some tap skips still gives NaN. (Eagerly and
     vmapped over groups, through the layers: `test_the_fast_convolution_is_the_patch_gemm`.)"""
     x, dy = normal(8, (2, *geom.in_spatial, 16)), normal(9, (2, *geom.out_spatial, 8))
     seed = jnp.array([3, 4], jnp.uint32)
@@ -270,20 +270,22 @@ def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe
     np.testing.assert_array_equal(patch_matrix_operand(plan, operand), pad(want[2]), "Q(H x)")
     assert_same(gs, want[1], "dy's tensor scale")
     assert_same(xs, want[3], "x's tensor scale")
-    run = functools.partial(
-        conv_wgrad, seed=seed, recipe=recipe, dtype=jnp.dtype(jnp.float32), geom=geom
-    )
-    gemms = jax.jit(
-        lambda dy, x: (
-            run(dy, x),
-            wgrad(dy, conv_patches(x, geom), seed, recipe=recipe, dtype=None),
+    if not compact:  # the dense GEMM is the reference's `quantised_dot` on these operands
+        return
+    run = jax.jit(
+        functools.partial(
+            conv_wgrad, seed=seed, recipe=recipe, dtype=jnp.dtype(jnp.float32), geom=geom
         )
     )
-    got, want = gemms(dy, x)
-    assert_close(got, want, "wgrad", rtol=1e-6)
-    got, want = gemms(dy.at[1, -1, -1, 2].set(jnp.inf), x)  # the last token: skipped by most taps
-    assert np.isnan(np.asarray(want)).any()
-    np.testing.assert_array_equal(np.isnan(np.asarray(got)), np.isnan(np.asarray(want)))
+    for grad in (dy, dy.at[1, -1, -1, 2].set(jnp.inf)):  # the last token: most taps skip it
+        gv, gs, xv, xs = (np.asarray(a, np.float64) for a in jax.jit(ref)(grad, x))
+        with np.errstate(invalid="ignore"):
+            want = gv.T @ xv * (gs * xs)  # the reference's GEMM, in float64
+        got = np.asarray(run(grad, x))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)
+        assert finite.any() and (grad is dy) == finite.all()
+        assert_close(got[finite], want[finite], "wgrad", rtol=1e-6)
 
 
 def test_a_grouped_convolution_is_one_problem_per_group():
