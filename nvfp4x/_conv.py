@@ -382,8 +382,11 @@ def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
     padded[:tokens] = table
     chunked = padded.reshape(nchunks, unit, window)
     keys = np.concatenate([chunked.transpose(2, 0, 1).reshape(-1, unit), np.full((1, unit), zero)])
-    distinct, ids = np.unique(keys, axis=0, return_inverse=True)
-    ids = ids.reshape(-1)
+    keys = np.ascontiguousarray(keys, np.int32)
+    # Rows as opaque bytes: `np.unique` on them is ~20x faster than with `axis=0`.
+    as_bytes = keys.view(np.dtype((np.void, keys.itemsize * unit))).reshape(-1)
+    _, first, ids = np.unique(as_bytes, return_index=True, return_inverse=True)
+    distinct, ids = keys[first], ids.reshape(-1)
     zero_id, ids = int(ids[-1]), ids[:-1].reshape(window, nchunks)
     within = np.arange(unit)
     live = (chunked != zero).any(axis=1).T  # (window, nchunks)
