@@ -21,17 +21,23 @@ back to the input, wgrad `Q(dy).T @ Q(patches)`):
   its tangents run as a real `lax.conv_general_dilated` on the quantised operands
   (exact products, float32 accumulation), dgrad (dy blocked along out channels per
   output pixel, as in the reference) as the convolution's transpose; wgrad contracts
-  over tokens (blocks of 16 output pixels) and runs the reference's `wgrad` on the
-  patches. Only float32 summation order differs from the reference (the tests bound
-  it). The primitives (`conv_qdot_p`, `conv_dgrad_p`, `conv_wgrad_p`, the JVP's
-  `conv_tx_p` / `conv_tw_p`) batch as `qdot`'s do: a vmapped axis of the input folds
-  into its images (one tensor scale over the whole batch).
+  over tokens (blocks of 16 output pixels) on the reference's quantised operands,
+  `Q(H dy)` and `Q(H patches)` value for value, without building the patch matrix:
+  its distinct 16-token chunks are gathered from the input and transformed and
+  quantised once each, and for a transposed convolution (dilated input, mostly zero
+  patches) each tap multiplies only the chunks where it reads input (`WgradPlan`).
+  Only float32 summation order differs from the reference (the tests bound it, and
+  compare the quantised operands directly). The primitives (`conv_qdot_p`,
+  `conv_dgrad_p`, `conv_wgrad_p`, the JVP's `conv_tx_p` / `conv_tw_p`) batch as
+  `qdot`'s do: a vmapped axis of the input folds into its images (one tensor scale
+  over the whole batch).
 
 A layer with telemetry (`probe`) or an `enabled` mask runs the reference.
 """
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -43,16 +49,18 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-from ._formats import gemm_dtype, quantize_operand, widest_float
+from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, widest_float
 from ._formats._dot import apply_scales, dot_precision
 from ._gemm import (
     _make_primitive,
     def_gemm_rules,
     grad_key,
     needs_key,
+    quantised_dot,
     quantize_weight,
-    wgrad,
+    wgrad_quantised,
 )
+from ._numerics._constants import BLOCK
 from ._policy import Recipe
 
 # --- the kernel as a GEMM matrix ---
@@ -281,9 +289,182 @@ def conv_dgrad(dy, wv, ws, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Ar
     return apply_scales(dx.reshape(lead + dx.shape[1:]), gs, ws)
 
 
+# --- the fast path's wgrad: the patch matrix without its structural zeros ---
+
+
+def token_unit(recipe: Recipe) -> int:
+    """How many consecutive tokens (rows of the patch matrix) wgrad's patch operand
+    treats together: the RHT's 16-token chunks and the input format's blocks along the
+    tokens (their least common multiple; 1 for neither)."""
+    unit = BLOCK if recipe.rht else 1
+    fmt = recipe.input
+    if fmt is not None and fmt.block is not None:
+        unit = math.lcm(unit, fmt.block[1])
+    return unit
+
+
+def pixel_table(geom: Geometry, images: int) -> np.ndarray:
+    """`(tokens, window)` int32: for each token (an image's output pixel, the tokens in
+    `conv_patches`' order) and kernel tap (row-major), the row of the input as `(images
+    x pixels, C)` that the patch reads there, or `images x pixels` (a row of zeros to
+    append) where it reads padding or a hole of the input's dilation."""
+    nsp = len(geom.window)
+    flat = np.zeros((1,) * 2 * nsp, np.int64)
+    valid = np.ones((1,) * 2 * nsp, bool)
+    for d, (s, (lo, _), ld, w, rd, st, n) in enumerate(
+        zip(
+            geom.in_spatial,
+            geom.padding,
+            geom.lhs_dilation,
+            geom.window,
+            geom.rhs_dilation,
+            geom.strides,
+            geom.out_spatial,
+            strict=True,
+        )
+    ):
+        pos = np.arange(n)[:, None] * st + np.arange(w)[None, :] * rd - lo  # (out, window)
+        i = pos // ld
+        shape = [1] * 2 * nsp
+        shape[d], shape[nsp + d] = n, w
+        flat = flat * s + np.maximum(i, 0).reshape(shape)
+        valid = valid & ((pos % ld == 0) & (i >= 0) & (i < s)).reshape(shape)
+    pixels = math.prod(geom.in_spatial)
+    zero = images * pixels
+    per_image = np.where(valid, flat, -1).reshape(math.prod(geom.out_spatial), -1)
+    offsets = np.arange(images)[:, None, None] * pixels
+    table = np.where(per_image >= 0, per_image + offsets, zero)
+    return table.reshape(-1, per_image.shape[-1]).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WgradPlan:
+    """How wgrad builds its patch operand without the patch matrix's repeats and
+    structural zeros (static, NumPy).
+
+    Cut into `unit`-token chunks, a column of the patch matrix (one kernel tap, one
+    channel) holds in each chunk the input pixels some `unit` tokens read through that
+    tap: many (chunk, tap) pairs read the same pixels (neighbouring taps of a
+    stride-1 convolution, one output row apart; the taps of a transposed convolution's
+    output phases), and those of a transposed convolution mostly read nothing (padding,
+    dilation holes). Equal chunks have equal RHTs and equal quantised blocks (the
+    tensor amax is over the same values), so each distinct chunk is built, transformed
+    and quantised once:
+
+    - `pixels` `(distinct x unit,)`: the distinct chunks, as rows of the input `(images x
+      pixels + 1, C)` (the last row zeros; a chunk of zeros is always among them).
+    - `rows`: the GEMM operand as rows of the quantised distinct chunks: dense
+      (`chunks` None) `(chunks x unit, window)`, the patch matrix's layout (tokens
+      padded to whole chunks); compact `(window, slots x unit)`: per tap, only the
+      chunks where it reads some pixel, `slots` per tap (the most any tap has; the rest
+      zero chunks), with `chunks` `(window, slots)` the token chunk of each (`nchunks`: a
+      zero chunk of `dy`) and `dead` `(window, nchunks)` the chunks each tap skips.
+    - `unit`, `nchunks`: the chunks' tokens and how many chunks the tokens fill.
+    """
+
+    pixels: np.ndarray
+    rows: np.ndarray
+    unit: int
+    nchunks: int
+    chunks: np.ndarray | None = None
+    dead: np.ndarray | None = None
+
+
+@functools.lru_cache(maxsize=16)
+def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
+    """The `WgradPlan` of a convolution over `images` images, `unit` as `token_unit`:
+    compact where that at least halves the GEMM's patch operand, else dense."""
+    table = pixel_table(geom, images)
+    tokens, window = table.shape
+    zero = images * math.prod(geom.in_spatial)
+    nchunks = -(-tokens // unit)
+    padded = np.full((nchunks * unit, window), zero, np.int32)
+    padded[:tokens] = table
+    chunked = padded.reshape(nchunks, unit, window)
+    keys = np.concatenate([chunked.transpose(2, 0, 1).reshape(-1, unit), np.full((1, unit), zero)])
+    keys = np.ascontiguousarray(keys, np.int32)
+    # Rows as opaque bytes: `np.unique` on them is ~20x faster than with `axis=0`.
+    as_bytes = keys.view(np.dtype((np.void, keys.itemsize * unit))).reshape(-1)
+    _, first, ids = np.unique(as_bytes, return_index=True, return_inverse=True)
+    distinct, ids = keys[first], ids.reshape(-1)
+    zero_id, ids = int(ids[-1]), ids[:-1].reshape(window, nchunks)
+    within = np.arange(unit)
+    live = (chunked != zero).any(axis=1).T  # (window, nchunks)
+    slots = int(live.sum(axis=1).max(initial=0))
+    pixels = distinct.reshape(-1).astype(np.int32)
+    if slots == 0 or 2 * slots > nchunks:
+        rows = ids.T[:, None, :] * unit + within[None, :, None]  # (nchunks, unit, window)
+        return WgradPlan(pixels, rows.reshape(-1, window).astype(np.int32), unit, nchunks)
+    chunks = np.full((window, slots), nchunks, np.int32)
+    slot_ids = np.full((window, slots), zero_id)
+    for j in range(window):
+        (live_j,) = np.nonzero(live[j])
+        chunks[j, : live_j.size] = live_j
+        slot_ids[j, : live_j.size] = ids[j, live_j]
+    rows = (slot_ids[:, :, None] * unit + within).reshape(window, -1).astype(np.int32)
+    return WgradPlan(pixels, rows, unit, nchunks, chunks, ~live)
+
+
+def conv_wgrad_operands(
+    dy, x, seed, *, recipe: Recipe, geom: Geometry
+) -> tuple[WgradPlan, Array, Array | None, Array, Array | None]:
+    """wgrad's quantised operands as the fast path multiplies them: `(plan, g, gs,
+    operand, xs)`, `g` the reference's `Q(H dy)` values padded with zero rows to whole
+    chunks `(nchunks x unit, n)`, `operand` the patch matrix's quantised values in the
+    `plan`'s layout (dense: `(nchunks x unit, window x C)`, the reference's `Q(H
+    patches)` with the same padding; compact: `(window, slots x unit, C)`), `gs`, `xs`
+    the tensor scales. The distinct chunks of the patches are gathered from `x`,
+    transformed and quantised once each (`WgradPlan`), then gathered into `operand`."""
+    nsp = len(geom.window)
+    images = math.prod(x.shape[: x.ndim - 1 - nsp])
+    plan = wgrad_plan(geom, images, token_unit(recipe))
+    c = x.shape[-1]
+    x_rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
+    distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
+    gv, gs, xv, xs = wgrad_quantised(dy, distinct, seed, recipe)
+    operand = xv[jnp.asarray(plan.rows.reshape(-1))]
+    if plan.chunks is None:
+        operand = operand.reshape(plan.rows.shape[0], -1)  # (tokens, window x C)
+    else:
+        operand = operand.reshape(plan.rows.shape[0], -1, c)  # (window, slots x unit, C)
+    g = jnp.pad(gv, [(0, plan.nchunks * plan.unit - gv.shape[0]), (0, 0)])
+    return plan, g, gs, operand, xs
+
+
 def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
-    """wgrad: the reference's `Q(H dy).T @ Q(H patches)` (blocks along tokens)."""
-    return wgrad(dy, conv_patches(x, geom), seed, recipe=recipe, dtype=dtype)
+    """wgrad: the reference's `Q(H dy).T @ Q(H patches)` (blocks along tokens), on the
+    same quantised operands (`conv_wgrad_operands`). Where a tap's patch column is
+    structurally zero in most token chunks (a transposed convolution: its input is
+    dilated), the GEMM runs tap by tap over the chunks where the tap reads something,
+    against the chunks of `Q(H dy)` they meet. A skipped chunk contributes `Q(H dy) x
+    0`: nothing, unless that chunk of `Q(H dy)` is not finite, where the reference's
+    sum is NaN; so is this one."""
+    plan, g, gs, operand, xs = conv_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)
+    if plan.chunks is None or plan.dead is None:
+        dims = ((0,), (0,))
+        return quantised_dot(g, gs, recipe.grad, operand, xs, recipe.input, dims, dtype=dtype)
+    window, slots = plan.chunks.shape
+    nchunks, unit, n = plan.nchunks, plan.unit, g.shape[-1]
+    g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)])
+    g = g.reshape(nchunks + 1, unit, n)  # the token chunks and a zero chunk
+    met = g[jnp.asarray(plan.chunks.reshape(-1))].reshape(window, slots * unit, n)
+    dot_dtype = jnp.dtype(jnp.float32)
+    if dtype is not None and g.dtype == operand.dtype == jnp.bfloat16:
+        dot_dtype = batched_gemm_dtype(dtype) or dot_dtype
+    else:
+        dot_dtype = widest_float(g.dtype, operand.dtype, dot_dtype)
+    out = lax.dot_general(
+        met.astype(dot_dtype),
+        operand.astype(dot_dtype),
+        (((1,), (1,)), ((0,), (0,))),
+        precision=dot_precision(dot_dtype),
+        preferred_element_type=jnp.float32,
+    )  # (window, n, C)
+    out = apply_scales(out, gs, xs)
+    bad = jnp.any(~jnp.isfinite(g[:nchunks]), axis=1)  # (nchunks, n)
+    skipped_bad = jnp.any(jnp.asarray(plan.dead)[:, :, None] & bad[None], axis=1)
+    out = jnp.where(skipped_bad[:, :, None], jnp.float32(jnp.nan), out)
+    return jnp.transpose(out, (1, 0, 2)).reshape(n, -1)
 
 
 def _out_abstract(a, w, *_, geom: Geometry, **__):

@@ -180,12 +180,21 @@ def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
     return g, a
 
 
-def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, dtype) -> Float[Array, "n k"]:
-    """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
+def wgrad_quantised(
+    dy: Array, x: Array, seed: Array, recipe: Recipe
+) -> tuple[Array, Array | None, Array, Array | None]:
+    """wgrad's quantised operands `(gv, gs, xv, xs)`: `Q(H dy)` and `Q(H x)` as `(T, n)`
+    and `(T, k)` values with their tensor scales, both quantised along the token axis."""
     g, a = wgrad_operands(dy, x, recipe)
     key = grad_key(seed, 2) if needs_key(recipe) else None
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)
+    return gv, gs, xv, xs
+
+
+def wgrad(dy: Array, x: Array, seed: Array, *, recipe: Recipe, dtype) -> Float[Array, "n k"]:
+    """wgrad: `Q(H dy).T @ Q(H x)`, both quantised along the token axis, `H` the RHT."""
+    gv, gs, xv, xs = wgrad_quantised(dy, x, seed, recipe)
     return quantised_dot(gv, gs, recipe.grad, xv, xs, recipe.input, ((0,), (0,)), dtype=dtype)
 
 

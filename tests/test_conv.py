@@ -7,6 +7,7 @@ nothing else, `freeze` packs each kernel as trained (frozen == unfrozen, bit for
 telemetry runs, and what is a convolution does not depend on how the class is written.
 """
 
+import functools
 import math
 
 import equinox as eqx
@@ -19,7 +20,15 @@ from jax import lax
 from jaxtyping import Array
 
 import nvfp4x
-from nvfp4x._conv import reference_only
+from nvfp4x._conv import (
+    Geometry,
+    conv_patches,
+    conv_wgrad,
+    conv_wgrad_operands,
+    reference_only,
+    wgrad_plan,
+)
+from nvfp4x._gemm import wgrad_quantised
 
 CONVS = nvfp4x.Policy([(".*", TRAIN)], convolutions=True)
 FLOAT_CONVS = nvfp4x.Policy([(".*", nvfp4x.recipes.float32())], convolutions=True)
@@ -166,11 +175,11 @@ FAST_CASES = [
     pytest.param(  # stride 3 reads every third pixel: an inf elsewhere is never read
         lambda k: eqx.nn.Conv1d(48, 16, 1, stride=3, key=k), (3, 48, 10), False, id="c48-unread"
     ),
-    pytest.param(
-        lambda k: eqx.nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1, groups=2, key=k),
-        (2, 32, 5, 5),
-        False,
-        id="convT-groups",
+    pytest.param(  # wgrad skips the chunks where a tap reads nothing (`WgradPlan` compact)
+        lambda k: eqx.nn.ConvTranspose2d(32, 16, 4, stride=4, padding=1, groups=2, key=k),
+        (2, 32, 2, 9),
+        True,
+        id="convT-k4s4-groups",
     ),
 ]
 
@@ -205,6 +214,78 @@ def test_the_fast_convolution_is_the_patch_gemm(make, shape, eager):
     assert_close(y, y0, "fprop", rtol=1e-6)
     assert_close(gw.weight.array, gw0.weight.array, "wgrad", rtol=1e-6)
     assert_close(gx, gx0, "dgrad", rtol=1e-6)
+
+
+WGRAD_CASES = [
+    pytest.param(  # ConvTranspose2d k4 s4 padding 1 on two 2x9 images: 408 tokens
+        Geometry((4, 4), (1, 1), ((2, 2), (2, 2)), (4, 4), (1, 1), (2, 9)),
+        TRAIN,
+        True,
+        id="convT-k4s4-compact",
+    ),
+    pytest.param(  # neighbouring taps read the same chunks; no RHT, nearest rounding
+        Geometry((3, 3), (2, 2), ((1, 2), (2, 1)), (1, 1), (2, 2), (9, 11)),
+        nvfp4x.recipes.nvfp4_training(rht=False, stochastic_rounding=False),
+        False,
+        id="stride-pad-dilation-dense",
+    ),
+]
+
+
+def patch_matrix_operand(plan, operand: Array) -> np.ndarray:
+    """The fast wgrad's patch operand in the patch matrix's layout `(chunks x unit,
+    window x C)`: a compact one put back at its chunks, zeros elsewhere."""
+    operand = np.asarray(operand.astype(jnp.float32))
+    if plan.chunks is None:
+        return operand
+    window, slots = plan.chunks.shape
+    c = operand.shape[-1]
+    parts = operand.reshape(window, slots, plan.unit, c)
+    out = np.zeros((plan.nchunks + 1, plan.unit, window, c), np.float32)
+    for j in range(window):
+        out[plan.chunks[j], :, j] = parts[j]
+    assert not np.any(out[-1]), "a slot without a chunk holds values"
+    return out[:-1].reshape(plan.nchunks * plan.unit, window * c)
+
+
+@pytest.mark.parametrize("geom, recipe, compact", WGRAD_CASES)
+def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe, compact):
+    """wgrad's patch operand, built from the distinct chunks of the patches (and for a
+    transposed convolution only where a tap reads input), is the reference's `Q(H
+    patches)` value for value, and `Q(H dy)` and both tensor scales are its own (SR key,
+    RHT); the tap-by-tap GEMM of a compact plan equals the reference's up to float32
+    summation order, and a non-finite `dy` in a chunk some tap skips still gives NaN. (Eagerly and
+    vmapped over groups, through the layers: `test_the_fast_convolution_is_the_patch_gemm`.)"""
+    x, dy = normal(8, (2, *geom.in_spatial, 16)), normal(9, (2, *geom.out_spatial, 8))
+    seed = jnp.array([3, 4], jnp.uint32)
+    plan = wgrad_plan(geom, 2, 16)
+    assert (plan.chunks is not None) == compact
+    fast = lambda dy, x: conv_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)[1:]
+    ref = lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, recipe)
+    want = jax.jit(ref)(dy, x)
+    rows = plan.nchunks * plan.unit
+    pad = lambda a: np.pad(np.asarray(a.astype(jnp.float32)), [(0, rows - a.shape[0]), (0, 0)])
+    g, gs, operand, xs = jax.jit(fast)(dy, x)
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), pad(want[0]), "Q(H dy)")
+    np.testing.assert_array_equal(patch_matrix_operand(plan, operand), pad(want[2]), "Q(H x)")
+    assert_same(gs, want[1], "dy's tensor scale")
+    assert_same(xs, want[3], "x's tensor scale")
+    if not compact:  # the dense GEMM is the reference's `quantised_dot` on these operands
+        return
+    run = jax.jit(
+        functools.partial(
+            conv_wgrad, seed=seed, recipe=recipe, dtype=jnp.dtype(jnp.float32), geom=geom
+        )
+    )
+    for grad in (dy, dy.at[1, -1, -1, 2].set(jnp.inf)):  # the last token: most taps skip it
+        gv, gs, xv, xs = (np.asarray(a, np.float64) for a in jax.jit(ref)(grad, x))
+        with np.errstate(invalid="ignore"):
+            want = gv.T @ xv * (gs * xs)  # the reference's GEMM, in float64
+        got = np.asarray(run(grad, x))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)
+        assert finite.any() and (grad is dy) == finite.all()
+        assert_close(got[finite], want[finite], "wgrad", rtol=1e-6)
 
 
 def test_a_grouped_convolution_is_one_problem_per_group():
