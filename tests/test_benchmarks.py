@@ -68,3 +68,20 @@ def test_bench_gpu_skips_without_a_gpu_and_writes_its_table(tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("## bench_gpu (cpu smoke) on ")
     assert any(line.startswith("| bandwidth | copy (x + 1, float32) | ") for line in lines)
+
+
+def test_bench_compile_counts_instructions_per_region():
+    from benchmarks.bench_compile import hlo_regions
+
+    text = "\n".join(
+        [
+            '  %p = f32[] parameter(0), metadata={op_name="jit(step)/jit(wgrad)/x"}',
+            '  %c = f32[] constant(1), metadata={op_name="jit(step)/jit(wgrad)/x"}',
+            '  %a = f32[] add(%p, %c), metadata={op_name="jit(step)/nvfp4x_wgrad/jit(wgrad)/add"}',
+            '  %b = f32[] add(%a, %c), metadata={op_name="jit(step)/jit(dgrad)/jit(_where)/x"}',
+            '  %d = f32[] add(%b, %c), metadata={op_name="jit(step)/jit(_fprop_operands)/mul"}',
+            '  %e = f32[] add(%d, %c), metadata={op_name="jit(step)/adam/add"}',
+            "  %f = f32[] add(%e, %c)",
+        ]
+    )
+    assert hlo_regions(text) == {"fprop": 1, "dgrad": 1, "wgrad": 1, "other": 1}
