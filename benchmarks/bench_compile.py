@@ -14,10 +14,14 @@ lowering to StableHLO) and `.compile()` (XLA's passes and code generation) are t
 separately. Reported per depth: both times, their sum, the NVFP4 / float32 ratio of the
 sum (target: <= 1.3x, flat in depth), the same ratio in process CPU seconds (steadier when
 other work shares the machine) and the optimised HLO's line count per block
-(`compiled.as_text()`), which is what XLA's passes work through.
+(`compiled.as_text()`), which is what XLA's passes work through, with the NVFP4 step's
+instructions per block split by where they come from (`hlo_regions`: the fprop, dgrad
+and wgrad primitives, each with its operand quantisers, and the rest).
 """
 
 import argparse
+import collections
+import re
 import time
 
 import equinox as eqx
@@ -68,10 +72,30 @@ def make_step(optimizer, static):
     return step
 
 
+#: The regions of a step's program, by the jitted function its instructions came from
+#: (the quantised GEMMs' primitives run `fprop`, `dgrad` and `wgrad`, each quantising
+#: its operands); the rest (the weight's quantisation, the plain ops, adam) is `other`.
+REGIONS = {"jit(_fprop_operands)": "fprop", "jit(dgrad)": "dgrad", "jit(wgrad)": "wgrad"}
+
+
+def hlo_regions(text: str) -> dict[str, int]:
+    """Instructions (not parameters or constants) of an optimised HLO text per region
+    (`REGIONS`, by each instruction's `op_name`): where the program's size comes from."""
+    counts = collections.Counter({name: 0 for name in (*REGIONS.values(), "other")})
+    for line in text.splitlines():
+        m = re.search(r'op_name="([^"]*)"', line)
+        if m is None or " parameter(" in line or " constant(" in line:
+            continue
+        parts = m.group(1).split("/")
+        counts[next((REGIONS[p] for p in parts if p in REGIONS), "other")] += 1
+    return dict(counts)
+
+
 def compile_seconds(model, x, y) -> dict:
-    """`{"lower": s, "compile": s, "total": s, "cpu": s, "hlo_lines": n}` for one fresh
-    step: wall seconds, and the process's CPU seconds for the whole (steadier than wall
-    time on a shared machine)."""
+    """`{"lower": s, "compile": s, "total": s, "cpu": s, "hlo_lines": n, "regions": {...}}`
+    for one fresh step: wall seconds, the process's CPU seconds for the whole (steadier
+    than wall time on a shared machine), the optimised HLO's lines and its instructions
+    per region (`hlo_regions`)."""
     optimizer = optax.adam(1e-4)
     arrays, static = eqx.partition(model, eqx.is_array)
     state = optimizer.init(arrays)
@@ -81,13 +105,14 @@ def compile_seconds(model, x, y) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2, c2 = time.perf_counter(), time.process_time()
-    lines = compiled.as_text().count("\n")
+    text = compiled.as_text()
     return {
         "lower": t1 - t0,
         "compile": t2 - t1,
         "total": t2 - t0,
         "cpu": c2 - c0,
-        "hlo_lines": lines,
+        "hlo_lines": text.count("\n"),
+        "regions": hlo_regions(text),
     }
 
 
@@ -132,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ratio": ratio,
             "hlo lines per block float32": f32["hlo_lines"] / depth,
             "hlo lines per block nvfp4": q["hlo_lines"] / depth,
+            "nvfp4 hlo instructions per block": {k: v / depth for k, v in q["regions"].items()},
         }
         print(
             f"{label:12s} float32 {f32['lower']:5.2f} / {f32['compile']:5.2f} / "
@@ -140,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
             "HLO lines/block "
             f"{f32['hlo_lines'] / depth:.0f} vs {q['hlo_lines'] / depth:.0f}"
         )
+        regions = ", ".join(f"{k} {v / depth:.0f}" for k, v in q["regions"].items())
+        print(f"{'':12s} nvfp4 HLO instructions per block: {regions}")
     worst = max(r["ratio"] for r in result.values())
     result["worst ratio"] = worst
     print(f"target <= 1.3x at every depth: {'met' if worst <= 1.3 else 'NOT met'} ({worst:.2f}x)")

@@ -50,6 +50,7 @@ from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, 
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
 from ._numerics._hadamard import rht
+from ._numerics._threefry import fold_in
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
     Primitive,
@@ -65,8 +66,9 @@ from ._prims import (
 
 
 def grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
-    key = jax.random.wrap_key_data(seed, impl="threefry2x32")
-    return jax.random.fold_in(key, tag)
+    """`jax.random.fold_in` of the Threefry key holding `seed` with `tag`, bit for bit
+    (its hash unrolled: `_threefry`, which compiles smaller than `jax.random`'s loop)."""
+    return jax.random.wrap_key_data(fold_in(seed, tag), impl="threefry2x32")
 
 
 def mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:

@@ -11,6 +11,7 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray, Shaped
 from ._axes import explicit_axes_as_auto
 from ._dispatch import as_qweight, interpreting, with_class
 from ._formats import widest_float
+from ._numerics._threefry import seed_words
 from ._policy import Recipe
 from ._probe import gemm_with_probe
 from ._qweight import QWeight
@@ -154,7 +155,7 @@ class QuantizedLinear(eqx.nn.Linear):
                 "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis, as the "
                 "unquantised stack would be."
             )
-        seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
+        seed = None if key is None else seed_words(key)  # `jax.random.bits(key, (2,))`
         matmul = functools.partial(gemm_with_probe, recipe=qw.recipe, fast=qw.fast, name=qw.path)
         operands = (w, seed, qw.probe, qw.enabled)
         return apply_linear(self, x, matmul, operands, (w.shape, w), w.dtype)

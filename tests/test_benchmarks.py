@@ -93,3 +93,20 @@ def test_bench_gpu_profile_sums_each_compiled_op_and_names_its_kind(tmp_path):
         "f.1": ("fusion", "(f32[16]{0}, s32[16]{0})"),
         "cc": ("gemm", "(bf16[8,8]{1,0}, s8[0]{0})"),
     }
+
+
+def test_bench_compile_counts_instructions_per_region():
+    from benchmarks.bench_compile import hlo_regions
+
+    text = "\n".join(
+        [
+            '  %p = f32[] parameter(0), metadata={op_name="jit(step)/jit(wgrad)/x"}',
+            '  %c = f32[] constant(1), metadata={op_name="jit(step)/jit(wgrad)/x"}',
+            '  %a = f32[] add(%p, %c), metadata={op_name="jit(step)/nvfp4x_wgrad/jit(wgrad)/add"}',
+            '  %b = f32[] add(%a, %c), metadata={op_name="jit(step)/jit(dgrad)/jit(_where)/x"}',
+            '  %d = f32[] add(%b, %c), metadata={op_name="jit(step)/jit(_fprop_operands)/mul"}',
+            '  %e = f32[] add(%d, %c), metadata={op_name="jit(step)/adam/add"}',
+            "  %f = f32[] add(%e, %c)",
+        ]
+    )
+    assert hlo_regions(text) == {"fprop": 1, "dgrad": 1, "wgrad": 1, "other": 1}

@@ -91,6 +91,36 @@ def test_divide_matches_ieee(case):
         assert_bits(_reciprocal(b), want, "reciprocal")
 
 
+def test_tensor_scale_divisions_match_ieee():
+    """`encode_scale` (`constant_over`) and `reciprocal_of_normal`, `divide`'s and
+    `reciprocal`'s bits on their domains: `S_enc = min(2688 / amax, FLT_MAX)` (1 for a
+    zero, negative or infinite amax) for every class of amax, and `s_dec = 1 / S_enc`."""
+    from nvfp4x._numerics._ieee import constant_over, reciprocal_of_normal
+    from nvfp4x._numerics._nvfp4 import encode_scale
+
+    rng = np.random.default_rng(26)
+    any_bits = rng.integers(0, 2**32, 2**16, dtype=np.uint32).view(F32)
+    specials = np.array(
+        [0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 2.0**-149, 2.0**-126, FLT_MAX, 2688], F32
+    )
+    # around the overflow of 2688 / amax (amax near 7.9e-36) and the subnormal s_dec
+    edge = (2688 / FLT_MAX * 2.0 ** rng.uniform(-4, 4, 2**12)).astype(F32)
+    wide = _cases(2**19)["2688 / amax (S_enc)"][1].view(F32)[: 2**16]
+    amax = np.concatenate([specials, any_bits, edge, wide])
+    with np.errstate(all="ignore"):
+        q = F32(2688) / amax
+        want = np.where((amax.view(np.uint32) == 0) | (q <= 0), F32(1), np.minimum(q, FLT_MAX))
+        assert_bits(jax.jit(jax.vmap(encode_scale))(amax), want, "encode_scale")
+        eager = [encode_scale(jnp.asarray(a)) for a in specials[3:6]]
+        assert_bits(np.asarray(eager), want[3:6], "encode_scale, eager")
+        assert_bits(jax.jit(reciprocal_of_normal)(want), F32(1) / want, "reciprocal_of_normal")
+        b = _floats(rng, rng.integers(1, 253, 2**14), 2**14)  # quotients above 2^-126
+        b = np.abs(b)
+        assert_bits(jax.jit(lambda b: constant_over(1.5, b))(b), F32(1.5) / b, "constant_over")
+    with pytest.raises(ValueError, match="`c=0.0`"):
+        constant_over(0.0, jnp.float32(1.0))
+
+
 def test_divide_eagerly_and_broadcast():
     s = np.array([3.0, 7.0, 2.0**-140, 0.0], F32)
     with np.errstate(all="ignore"):

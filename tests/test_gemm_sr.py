@@ -139,3 +139,36 @@ def test_sr_is_unbiased():
         # Independent unbiased draws: E|mean - want|^2 = rms^2 / K. The norms of these
         # ~1000-element errors concentrate; 2x leaves ample room for chance, not for bias.
         assert mean_err < 2 * rms / np.sqrt(nkeys), f"{what}: {mean_err:.4g} vs {rms:.4g}"
+
+
+@pytest.mark.parametrize("partitionable", [True, False], ids=["partitionable", "original"])
+def test_sr_seed_words_are_jax_random_bits(partitionable):
+    """The unrolled Threefry-2x32 (`_threefry`) gives `jax.random`'s words bit for bit:
+    `fold_in` (the GEMM's dgrad/wgrad keys) and `bits(key, (2,))` (every SR seed), in
+    both of `jax.random`'s counter layouts, eagerly and under `jit`; keys of another
+    implementation go through `jax.random`."""
+    from nvfp4x._numerics import _threefry
+
+    before = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", partitionable)
+    try:
+        rng = np.random.default_rng(5)
+        words = rng.integers(0, 2**32, (16, 2), dtype=np.uint64).astype(np.uint32)
+        words[0] = 0
+        words[1] = 2**32 - 1
+        tags = [0, 1, 2, 2**32 - 1]
+        keys = jax.random.wrap_key_data(jnp.asarray(words), impl="threefry2x32")
+        want = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
+        for fn in (_threefry.seed_words, jax.jit(_threefry.seed_words)):
+            np.testing.assert_array_equal(jax.vmap(fn)(keys), want)
+        for tag in tags:
+            want = jax.vmap(lambda k, t=tag: jax.random.key_data(jax.random.fold_in(k, t)))(keys)
+            got = jax.jit(jax.vmap(lambda w, t=tag: _threefry.fold_in(w, t)))(jnp.asarray(words))
+            np.testing.assert_array_equal(got, want, f"fold_in {tag}")
+        other = jax.random.key(3, impl="rbg")
+        assert not _threefry.is_threefry(other) and not _threefry.is_threefry(jnp.asarray(words[2]))
+        np.testing.assert_array_equal(
+            _threefry.seed_words(other), jax.random.bits(other, (2,), jnp.uint32)
+        )
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)

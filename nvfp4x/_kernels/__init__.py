@@ -81,6 +81,7 @@ from jaxtyping import Array
 
 from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
+from .._numerics._threefry import seed_words
 from ._native import NativeOperand, block_scaled_dot, fp8_dot
 
 #: The implementations of each operation, the reference (`"xla"`) first.
@@ -273,7 +274,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         grid = (*rows, cols // BLOCK) if block == ROW_BLOCK else (*rows[:-1], rows[-1] // 16)
         if block != ROW_BLOCK:
             grid = (*grid, cols // block[1])
-        seed = None if key is None else jax.random.bits(key, (2,), jnp.uint32)
+        seed = None if key is None else seed_words(key)  # `jax.random.bits(key, (2,))`
         out, scale_bits, s_dec = _pallas_nvfp4.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),

@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
 from ._constants import E2M1_MAX, GOLDEN_RATIO_32
+from ._threefry import seed_words
 
 
 def _step(a: Float[Array, "*s"]) -> Float[Array, "*s"]:
@@ -117,7 +118,7 @@ def uniform(key: jax.Array, shape: tuple[int, ...], offset: ArrayLike = 0) -> Fl
     grouped GEMM quantises each group's rows with its group's key and their positions
     in the group).
     """
-    seed = jax.random.bits(key, (2,), jnp.uint32)
+    seed = seed_words(key)  # `jax.random.bits(key, (2,), jnp.uint32)`, unrolled
     index = jnp.zeros(shape, jnp.uint32) + jnp.asarray(offset).astype(jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._constants import FLT_MAX
@@ -204,16 +205,16 @@ def _rne_quotient(ma: Int[Array, "*s"], mb: Int[Array, "*s"], t: Int[Array, "*s"
     """`RNE(ma * 2^t / mb)` for 24-bit `ma, mb` and `0 <= t <= 24` where the quotient is
     below 2^24, exactly, on any backend: a float estimate (the backend's `/`, which may be
     off by an ulp or two), then the remainder `ma * 2^t - q * mb`, small, so exact modulo
-    2^32 in uint32 arithmetic, two corrections each way, and round half to even on it."""
+    2^32 in uint32 arithmetic, one correction by `floor(rem / mb)` (at most two either
+    way, counted by comparisons), and round half to even on it."""
     num = ldexp_normal(ma.astype(jnp.float32), t)  # exact: at most 2^48
     q = jnp.floor(num / mb.astype(jnp.float32)).astype(jnp.int32)
     u32 = jnp.uint32
     rem = (ma.astype(u32) << t.astype(u32)) - q.astype(u32) * mb.astype(u32)
     rem = jax.lax.bitcast_convert_type(rem, jnp.int32)
-    for _ in range(2):
-        q, rem = jnp.where(rem < 0, q - 1, q), jnp.where(rem < 0, rem + mb, rem)
-    for _ in range(2):
-        q, rem = jnp.where(rem >= mb, q + 1, q), jnp.where(rem >= mb, rem - mb, rem)
+    steps = [rem >= mb, rem >= 2 * mb, rem < 0, rem < -mb]
+    d = sum(s.astype(jnp.int32) * w for s, w in zip(steps, (1, 1, -1, -1), strict=True))
+    q, rem = q + d, rem - d * mb
     up = (2 * rem > mb) | ((2 * rem == mb) & ((q & 1) == 1))
     return q + up.astype(jnp.int32)
 
@@ -289,3 +290,41 @@ def reciprocal_capped(p: Float[Array, "*s"]) -> Float[Array, "*s"]:
     `p` exactly; `p = 0` gives FLT_MAX; NaN stays NaN."""
     r = reciprocal(p)
     return jnp.where(jnp.isnan(r), r, jnp.minimum(r, FLT_MAX))
+
+
+def _normal_parts(bits: Int[Array, "*s"]) -> tuple[Int[Array, "*s"], Int[Array, "*s"]]:
+    """`_significand` of a positive normal float32's bits (no subnormal path)."""
+    return (bits & 0x007FFFFF) | MIN_NORMAL_BITS, bits >> 23
+
+
+def constant_over(c: float, b: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`divide(c, b)` bit for bit, for a positive normal float32 constant `c` and a
+    positive normal `b` whose quotient is at least 2^-126 (normal, or inf on overflow);
+    any other `b` gives garbage (mask it). A third of `divide`'s operations: the
+    dividend is a constant, and neither operand nor the result is zero, subnormal,
+    infinite or NaN (`encode_scale`'s `2688 / amax`)."""
+    cbits = int(np.float32(c).view(np.int32))
+    if not MIN_NORMAL_BITS <= cbits < INF_BITS:
+        raise ValueError(f"`c={c!r}` is not a positive normal float32.")
+    with jax.named_scope(EXACT_DIVISION):
+        mb, eb = _normal_parts(jax.lax.bitcast_convert_type(jnp.asarray(b, jnp.float32), jnp.int32))
+        ma = (cbits & 0x007FFFFF) | MIN_NORMAL_BITS
+        below = (mb > ma).astype(jnp.int32)
+        e = (cbits >> 23) - eb + 127 - below  # the quotient's biased exponent (>= 1)
+        n = _rne_quotient(jnp.full_like(mb, ma), mb, 23 + below)
+        mag = ((e - 1) << 23) + n  # a significand rounded up to 2^24 carries
+        return from_bits(jnp.where((e >= 255) | (mag >= INF_BITS), INF_BITS, mag))
+
+
+def reciprocal_of_normal(s: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`reciprocal(s)` bit for bit for a positive normal `s` (the result may be subnormal)
+    or NaN (NaN); any other `s` gives garbage (mask it). The tensor decode scale
+    `1 / S_enc`, without `reciprocal`'s paths for zeros, subnormals, infinities and
+    signs."""
+    with jax.named_scope(EXACT_DIVISION):
+        bits = abs_bits(s)
+        nan = bits > INF_BITS
+        mb, eb = _normal_parts(jnp.where(nan, MIN_NORMAL_BITS, bits))
+        one = jnp.full_like(mb, MIN_NORMAL_BITS)  # 1.0: significand 2^23, exponent 127
+        mag = _quotient_bits(one, jnp.full_like(eb, 127), mb, eb)
+        return jnp.where(nan, jnp.float32(jnp.nan), from_bits(mag))

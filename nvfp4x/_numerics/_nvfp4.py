@@ -29,15 +29,15 @@ from ._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
     abs_bits,
-    divide,
+    constant_over,
     from_bits,
     is_tiny_scale,
     is_zero,
     ldexp_normal,
     mul_exact,
     mul_normal,
-    reciprocal,
     reciprocal_capped,
+    reciprocal_of_normal,
     scale_down_149,
 )
 
@@ -86,23 +86,26 @@ def _second(x, m):
 
 def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
     """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`; the
-    division correctly rounded on every backend (`divide`).
+    division correctly rounded on every backend (`divide`'s bits, by `constant_over`).
 
     A subnormal `amax` gives FLT_MAX (2688 / amax > 2^137 overflows), whether or not the
-    device reads it as 0; the zero test is on the bits (`is_zero`), so a subnormal is
-    not mistaken for 0 on a device that flushes subnormals.
+    device reads it as 0; the tests are on the bits, so a subnormal is not mistaken for
+    0 on a device that flushes subnormals. A negative `amax` (-0.0 and -inf included)
+    gives 1, as its quotient is not positive; NaN gives NaN. Only a positive normal
+    `amax` is divided, and its quotient is normal (at least 2688 / FLT_MAX) or overflows.
     """
     amax = jnp.asarray(amax, jnp.float32)
-    s_enc = jnp.minimum(divide(jnp.float32(NVFP4_RANGE), amax), FLT_MAX)
-    # `s_enc <= 0`: an infinite amax (0), and -0.0 (-inf; no test of the bits of |amax|,
-    # see `is_zero`).
-    return jnp.where(is_zero(amax) | (s_enc <= 0.0), jnp.float32(1.0), s_enc)
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)  # negative for a set sign bit
+    normal = (bits >= MIN_NORMAL_BITS) & (bits < INF_BITS)
+    q = constant_over(NVFP4_RANGE, jnp.where(normal, amax, 1.0))
+    q = jnp.where(normal, q, jnp.where((bits > 0) & (bits < MIN_NORMAL_BITS), jnp.inf, 1.0))
+    return jnp.minimum(jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), q), FLT_MAX)
 
 
 def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """`(S_enc, s_dec)` of a tensor with the given amax; `s_dec = 1 / S_enc` is subnormal
     when `S_enc > 2^126` (amax below about 3.2e-35). Both quotients are exact on every
-    backend (`divide`, `reciprocal`).
+    backend (`constant_over`, `reciprocal_of_normal`: `S_enc` is normal or NaN).
 
     The two scalars are materialised (`_materialize`, on their bits), so that XLA computes them once
     rather than once per block or element of the loops it would otherwise fuse their
@@ -112,7 +115,8 @@ def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array
     """
     s_enc = encode_scale(amax)
     # Materialised as bits: a float max reads a subnormal `s_dec` as 0 on XLA:CPU.
-    bits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in (s_enc, reciprocal(s_enc))]
+    s_dec = reciprocal_of_normal(s_enc)
+    bits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in (s_enc, s_dec)]
     s_enc, s_dec = _materialize(*bits)
     return from_bits(s_enc), from_bits(s_dec)
 
