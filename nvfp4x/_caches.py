@@ -3,6 +3,7 @@ pattern of `eqx.clear_caches`). Every cache in the package is listed here, in `C
 or, with the reason, in `KEPT`; a test fails on a module-level cache in neither."""
 
 from ._axes import _auto_gemm
+from ._conv import wgrad_plan
 from ._dispatch import interpreted_class
 from ._kernels import _cpu_multiplies_bf16, _device_capability
 from ._numerics._nvfp4 import _fake_quantize_loops
@@ -11,10 +12,11 @@ from ._sites import _cached_traced_gemm
 
 #: The caches `clear_caches` empties: jitted GEMMs and quantiser loops (`_compiled`,
 #: `_auto_gemm`, `_fake_quantize_loops`), traced layer calls (`_cached_traced_gemm`,
-#: "does this module's call run a GEMM?"), the CPU feature probe and the device's
-#: compute capability.
+#: "does this module's call run a GEMM?"), the convolutions' wgrad plans (`wgrad_plan`:
+#: index tables per geometry), the CPU feature probe and the device's compute capability.
 CLEARED = (
     _compiled,
+    wgrad_plan,
     _auto_gemm,
     _fake_quantize_loops,
     _cached_traced_gemm,
