@@ -20,7 +20,7 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/examples"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 NVFP4X_TEST_FULL_OPT=1
 (nvidia-smi -L 2>/dev/null; python3 -c "import jax; print(jax.__version__, jax.devices())") \
     2>&1 | tee "$OUT/device.txt"
 TESTS=${TESTS:-"tests/test_exactness.py tests/test_kernels.py tests/test_format.py

@@ -4,16 +4,31 @@ Strict dtype promotion (the Equinox habit): any implicit promotion between two d
 non-weak dtypes raises, so a stray float64/bfloat16 mix in the library or the tests shows
 up as an error instead of a silent upcast.
 
-This file imports only `jax`: the jaxtyping pytest plugin instruments `nvfp4x` at import
-time, so `nvfp4x` must not be imported before the test modules are collected.
+This file imports only `jax` (after setting XLA's flags, see below): the jaxtyping
+pytest plugin instruments `nvfp4x` at import time, so `nvfp4x` must not be imported
+before the test modules are collected.
 """
 
-import jax
+import os
+
+# The suite's time is XLA:CPU compiling thousands of small programs. LLVM's code
+# optimisation (not XLA's HLO passes: fusion and layout are unchanged) is most of each
+# compile and pays off only for long-running programs, so the tests ask for little of it.
+# It changes no number: XLA:CPU emits IEEE float32 arithmetic without fast-math flags
+# at any optimisation level. Set before JAX starts its backend (this process, xdist's
+# workers and every subprocess the tests start inherit it); NVFP4X_TEST_FULL_OPT=1
+# keeps XLA's defaults (benchmarks/gpu_check.sh sets it: GPU kernels are not affected
+# in numbers either, but their tests should run what users run).
+if os.environ.get("NVFP4X_TEST_FULL_OPT") != "1":
+    _fast_compile = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    if _fast_compile not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_fast_compile}".strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 import atexit  # noqa: E402
-import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
