@@ -198,9 +198,9 @@ def test_frozen_stack_has_one_tensor_scale_per_layer(name):
         assert_same(w.codes[i], one.codes, f"{name}: codes of layer {i}")
         assert_same(w.scales[i].view(np.uint8), one.scales.view(np.uint8), f"{name}: scales {i}")
     x = inputs("stack-scan")
-    for mode in ("vmap", "jit-vmap"):
-        fn = MODES[mode]
-        assert_same(fn(frozen, x), fn(qstack, x), f"{name}: scaled stack, {mode}")
+    # (jit only: an eager vmap of a `lax.scan` compiles the same batched scan program)
+    fn = MODES["jit-vmap"]
+    assert_same(fn(frozen, x), fn(qstack, x), f"{name}: scaled stack, jit-vmap")
 
 
 @pytest.mark.parametrize("name", ["nvfp4_inference", "nvfp4_training", "mxfp8", "fp8"])
