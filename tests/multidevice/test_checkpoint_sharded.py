@@ -92,15 +92,25 @@ def test_checksums_do_not_depend_on_the_sharding(mesh):
             assert "all-reduce" in hlo and "all-gather" not in hlo, name
 
 
+@pytest.fixture(scope="module")
+def saved(mesh, tmp_path_factory):
+    """`(state, path)`: `sharded_state(mesh)`, saved from its shards as step 3 at `path`
+    (once for the module: the tests below only read it)."""
+    state, path = sharded_state(mesh), tmp_path_factory.mktemp("sharded_checkpoint")
+    with nvfp4x.TrainingCheckpointer(path, async_save=False) as ckpt:
+        ckpt.save(3, state)
+    return state, path
+
+
 TARGETS = ["as-saved", "replicated", "one-device", "no-sharding", "abstract-mesh"]
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_sharded_state_restores_with_likes_shardings_bit_for_bit(mesh, tmp_path, target):
+def test_sharded_state_restores_with_likes_shardings_bit_for_bit(mesh, saved, target):
     """Saved from its shards; restored into a concrete state, into `ShapeDtypeStruct`s
     replicated, on one device or with no sharding (first local device), and into
     `eqx.filter_eval_shape`'s structs over the abstract mesh (under `jax.set_mesh`)."""
-    state = sharded_state(mesh)
+    state, path = saved
     abstract = eqx.filter_eval_shape(sharded_state, mesh, 1)
 
     def structs(sharding_of):
@@ -118,8 +128,8 @@ def test_sharded_state_restores_with_likes_shardings_bit_for_bit(mesh, tmp_path,
         "no-sharding": lambda: structs(lambda a: None),
         "abstract-mesh": lambda: abstract,
     }[target]()
-    with nvfp4x.TrainingCheckpointer(tmp_path, async_save=False) as ckpt:
-        ckpt.save(3, state)
+    with nvfp4x.TrainingCheckpointer(path, async_save=False) as ckpt:
+        assert ckpt.all_steps() == [3]
         if target == "abstract-mesh":
             with pytest.raises(ValueError, match=r"abstract mesh.*jax.set_mesh"):
                 ckpt.restore(like)
@@ -143,13 +153,11 @@ def test_sharded_state_restores_with_likes_shardings_bit_for_bit(mesh, tmp_path,
         assert keys.sharding.spec == P("data") and len(keys.addressable_shards) == 8
 
 
-def test_recorded_checksums_equal_one_devices(mesh, tmp_path):
+def test_recorded_checksums_equal_one_devices(saved):
     """The checksums written at save, computed on the sharded arrays, are those of the
     same arrays gathered onto one device."""
-    state = sharded_state(mesh)
-    with nvfp4x.TrainingCheckpointer(tmp_path, async_save=False) as ckpt:
-        ckpt.save(3, state)
-    record = json.loads((pathlib.Path(tmp_path) / "3" / "nvfp4x" / "metadata").read_text())
+    state, path = saved
+    record = json.loads((pathlib.Path(path) / "3" / "nvfp4x" / "metadata").read_text())
     values = []
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, int):  # the step, saved as int64

@@ -4,6 +4,8 @@ Run in their own process by `tests/test_sharding.py`, which sets
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -43,13 +45,31 @@ def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
-def test_loss_and_grads_match_one_device(mesh, layout):
+# One jitted step for the whole module: its single-device program compiles once (jit's
+# cache is per function object); sharded inputs compile their own programs as before.
+_step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """`(q, ref_loss, ref_grad)`: the quantised benchmark MLP and its single-device loss
+    and gradients, shared by the tests that compare sharded runs with them."""
     q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
-    step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
-    ref_loss, ref_grad = step(q, _x())
+    return (q, *_step(q, _x()))
+
+
+@functools.cache
+def _compare(mesh, *case):
+    """`compare`, once per case per module (`test_collective_check_is_not_vacuous`
+    reads a case the parametrised test compiled already)."""
+    return compare(mesh, *case)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
+def test_loss_and_grads_match_one_device(mesh, ref, layout):
+    q, ref_loss, ref_grad = ref
     xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
-    loss, grad = step(_shard(q, mesh, layout), xs)
+    loss, grad = _step(_shard(q, mesh, layout), xs)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
         assert _rel(g, r) <= 1e-5
@@ -83,7 +103,7 @@ def test_only_scalar_collectives_are_added(mesh, layout, tokens, pinned, weight_
     """`benchmarks/bench_sharding.py`'s comparison: with many tokens per weight XLA gathers
     FSDP weights, and the quantised weight, made once per step and shared by fprop and
     dgrad, is gathered once, as the plain weight is."""
-    r = compare(mesh, layout, tokens, pinned, weight_block)
+    r = _compare(mesh, layout, tokens, pinned, weight_block)
     plain_kinds = {kind for _, kind in r["plain"]}
     for shape, kind in r["quant"]:
         scalar = shape.endswith("[]")
@@ -94,25 +114,26 @@ def test_only_scalar_collectives_are_added(mesh, layout, tokens, pinned, weight_
 
 def test_collective_check_is_not_vacuous(mesh):
     """The plain FSDP program does gather its weights: the comparison above has teeth."""
-    r = compare(mesh, "fsdp_rows", 1024, False, 16)
+    r = _compare(mesh, "fsdp_rows", 1024, False, 16)
     assert r["plain_bytes"] >= 4 * 2 * D * 256  # both weights (D x hidden), float32
     assert collective_bytes("%x = f32[2,3]{1,0} all-gather(%y)") == 24
 
 
-@pytest.mark.parametrize("layout", ["fsdp_rows", "fsdp_cols"])
-def test_shards_that_cut_blocks_give_single_device_numbers(mesh, layout):
+def test_shards_that_cut_blocks_give_single_device_numbers(mesh):
     """48 features over 4 devices: 12 per shard, so 16-element blocks and 16x16 tiles
-    straddle shards. Under `jit` the quantisers are global computations, and XLA moves
-    what the blocks need: the numbers stay those of one device."""
+    straddle shards (weights' rows under `fsdp_rows`, columns under `fsdp_cols`). Under
+    `jit` the quantisers are global computations, and XLA moves what the blocks need:
+    the numbers stay those of one device."""
     model = eqx.nn.MLP(48, 48, 48, 1, key=jax.random.key(4))
     x = jax.random.normal(jax.random.key(5), (64, 48))
     q = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
-    step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
-    ref_loss, ref_grad = step(q, x)
-    loss, grad = step(_shard(q, mesh, layout), jax.device_put(x, NamedSharding(mesh, P("data"))))
-    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
-        assert _rel(g, r) <= 1e-5
+    ref_loss, ref_grad = _step(q, x)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    for layout in ["fsdp_rows", "fsdp_cols"]:
+        loss, grad = _step(_shard(q, mesh, layout), xs)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), layout
+        for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+            assert _rel(g, r) <= 1e-5, layout
 
 
 def test_amax_is_global_not_per_shard(mesh):
@@ -140,7 +161,7 @@ def test_shard_map_with_pmax_amax_matches_unsharded(mesh):
 
 @pytest.mark.parametrize("spec", [P("data"), P(None, "data"), P("model", "data")], ids=str)
 def test_frozen_weights_shard_with_their_codes_and_scales(mesh, spec):
-    w = jax.random.normal(jax.random.key(2), (512, 256))
+    w = _explicit_fsdp()[1]  # (the shape the format-core test quantises: eager ops shared)
     for block in [(1, 16), (16, 16)]:
         packed = nvfp4x.to_nvfp4(w, block=block)
         shardings = nvfp4x.packed_sharding(packed, NamedSharding(mesh, spec))
@@ -178,12 +199,11 @@ def test_packed_sharding_rejects_straddling_blocks(mesh):
         nvfp4x.packed_sharding(packed, NamedSharding(mesh, P(None, "data")))  # 48 / 4 = 12
 
 
-def test_stochastic_rounding_is_reproducible_under_sharding(mesh):
-    q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
+def test_stochastic_rounding_is_reproducible_under_sharding(mesh, ref):
+    q = ref[0]
     xs = jax.device_put(_x(), NamedSharding(mesh, P("data")))
     qs = _shard(q, mesh, "tp")
-    step = eqx.filter_jit(eqx.filter_grad(_loss))
-    g1, g2 = step(qs, xs), step(qs, xs)
+    g1, g2 = _step(qs, xs), _step(qs, xs)  # the program `test_loss_and_grads_...[tp]` ran
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         assert jnp.array_equal(a, b)
 
@@ -197,7 +217,7 @@ def _gather_params(model):
 
 
 @pytest.mark.parametrize("layout", ["dp", "fsdp_rows", "tp"])
-def test_explicit_mesh_matches_one_device_and_plain_shardings(layout):
+def test_explicit_mesh_matches_one_device_and_plain_shardings(ref, layout):
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 
     def loss(model, x):
@@ -206,8 +226,7 @@ def test_explicit_mesh_matches_one_device_and_plain_shardings(layout):
         return _loss(model, x)
 
     step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
-    q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
-    ref_loss, ref_grad = eqx.filter_jit(eqx.filter_value_and_grad(_loss))(q, _x())
+    q, ref_loss, ref_grad = ref
     with jax.set_mesh(mesh):
         xs = jax.device_put(_x(), P("data"))
         loss_q, grad_q = step(_shard(q, mesh, layout), xs)
@@ -220,12 +239,11 @@ def test_explicit_mesh_matches_one_device_and_plain_shardings(layout):
         assert g.sharding.spec == p.sharding.spec  # the types the plain model's gradients have
 
 
-def test_explicit_mesh_eager_grad_matches_one_device():
+def test_explicit_mesh_eager_grad_matches_one_device(ref):
     """Unjitted calls and `jax.grad` under an explicit mesh run the same program."""
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    q = nvfp4x.quantize(_model(), nvfp4x.recipes.nvfp4_training())
+    q, ref_loss, ref_grad = ref
     grad = eqx.filter_value_and_grad(_loss)
-    ref_loss, ref_grad = eqx.filter_jit(grad)(q, _x())
     with jax.set_mesh(mesh):
         loss, g = grad(q, jax.device_put(_x(), P("data")))
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
