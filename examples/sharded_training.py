@@ -19,7 +19,10 @@ nothing else.
 import os
 
 _PROCESSES = int(os.environ.get("NVFP4X_EXAMPLE_PROCESSES", "1"))
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={8 // _PROCESSES}")
+# 8 CPU devices in all (a process's share of them), added to any XLA flags already set.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    _count = f"--xla_force_host_platform_device_count={8 // _PROCESSES}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_count}".strip()
 
 import argparse  # noqa: E402
 import socket  # noqa: E402
