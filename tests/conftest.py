@@ -14,11 +14,11 @@ import os
 # The suite's time is XLA:CPU compiling thousands of small programs. LLVM's code
 # optimisation (not XLA's HLO passes: fusion and layout are unchanged) is most of each
 # compile and pays off only for long-running programs, so the tests ask for little of it.
-# It changes no number: XLA:CPU emits IEEE float32 arithmetic without fast-math flags
-# at any optimisation level. Set before JAX starts its backend (this process, xdist's
-# workers and every subprocess the tests start inherit it); NVFP4X_TEST_FULL_OPT=1
-# keeps XLA's defaults (benchmarks/gpu_check.sh sets it: GPU kernels are not affected
-# in numbers either, but their tests should run what users run).
+# Bit-for-bit comparisons of two paths hold under either setting (the suite passes under
+# both), though float32 summation order inside a reduction may differ between them.
+# Set before JAX starts its backend (this process, xdist's workers and every subprocess
+# the tests start inherit it); NVFP4X_TEST_FULL_OPT=1 keeps XLA's defaults
+# (benchmarks/gpu_check.sh sets it: GPU tests should run what users run).
 if os.environ.get("NVFP4X_TEST_FULL_OPT") != "1":
     _fast_compile = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     if _fast_compile not in os.environ.get("XLA_FLAGS", ""):
