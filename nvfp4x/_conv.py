@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, widest_float
+from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot, widest_float
 from ._formats._dot import apply_scales, dot_precision
 from ._gemm import (
     _make_primitive,
@@ -448,19 +448,9 @@ def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
     g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)])
     g = g.reshape(nchunks + 1, unit, n)  # the token chunks and a zero chunk
     met = g[jnp.asarray(plan.chunks.reshape(-1))].reshape(window, slots * unit, n)
-    dot_dtype = jnp.dtype(jnp.float32)
-    if dtype is not None and g.dtype == operand.dtype == jnp.bfloat16:
-        dot_dtype = batched_gemm_dtype(dtype) or dot_dtype
-    else:
-        dot_dtype = widest_float(g.dtype, operand.dtype, dot_dtype)
-    out = lax.dot_general(
-        met.astype(dot_dtype),
-        operand.astype(dot_dtype),
-        (((1,), (1,)), ((0,), (0,))),
-        precision=dot_precision(dot_dtype),
-        preferred_element_type=jnp.float32,
-    )  # (window, n, C)
-    out = apply_scales(out, gs, xs)
+    # One GEMM per tap: `scaled_dot` vmapped over the taps (a batched GEMM: its dtype).
+    tap_gemm = lambda m, o: scaled_dot(m, gs, o, xs, ((0,), (0,)), dtype=batched_gemm_dtype(dtype))
+    out = jax.vmap(tap_gemm)(met, operand)  # (window, n, C)
     bad = jnp.any(~jnp.isfinite(g[:nchunks]), axis=1)  # (nchunks, n)
     skipped_bad = jnp.any(jnp.asarray(plan.dead)[:, :, None] & bad[None], axis=1)
     out = jnp.where(skipped_bad[:, :, None], jnp.float32(jnp.nan), out)
