@@ -71,10 +71,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import glob
+import gzip
 import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -85,6 +88,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.profiler import ProfileData
 
 import nvfp4x
 from nvfp4x import _kernels
@@ -758,10 +762,6 @@ def op_times(trace_dir: str, platform: str) -> dict[str, float]:
     trace in `trace_dir` (on a CPU: the host's XLA thunk events). Events are matched to
     ops by their `hlo_op` statistic (or their name); a derived "XLA Ops" line, where the
     trace has one, is used alone (it would count each op twice otherwise)."""
-    import glob
-
-    from jax.profiler import ProfileData
-
     times: dict[str, float] = {}
     for pb in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         data = ProfileData.from_file(pb)
@@ -818,9 +818,6 @@ def profile(s: Sizes, table: Table, state: dict) -> None:
 
 def profile_one(label: str, make: Callable, s: Sizes, table: Table, state: dict) -> None:
     """Rows for one profiled program: `make()` gives `(thunk, optimised HLO text)`."""
-    import gzip
-    import tempfile
-
     n = max(2, min(s.repeats, 5))
     try:
         thunk, hlo = make()
