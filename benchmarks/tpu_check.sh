@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One run on a TPU machine (the `device` tool's tpu-v5e): install what the TPU image lacks,
+# run a chunk of the numerics tests in one process (one program at a time can hold the
+# chip), then, optionally, a benchmark or check script; logs and per-test results go
+# under $OUT.
+#
+#   Here (once, with network):  bash benchmarks/tpu_check.sh download
+#       fetches the wheels the TPU image and its package index lack into .whl-tpu/
+#       (ignored by git: `echo /.whl-tpu/ >> .git/info/exclude`); the device call
+#       then names `.whl-tpu` in `carry`.
+#   There:  CHUNK=N OUT=$OUT bash benchmarks/tpu_check.sh [TEST_SECONDS] [-- SCRIPT ARGS...]
+#       CHUNK=N runs chunk N (1..7, see `chunk_files` below; CHUNK=list prints them,
+#       CHUNK=none runs no tests), TESTS="tests/a.py ..." runs those files instead, and
+#       PYTEST_ARGS adds pytest arguments (e.g. `-k name`). After `--`, a Python script
+#       and its arguments run after the tests (e.g. `-- benchmarks/bench_gpu.py --out
+#       $OUT/bench.md --only quantize`), killed after BENCH_SECONDS (default 300).
+#
+# Each chunk is sized to end well inside one 10-minute device command (measured on a
+# TPU v5e, 2026-12-05; the first start of a machine adds 1-2 minutes before this script).
+# Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
+# (JUnit: every test's outcome and time), $OUT/script.log.
+set -u
+cd "$(dirname "$0")/.."
+
+WHEELS=(equinox==0.13.8 quax==0.4.6 plum-dispatch==2.10.1 beartype==0.23.1
+    jaxtyping==0.3.11 wadler-lindig==0.1.8 chex==0.1.92 qwix==0.1.8
+    rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.20.0)
+# From the TPU machine's own package index (/opt/pypi/simple), with their dependencies.
+INDEX=(optax orbax-checkpoint safetensors flax toolz absl-py opt_einsum tqdm matplotlib)
+
+chunk_files() {
+    case "$1" in
+    1) echo tests/test_exactness.py tests/test_format.py tests/test_fp8_tables.py ;;
+    2) echo tests/test_gemm_reference.py tests/test_gemm_sr.py tests/test_gemm_vmap.py \
+        tests/test_unbiased_sr.py tests/test_gemm_jax.py ;;
+    3) echo tests/test_kernels.py tests/test_frozen_kernel.py tests/test_native_gemm.py \
+        tests/test_tied.py tests/test_requantize.py tests/test_telemetry.py ;;
+    4) echo tests/test_freeze.py ;;
+    5) echo tests/test_moe.py tests/test_conv.py tests/test_any_model.py ;;
+    6) echo tests/test_transform.py tests/test_hf.py ;;
+    7) echo tests/test_save_load.py ;;
+    *) return 1 ;;
+    esac
+}
+CHUNKS=7
+
+if [ "${1:-}" = download ]; then
+    mkdir -p .whl-tpu
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl-tpu "${WHEELS[@]}"
+    exit $?
+fi
+if [ "${CHUNK:-}" = list ]; then
+    for n in $(seq 1 $CHUNKS); do echo "chunk $n: $(chunk_files "$n")"; done
+    exit 0
+fi
+
+OUT=${OUT:-/tmp/nvfp4x-tpu}
+mkdir -p "$OUT"
+test_s=${1:-480}
+shift $(($# < 1 ? $# : 1))
+[ "${1:-}" = "--" ] && shift
+
+# Installed under /tmp (commands there run as an ordinary user) and appended to
+# PYTHONPATH, so that the machine's own JAX (with libtpu) stays first.
+site=/tmp/nvfp4x-site
+if [ ! -d "$site" ]; then
+    t0=$(date +%s)
+    if [ -d .whl-tpu ]; then
+        PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+            --no-compile --no-cache-dir --upgrade --target "$site" .whl-tpu/*.whl || exit 1
+    fi
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+        --no-compile --index-url file:///opt/pypi/simple --target "$site/deps" "${INDEX[@]}" \
+        >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+    echo "installed in $(($(date +%s) - t0)) s"
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/examples:$site:$site/deps"
+export PYTHONUNBUFFERED=1 NVFP4X_TEST_FULL_OPT=1
+python3 -c "import jax, equinox, quax; print(jax.__version__, jax.devices())" 2>&1 |
+    grep -v -i hugepage | tee "$OUT/device.txt"
+
+if [ -n "${TESTS:-}" ]; then
+    files=$TESTS
+    name=tests
+elif [ -n "${CHUNK:-}" ] && [ "$CHUNK" != none ]; then
+    files=$(chunk_files "$CHUNK") || { echo "CHUNK=$CHUNK: not 1..$CHUNKS"; exit 2; }
+    name=chunk$CHUNK
+else
+    files=""
+fi
+if [ -n "$files" ]; then
+    # One process (`-o addopts=`: no xdist workers; the jaxtyping/beartype checks that
+    # pyproject's addopts switch on are asked for again).
+    # shellcheck disable=SC2086
+    timeout "$test_s" python3 -m pytest -o addopts= -p no:cacheprovider \
+        --jaxtyping-packages=nvfp4x,beartype.beartype -q -rA --tb=short \
+        --junitxml="$OUT/$name.xml" ${PYTEST_ARGS:-} $files >"$OUT/$name.log" 2>&1
+    echo "pytest exit $? ($name: $files)" >>"$OUT/$name.log"
+    grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | cut -c1-300 | head -60
+    tail -2 "$OUT/$name.log"
+fi
+if [ $# -gt 0 ]; then
+    timeout "${BENCH_SECONDS:-300}" python3 "$@" >"$OUT/script.log" 2>&1
+    echo "script exit $?" >>"$OUT/script.log"
+    tail -60 "$OUT/script.log"
+fi
