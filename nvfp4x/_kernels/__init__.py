@@ -86,7 +86,7 @@ from ._native import NativeOperand, block_scaled_dot, fp8_dot
 
 #: The implementations of each operation, the reference (`"xla"`) first.
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
-    "nvfp4_quantize": ("xla", "pallas"),
+    "nvfp4_quantize": ("xla", "pallas", "mosaic"),
     "gemm_operands": ("float32", "bfloat16"),
     "fp8_gemm": ("xla", "native"),
     "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
@@ -95,8 +95,13 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "gpu"): "pallas",
+    ("nvfp4_quantize", "tpu"): "mosaic",
 }
-#: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
+#: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
+#: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas
+#: Triton) and `"mosaic"` (`_tpu_quantize`, Pallas Mosaic).
+KERNELS: dict[str, str] = {"pallas": "gpu", "mosaic": "tpu"}
+#: The blocks the NVFP4 kernels take: `(16, 1)` is 16 rows of one column (an
 #: operand quantised along its leading axis).
 KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
 #: The input dtypes the Pallas NVFP4 kernel takes.
@@ -254,7 +259,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
     of a column) with the picked implementation and writing only `output` (`"codes"`,
     `"values"` or `"dequantized"`), or `None` where the reference is picked or the case
     is one the kernel does not cover (the caller runs the reference)."""
-    if pick("nvfp4_quantize") != "pallas":
+    if (implementation := pick("nvfp4_quantize")) not in KERNELS:
         return None
     block = tuple(block)
     if (
@@ -267,7 +272,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         or (rounding == "stochastic" and key is None)  # the reference raises
     ):
         return None
-    from . import _pallas_nvfp4  # Pallas is imported only where a kernel is picked
+    kernel = _kernel_module(implementation)
 
     def run(output: str) -> Quantized:
         rows, cols = xp.shape[:-1], xp.shape[-1]
@@ -275,14 +280,14 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         if block != ROW_BLOCK:
             grid = (*grid, cols // block[1])
         seed = None if key is None else seed_words(key)  # `jax.random.bits(key, (2,))`
-        out, scale_bits, s_dec = _pallas_nvfp4.quantize_2d(
+        out, scale_bits, s_dec = kernel.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),
             seed,
             block=block,
             rounding="stochastic" if rounding == "stochastic" else "nearest",
             output=output,
-            interpret=backend() != "gpu",
+            interpret=backend() != KERNELS[implementation],
         )
         if scale_bits is None:
             return Quantized(None, None, s_dec, out.reshape(xp.shape))
@@ -292,13 +297,25 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
     return run
 
 
+def _kernel_module(implementation: str):
+    """The module of an NVFP4 quantiser kernel (Pallas is imported only where a kernel
+    is picked)."""
+    if implementation == "mosaic":
+        from . import _tpu_quantize
+
+        return _tpu_quantize
+    from . import _pallas_nvfp4
+
+    return _pallas_nvfp4
+
+
 def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int, key):
     """`NVFP4Spec.quantize(a, ...)` (`(bfloat16 block values, s_dec)`) by the picked
     kernel, in the block layouts of `NVFP4Spec._blocks` (16x16 tiles of a 2-D weight;
     16x1 blocks along the second-to-last axis; else 1x16 along `axis`), or `None` where
     the reference runs (it also raises the errors for bad arguments)."""
     block = tuple(block)
-    if pick("nvfp4_quantize") != "pallas" or a.ndim == 0 or (block == TILE and a.ndim != 2):
+    if pick("nvfp4_quantize") not in KERNELS or a.ndim == 0 or (block == TILE and a.ndim != 2):
         return None  # (before any work: the reference path traces nothing more)
     moved, blk = a, block
     if block != TILE and a.ndim >= 2 and axis % a.ndim == a.ndim - 2:
