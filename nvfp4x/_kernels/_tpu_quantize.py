@@ -177,18 +177,22 @@ def _lookup(index: Array, table) -> Array:
     return level[0]
 
 
-def _block_steps(bamax_bits: Array, params_ref, table_ref, tiny: bool):
+def _block_steps(bamax_bits: Array, params_ref, table_ref):
     """The per-block steps on the block maxima' bits: `(scale_b, bits, inv_b, inv_sub)`,
     the reference's `_block_scales_exact` (see the module docstring for the inverse)."""
     c, c_sub = params_ref[0], params_ref[1]
     scale_b, bits = _exact.block_scale(from_bits(bamax_bits), c, c_sub)
-    if tiny:  # `s_dec < 2^-64`: products may be subnormal; all 128 entries
-        inv = _lookup(bits, [table_ref[i] for i in range(_exact.E4M3_CODES)])
-    else:  # `scale_b = (1 + k/8) 2^e`: the inverse of `1 + k/8`, times `2^-e`
+
+    def tiny(scale_b, bits):  # `s_dec < 2^-64`: products may be subnormal; 128 entries
+        return _lookup(bits, [table_ref[i] for i in range(_exact.E4M3_CODES)])
+
+    def normal(scale_b, bits):  # `scale_b = (1 + k/8) 2^e`: `1 / (1 + k/8)`, times `2^-e`
         sb = jax.lax.bitcast_convert_type(scale_b, jnp.int32)
         k, e = (sb >> 20) & 7, (sb >> 23) - 127
         inv = ldexp_normal(_lookup(k, [params_ref[4 + i] for i in range(8)]), -e)
-        inv = jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
+        return jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
+
+    inv = jax.lax.cond(params_ref[3] != 0.0, tiny, normal, scale_b, bits)
     return scale_b, bits, inv, scale_down_149(inv)
 
 
@@ -247,7 +251,6 @@ def _chunk(
     block: Block,
     rounding: Rounding,
     output: str,
-    tiny: bool,
     cols: int,
 ):
     """The steps of one chunk `x` (float32, blocks of 16 down its sublanes: 1x16 chunks
@@ -260,7 +263,7 @@ def _chunk(
     bmax = jnp.max(ab.reshape(n // BLOCK, BLOCK, m), axis=1)  # (NaN above inf)
     if block == TILE:
         bmax = _lane_group_max(bmax)
-    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref, tiny)
+    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
     # `mul_normal(|x|, inv_b, inv_sub)`: a subnormal `x` is its 23-bit field times
     # `inv_b * 2^-149`.
     sub = ab < MIN_NORMAL_BITS
@@ -281,7 +284,12 @@ def _chunk(
     q = _exact.decode(codes) * _expand(scale_b)  # exact
     if output == "dequantized":
         s_dec = params_ref[2]
-        q = _exact.mul_exact(q, s_dec, jnp.bool_(True)) if tiny else q * s_dec
+        q = jax.lax.cond(
+            params_ref[3] != 0.0,
+            lambda q: _exact.mul_exact(q, s_dec, jnp.bool_(True)),
+            lambda q: q * s_dec,
+            q,
+        )
     return None, bits, q
 
 
@@ -308,47 +316,41 @@ def _kernel(
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
     consts = (params_ref, seed_ref, table_ref, pair_ref)
 
-    def run(tiny: bool):
-        def body(k, carry):
-            r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
-            for c0 in range(0, tc, chunk):
-                x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
-                shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
-                ri, ci = (1, 0) if transposed else (0, 1)
-                row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
-                col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, ci)
-                codes, bits, q = _chunk(
-                    x.T if transposed else x,
-                    row,
-                    col,
-                    consts,
-                    block=block,
-                    rounding=rounding,
-                    output=output,
-                    tiny=tiny,
-                    cols=cols,
-                )
-                rows = pl.ds(r0, CHUNK_ROWS)
-                if codes is not None:
-                    if transposed:
-                        scratch[k, pl.ds(c0 // BLOCK, chunk // BLOCK), :] = bits
-                    else:
-                        r16 = pl.multiple_of(r0 // BLOCK, CHUNK_ROWS // BLOCK)
-                        scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, chunk)] = bits
-                    for g, b in enumerate(_pairs(codes, pair_ref, transposed)):
-                        cb = pl.ds(c0 // 2 + g * (PAIR_GROUP // 2), PAIR_GROUP // 2)
-                        outs[0][rows, cb] = b.astype(jnp.int8)
+    def body(k, carry):
+        r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+        for c0 in range(0, tc, chunk):
+            x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
+            shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
+            ri, ci = (1, 0) if transposed else (0, 1)
+            row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
+            col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, ci)
+            codes, bits, q = _chunk(
+                x.T if transposed else x,
+                row,
+                col,
+                consts,
+                block=block,
+                rounding=rounding,
+                output=output,
+                cols=cols,
+            )
+            rows = pl.ds(r0, CHUNK_ROWS)
+            if codes is not None:
+                if transposed:
+                    scratch[k, pl.ds(c0 // BLOCK, chunk // BLOCK), :] = bits
                 else:
-                    assert q is not None
-                    out = outs[0]
-                    out[rows, pl.ds(c0, chunk)] = (q.T if transposed else q).astype(out.dtype)
-            return carry
+                    r16 = pl.multiple_of(k * (CHUNK_ROWS // BLOCK), CHUNK_ROWS // BLOCK)
+                    scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, chunk)] = bits
+                for g, b in enumerate(_pairs(codes, pair_ref, transposed)):
+                    cb = pl.ds(c0 // 2 + g * (PAIR_GROUP // 2), PAIR_GROUP // 2)
+                    outs[0][rows, cb] = b.astype(jnp.int8)
+            else:
+                assert q is not None
+                out = outs[0]
+                out[rows, pl.ds(c0, chunk)] = (q.T if transposed else q).astype(out.dtype)
+        return carry
 
-        jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
-
-    tiny = params_ref[3] != 0.0
-    pl.when(tiny)(lambda: run(True))
-    pl.when(jnp.logical_not(tiny))(lambda: run(False))
+    jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
     if output == "codes":
         scales = outs[1]
         if transposed:
