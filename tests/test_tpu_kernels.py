@@ -9,8 +9,6 @@ all three block layouts and all three outputs, tiles that overhang the array on 
 axes. Every case also lowers for a TPU here (Mosaic's own compile runs on the device).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 from test_kernels import edge_array, on_cpu, same_floats, same_nvfp4
 
 import nvfp4x
+from benchmarks.tpu_quantize_check import lowers_for_tpu, main
 from nvfp4x import _kernels
 from nvfp4x._formats import Format, quantize_operand
 from nvfp4x._kernels import _tpu_quantize
@@ -42,25 +41,17 @@ def scaled(x, scale):
     return (jnp.where(jnp.isfinite(x), x, 1.0).astype(jnp.float32) * scale).astype(x.dtype)
 
 
-@pytest.mark.parametrize(
-    "dtype,block,rounding",
-    [(jnp.float32, (1, 16), "nearest"), (jnp.bfloat16, (16, 16), "stochastic")],
-    ids=["float32_1x16", "bfloat16_16x16_sr"],
-)
-def test_mosaic_to_nvfp4_equals_reference(dtype, block, rounding):
-    """`to_nvfp4` (packed codes, scale bits, tensor scale) on the edge array, then tiny
-    tensors through the same compilation, then eagerly."""
+def test_mosaic_to_nvfp4_equals_reference():
+    """`to_nvfp4` under `jit` (packed codes, scale bits, tensor scale), float32, 1x16, on
+    the edge array, then tiny tensors through the same compilation."""
 
     def to():  # a new function per implementation
-        return lambda x, key: nvfp4x.to_nvfp4(x, block=block, rounding=rounding, key=key)
+        return lambda x: nvfp4x.to_nvfp4(x)
 
-    x, key = edge_array(dtype), jax.random.key(4)
-    want, got = traced_with("xla", to(), x, key), traced_with("mosaic", to(), x, key)
+    x = edge_array(jnp.float32)
+    want, got = traced_with("xla", to(), x), traced_with("mosaic", to(), x)
     for data in (x, scaled(x, 1e-42), scaled(x, 1e-25)):  # subnormal amax, tiny tensor
-        same_nvfp4(got(data, key), want(*on_cpu((data, key))))
-    with _kernels.use("nvfp4_quantize", "mosaic"):
-        eager = nvfp4x.to_nvfp4(x, block=block, rounding=rounding, key=key)
-    same_nvfp4(eager, want(*on_cpu((x, key))))
+        same_nvfp4(got(data), want(*on_cpu((data,))))
 
 
 def test_mosaic_fake_quantize_equals_reference():
@@ -79,57 +70,50 @@ def test_mosaic_fake_quantize_equals_reference():
         same_floats(got(data, key), expected)
 
 
-@pytest.mark.parametrize(
-    "dtype,block,rounding,axis",
-    [
-        (jnp.bfloat16, (1, 16), "stochastic", 0),
-        (jnp.float32, (16, 16), "nearest", 0),
-        (jnp.float32, (1, 16), "nearest", 1),
-    ],
-    ids=["bfloat16_16x1_sr", "float32_16x16", "float32_1x16"],
-)
-def test_mosaic_operand_equals_reference(dtype, block, rounding, axis):
+def test_mosaic_operand_equals_reference_eagerly(monkeypatch):
     """The GEMM operand path (bfloat16 block values `e2m1 * scale_b` and the tensor
-    scale): along the leading axis (16x1 blocks: wgrad's tokens), in 16x16 tiles (a
-    weight) and along the last axis."""
-    fmt = Format("nvfp4", block=block, rounding=rounding)
-    x, key = edge_array(dtype, rows=41, cols=40), jax.random.key(3)
-
-    def quantize():
-        return lambda x, key: quantize_operand(x, fmt, axis, key)
-
-    want = traced_with("xla", quantize(), x, key)(*on_cpu((x, key)))
-    got = traced_with("mosaic", quantize(), x, key)(x, key)
+    scale), called eagerly: bfloat16, SR, along the leading axis (16x1 blocks: wgrad's
+    tokens)."""
+    fmt = Format("nvfp4", block=(1, 16), rounding="stochastic")
+    x, key = edge_array(jnp.bfloat16, rows=41, cols=40), jax.random.key(3)
+    calls = []
+    kernel = _tpu_quantize.quantize_2d
+    monkeypatch.setattr(
+        _tpu_quantize, "quantize_2d", lambda *a, **k: calls.append(k["block"]) or kernel(*a, **k)
+    )
+    want = jax.jit(lambda x, key: quantize_operand(x, fmt, 0, key))(*on_cpu((x, key)))
+    with _kernels.use("nvfp4_quantize", "mosaic"):
+        got = quantize_operand(x, fmt, 0, key)
+    assert calls == [(16, 1)]
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     values = np.asarray(want[0], np.float32)
     assert np.any(np.signbit(values) & (values == 0))  # -0.0 among them
     same_floats(got[0], want[0])
 
 
-def test_mosaic_tiles_overhanging_both_edges_and_16x1_codes():
-    """Several tiles along both axes, the last ones overhanging the array (their
-    reads outside it are garbage, their writes dropped), given amax below `max|x|`
-    (scales clamp at 448), SR by each element's index whatever the tiling; and the
-    codes and scales of 16x1 blocks (only the operand path's values reach them from
-    the public API)."""
+def test_mosaic_tiles_overhanging_both_edges():
+    """bfloat16, 16x16 tiles, SR: several tiles along both axes, the last ones
+    overhanging the array (their reads outside it are garbage, their writes dropped),
+    given amax below `max|x|` (scales clamp at 448), SR by each element's index
+    whatever the tiling."""
     small = _tpu_quantize.Tiling(512, 512)
-    x = jnp.tile(edge_array(jnp.float32, rows=37, cols=112), (15, 5))[:528, :528]
+    x = jnp.tile(edge_array(jnp.bfloat16, rows=37, cols=112), (15, 5))[:528, :528]
     seed = jax.random.bits(jax.random.key(9), (2,), jnp.uint32)
     amax = jnp.float32(1e5)
-    for block in ((16, 16), (16, 1)):
-        codes, bits, s_dec = _tpu_quantize.quantize_2d(
-            x,
-            amax,
-            seed,
-            block=block,
-            rounding="stochastic",
-            tiling=small,
-            interpret=jax.default_backend() != "tpu",
-        )
-        q, scale_b, s_want = jax.jit(reference_codes, static_argnums=1)(x, block, amax, seed)
-        np.testing.assert_array_equal(np.asarray(codes), np.asarray(q))
-        np.testing.assert_array_equal(np.asarray(bits), np.asarray(scale_b))
-        assert np.asarray(s_dec).view(np.uint32) == np.asarray(s_want).view(np.uint32)
+    block = (16, 16)
+    codes, bits, s_dec = _tpu_quantize.quantize_2d(
+        x,
+        amax,
+        seed,
+        block=block,
+        rounding="stochastic",
+        tiling=small,
+        interpret=jax.default_backend() != "tpu",
+    )
+    q, scale_b, s_want = jax.jit(reference_codes, static_argnums=1)(x, block, amax, seed)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(scale_b))
+    assert np.asarray(s_dec).view(np.uint32) == np.asarray(s_want).view(np.uint32)
 
 
 def reference_codes(x, block, amax, seed):
@@ -158,24 +142,22 @@ def test_chooser_picks_mosaic_on_tpu():
 @pytest.mark.parametrize(
     "block,output,dtype,rounding",
     [
-        ((1, 16), "codes", jnp.float32, "nearest"),
-        ((1, 16), "values", jnp.bfloat16, "stochastic"),
-        ((1, 16), "dequantized", jnp.bfloat16, "nearest"),
-        ((16, 16), "codes", jnp.bfloat16, "stochastic"),
-        ((16, 16), "values", jnp.float32, "nearest"),
-        ((16, 16), "dequantized", jnp.float32, "stochastic"),
-        ((16, 1), "codes", jnp.float32, "stochastic"),
-        ((16, 1), "values", jnp.bfloat16, "nearest"),
-        ((16, 1), "dequantized", jnp.float32, "nearest"),
+        ((1, 16), "codes", jnp.float32, "stochastic"),
+        ((16, 16), "values", jnp.bfloat16, "nearest"),
+        ((16, 1), "dequantized", jnp.bfloat16, "stochastic"),
     ],
     ids=lambda v: getattr(v, "__name__", str(v)),
 )
 def test_mosaic_kernel_lowers_for_tpu(block, output, dtype, rounding):
-    """Mosaic lowering of every block layout and output (each rounding and dtype in
-    every layout), on an array whose tiles overhang it on both axes."""
-    x = jax.ShapeDtypeStruct((8208, 16400), dtype)
-    fn = jax.jit(
-        functools.partial(_tpu_quantize.quantize_2d, block=block, rounding=rounding, output=output)
-    )
-    lowered = fn.trace(x, None, jnp.zeros((2,), jnp.uint32)).lower(lowering_platforms=("tpu",))
-    assert "nvfp4_quantize_tpu" in lowered.as_text()
+    """Mosaic lowering, each block layout, output, dtype and rounding once, on an array
+    whose tiles overhang it on both axes (every combination, and every tiling of the
+    sweep: `python -m benchmarks.tpu_quantize_check --lower-only`)."""
+    assert lowers_for_tpu((8208, 16400), dtype, block, rounding, output)
+
+
+def test_tpu_quantize_check_smoke(tmp_path):
+    """The device script runs (tiny shapes, interpreted here) and writes its table."""
+    out = tmp_path / "check.md"
+    assert main(["--smoke", "--no-sweep", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| to_nvfp4 1x16 float32 48x112 | yes |" in text
