@@ -2,7 +2,8 @@
 
 Each operation has a reference implementation, `"xla"` (plain `jax.numpy`, in
 `nvfp4x._numerics`), and may have faster ones for some backends: `"pallas"`, a Pallas
-Triton kernel for GPUs (`_pallas_nvfp4`; on a CPU it runs interpreted, for the tests).
+Triton kernel for GPUs (`_pallas_nvfp4`), and `"mosaic"`, a Pallas Mosaic kernel for
+TPUs (`_tpu_quantize`); elsewhere a kernel runs interpreted, for the tests.
 Every one gives the reference's bits. Callers ask `nvfp4_quantizer(...)` (`to_nvfp4`,
 `fake_quantize`)
 and `nvfp4_operand(...)` (`NVFP4Spec.quantize`) when they trace; no flag is stored on
@@ -31,10 +32,16 @@ Operations:
   every test case, but its speed against the XLA path is not established yet (the one
   benchmark run timed both rows alike), so every backend defaults to `"xla"`.
 
+The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
+in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
+CPU, and it lowers for a TPU there; not yet compiled on a TPU
+(`benchmarks/tpu_quantize_check.py` checks and times it there). Its tile shapes are one
+table, `_tpu_quantize.TILINGS`.
+
 The Pallas quantiser is the default on GPUs (`DEFAULTS`): bit for bit the reference under
 `interpret=True` on the CPU, it lowers for CUDA, and `tests/test_kernels.py` passed on
 an H200 with it compiled there (after the fixes for tiles that overhang the array and
-for the sign of `-0.0`, see `_pallas_nvfp4`). Other backends use the reference (the
+for the sign of `-0.0`, see `_pallas_nvfp4`). CPUs use the reference (the
 CPU's XLA path is the faster there). The kernel's tile shapes and Triton parameters
 are one table, `_pallas_nvfp4.TILINGS` (a GPU benchmark sweeps them). The tensor scale
 comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on every backend.
