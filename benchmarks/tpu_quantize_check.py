@@ -91,9 +91,10 @@ def same_bits(a, b) -> bool:
 
 
 def compiled(impl: str, fn: Callable, *args) -> Callable:
-    """`jax.jit(fn)` traced with implementation `impl`, compiled."""
+    """`jax.jit(fn)` traced with implementation `impl`, compiled (through a new function
+    each time: `jax.jit` would reuse a trace of `fn` made with the other one)."""
     with _kernels.use("nvfp4_quantize", impl):
-        traced = jax.jit(fn).trace(*args)
+        traced = jax.jit(lambda *a: fn(*a)).trace(*args)
     if impl == "mosaic" and "pallas_call" not in str(traced.jaxpr):
         raise RuntimeError("the kernel was not picked for this case")
     return traced.lower().compile()
