@@ -257,13 +257,13 @@ def test_uncovered_cases_take_the_reference():
 def test_chooser_defaults_and_override():
     assert _kernels.pick("nvfp4_quantize", "cpu") == "xla"
     assert _kernels.pick("nvfp4_quantize", "gpu") == "pallas"
-    assert _kernels.pick("nvfp4_quantize", "tpu") == "xla"
+    assert _kernels.pick("nvfp4_quantize", "tpu") == "mosaic"
     with _kernels.use("nvfp4_quantize", "pallas"):
         assert _kernels.pick("nvfp4_quantize", "cpu") == "pallas"
         with _kernels.use("nvfp4_quantize", "xla"):
             assert _kernels.pick("nvfp4_quantize") == "xla"
         assert _kernels.pick("nvfp4_quantize") == "pallas"
-    default = "pallas" if _kernels.backend() == "gpu" else "xla"
+    default = {"gpu": "pallas", "tpu": "mosaic"}.get(_kernels.backend(), "xla")
     assert _kernels.pick("nvfp4_quantize") == default
     unknown = "`cuda` is not an implementation of `nvfp4_quantize`"
     with pytest.raises(ValueError, match=unknown), _kernels.use("nvfp4_quantize", "cuda"):

@@ -2,7 +2,8 @@
 
 Each operation has a reference implementation, `"xla"` (plain `jax.numpy`, in
 `nvfp4x._numerics`), and may have faster ones for some backends: `"pallas"`, a Pallas
-Triton kernel for GPUs (`_pallas_nvfp4`; on a CPU it runs interpreted, for the tests).
+Triton kernel for GPUs (`_pallas_nvfp4`), and `"mosaic"`, a Pallas Mosaic kernel for
+TPUs (`_tpu_quantize`); elsewhere a kernel runs interpreted, for the tests.
 Every one gives the reference's bits. Callers ask `nvfp4_quantizer(...)` (`to_nvfp4`,
 `fake_quantize`)
 and `nvfp4_operand(...)` (`NVFP4Spec.quantize`) when they trace; no flag is stored on
@@ -31,10 +32,16 @@ Operations:
   every test case, but its speed against the XLA path is not established yet (the one
   benchmark run timed both rows alike), so every backend defaults to `"xla"`.
 
+The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
+in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
+CPU, and it lowers for a TPU there; not yet compiled on a TPU
+(`benchmarks/tpu_quantize_check.py` checks and times it there). Its tile shapes are one
+table, `_tpu_quantize.TILINGS`.
+
 The Pallas quantiser is the default on GPUs (`DEFAULTS`): bit for bit the reference under
 `interpret=True` on the CPU, it lowers for CUDA, and `tests/test_kernels.py` passed on
 an H200 with it compiled there (after the fixes for tiles that overhang the array and
-for the sign of `-0.0`, see `_pallas_nvfp4`). Other backends use the reference (the
+for the sign of `-0.0`, see `_pallas_nvfp4`). CPUs use the reference (the
 CPU's XLA path is the faster there). The kernel's tile shapes and Triton parameters
 are one table, `_pallas_nvfp4.TILINGS` (a GPU benchmark sweeps them). The tensor scale
 comes from `_numerics._nvfp4.tensor_scales`, whose divisions are exact on every backend.
@@ -86,7 +93,7 @@ from ._native import NativeOperand, block_scaled_dot, fp8_dot
 
 #: The implementations of each operation, the reference (`"xla"`) first.
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
-    "nvfp4_quantize": ("xla", "pallas"),
+    "nvfp4_quantize": ("xla", "pallas", "mosaic"),
     "gemm_operands": ("float32", "bfloat16"),
     "fp8_gemm": ("xla", "native"),
     "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
@@ -95,8 +102,13 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "gpu"): "pallas",
+    ("nvfp4_quantize", "tpu"): "mosaic",
 }
-#: The blocks the Pallas NVFP4 kernel takes: `(16, 1)` is 16 rows of one column (an
+#: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
+#: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas
+#: Triton) and `"mosaic"` (`_tpu_quantize`, Pallas Mosaic).
+KERNELS: dict[str, str] = {"pallas": "gpu", "mosaic": "tpu"}
+#: The blocks the NVFP4 kernels take: `(16, 1)` is 16 rows of one column (an
 #: operand quantised along its leading axis).
 KERNEL_BLOCKS = (ROW_BLOCK, TILE, (BLOCK, 1))
 #: The input dtypes the Pallas NVFP4 kernel takes.
@@ -254,7 +266,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
     of a column) with the picked implementation and writing only `output` (`"codes"`,
     `"values"` or `"dequantized"`), or `None` where the reference is picked or the case
     is one the kernel does not cover (the caller runs the reference)."""
-    if pick("nvfp4_quantize") != "pallas":
+    if (implementation := pick("nvfp4_quantize")) not in KERNELS:
         return None
     block = tuple(block)
     if (
@@ -267,7 +279,7 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         or (rounding == "stochastic" and key is None)  # the reference raises
     ):
         return None
-    from . import _pallas_nvfp4  # Pallas is imported only where a kernel is picked
+    kernel = _kernel_module(implementation)
 
     def run(output: str) -> Quantized:
         rows, cols = xp.shape[:-1], xp.shape[-1]
@@ -275,14 +287,14 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         if block != ROW_BLOCK:
             grid = (*grid, cols // block[1])
         seed = None if key is None else seed_words(key)  # `jax.random.bits(key, (2,))`
-        out, scale_bits, s_dec = _pallas_nvfp4.quantize_2d(
+        out, scale_bits, s_dec = kernel.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),
             seed,
             block=block,
             rounding="stochastic" if rounding == "stochastic" else "nearest",
             output=output,
-            interpret=backend() != "gpu",
+            interpret=backend() != KERNELS[implementation],
         )
         if scale_bits is None:
             return Quantized(None, None, s_dec, out.reshape(xp.shape))
@@ -292,13 +304,25 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
     return run
 
 
+def _kernel_module(implementation: str):
+    """The module of an NVFP4 quantiser kernel (Pallas is imported only where a kernel
+    is picked)."""
+    if implementation == "mosaic":
+        from . import _tpu_quantize
+
+        return _tpu_quantize
+    from . import _pallas_nvfp4
+
+    return _pallas_nvfp4
+
+
 def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int, key):
     """`NVFP4Spec.quantize(a, ...)` (`(bfloat16 block values, s_dec)`) by the picked
     kernel, in the block layouts of `NVFP4Spec._blocks` (16x16 tiles of a 2-D weight;
     16x1 blocks along the second-to-last axis; else 1x16 along `axis`), or `None` where
     the reference runs (it also raises the errors for bad arguments)."""
     block = tuple(block)
-    if pick("nvfp4_quantize") != "pallas" or a.ndim == 0 or (block == TILE and a.ndim != 2):
+    if pick("nvfp4_quantize") not in KERNELS or a.ndim == 0 or (block == TILE and a.ndim != 2):
         return None  # (before any work: the reference path traces nothing more)
     moved, blk = a, block
     if block != TILE and a.ndim >= 2 and axis % a.ndim == a.ndim - 2:

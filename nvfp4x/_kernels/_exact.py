@@ -13,7 +13,11 @@ from jaxtyping import Array, Float
 
 from .._numerics import _ieee
 from .._numerics._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
-from .._numerics._ieee import from_bits
+from .._numerics._ieee import INF_BITS, abs_bits, from_bits, mul_normal, scale_down_149
+from .._numerics._nvfp4 import _inverse_exact
+
+#: E4M3 bit patterns of a block scale `>= 0` (NaN's, 0x7F, last).
+E4M3_CODES = 128
 
 
 def _bits(x: Array) -> Array:
@@ -92,3 +96,28 @@ def mul_exact(p: Float[Array, "..."], s: Float[Array, "..."], tiny: Array) -> Fl
     `round_half_even` in place of `jnp.round`, and `tiny = is_tiny_scale(s)` given
     (Triton does not bitcast the constant it compares with)."""
     return _ieee.mul_exact(p, s, tiny, rint=round_half_even)
+
+
+def block_scale(bamax: Float[Array, "*g"], c: Array, c_sub: Array) -> tuple[Array, Array]:
+    """`(scale_b, bits)`: the reference's block scale (`_nvfp4._block_scales_exact`,
+    `scale_rounding="nearest"`) from the block maxima `bamax` (subnormals read exactly;
+    `c = S_enc * f32(1/6)`, `c_sub = scale_down_149(c)`), as a float32 E4M3 value (NaN
+    for a block holding NaN or inf) and its `float8_e4m3fn` bits (int32, 127 for NaN).
+    Both kernels' per-block step."""
+    t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
+    finite = abs_bits(bamax) < INF_BITS
+    scale_b = jnp.where(finite, round_e4m3_nonneg(t), jnp.nan)
+    return scale_b, e4m3_bits(scale_b)
+
+
+def inverse_table(s_dec: Float[Array, ""]) -> Float[Array, "256"]:
+    """The reference's `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` for every E4M3
+    block scale `scale_b >= 0`, indexed by its bits (127: NaN), then `inv_b * 2^-149`
+    (`scale_down_149`, for `mul_normal`): a block scale takes one of 128 values, so a
+    kernel looks its inverse up instead of dividing (the reference's own
+    `_inverse_exact`, in XLA once per call: the same bits by construction)."""
+    bits = jnp.arange(E4M3_CODES, dtype=jnp.uint8)
+    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    scale_b = jnp.where(bits == E4M3_CODES - 1, jnp.nan, scale_b)  # (as the kernels')
+    inv_b = _inverse_exact(scale_b, s_dec)
+    return jnp.concatenate([inv_b, scale_down_149(inv_b)])

@@ -17,8 +17,8 @@ Same bits as the reference (`nvfp4x._numerics._nvfp4`): the per-block and per-el
 steps are the reference's, through `nvfp4x._numerics._ieee` where they lower on every
 backend and through `_exact` where the reference uses an operation Triton lacks (see
 there). A block scale's inverse is not computed per block: it is looked up in a table
-of the reference's inverses of all 128 E4M3 scales (`_inverse_table`, made in XLA once
-per call), which takes the long division out of the kernel. Runs on the CPU with
+of the reference's inverses of all 128 E4M3 scales (`_exact.inverse_table`, made in
+XLA once per call), which takes the long division out of the kernel. Runs on the CPU with
 `interpret=True`, which the tests use.
 
 What the interpreter does not show, and the kernel must not rely on (both seen on an
@@ -45,11 +45,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
-from .._numerics._constants import BLOCK, E4M3_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
 from .._numerics._e2m1 import _fmix32
 from .._numerics._ieee import abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
-from .._numerics._nvfp4 import Block, Rounding, _inverse_exact, amax_of_bits, tensor_scales
+from .._numerics._nvfp4 import Block, Rounding, amax_of_bits, tensor_scales
 from . import _exact
+from ._exact import E4M3_CODES as _E4M3_CODES
 
 #: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
 BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
@@ -59,8 +60,6 @@ BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
 OUTPUTS = ("codes", "values", "dequantized")
 #: Slots of the float32 parameter vector (a power of two).
 _NPARAMS = 8
-#: E4M3 bit patterns of a block scale `>= 0` (NaN's, 0x7F, last).
-_E4M3_CODES = 128
 
 
 class Tiling(NamedTuple):
@@ -170,7 +169,7 @@ def _kernel(
     cols: int,
 ):
     """One tile of the `(rows, cols)` array: block maxima, block scales and their
-    inverses (looked up in `inv_ref`, see `_inverse_table`), codes, and the one output
+    inverses (looked up in `inv_ref`, see `_exact.inverse_table`), codes, and the one output
     asked for (`OUTPUTS`)."""
     tr, tc = x_ref.shape
     br, bc = block
@@ -180,9 +179,7 @@ def _kernel(
     # Block maxima over the bits of |x| (NaN above inf, subnormals exact).
     bamax = from_bits(block_max(abs_bits(x).reshape(view)))
     # The reference's `_block_scales_exact`, block by block.
-    t = jnp.minimum(mul_normal(bamax, c, c_sub), E4M3_MAX)
-    scale_b = jnp.where(jnp.isfinite(bamax), _exact.round_e4m3_nonneg(t), jnp.nan)
-    scale_bits = _exact.e4m3_bits(scale_b)  # 0..126, or 127 for NaN
+    scale_b, scale_bits = _exact.block_scale(bamax, c, c_sub)  # bits 0..126, 127 NaN
     inv_b, inv_sub = inv_ref[scale_bits], inv_ref[scale_bits + _E4M3_CODES]
     v = mul_normal(x.reshape(view), per_element(inv_b), per_element(inv_sub))
     if rounding == "nearest":
@@ -214,19 +211,6 @@ def _stochastic_codes(v, seed_ref, tr: int, tc: int, cols: int):
     h = _fmix32(h ^ seed_ref[1])
     u = ((h >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
     return _exact.encode_stochastic(v, u.reshape(v.shape))
-
-
-def _inverse_table(s_dec: Float[Array, ""]) -> Float[Array, "256"]:
-    """The reference's `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` for every E4M3
-    block scale `scale_b >= 0`, indexed by its bits (127: NaN), then `inv_b * 2^-149`
-    (`scale_down_149`, for `mul_normal`): a block scale takes one of 128 values, so the
-    kernel looks its inverse up instead of dividing, once per block (the reference's own
-    `_inverse_exact`, in XLA: the same bits by construction)."""
-    bits = jnp.arange(_E4M3_CODES, dtype=jnp.uint8)
-    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    scale_b = jnp.where(bits == _E4M3_CODES - 1, jnp.nan, scale_b)  # (as the kernel's)
-    inv_b = _inverse_exact(scale_b, s_dec)
-    return jnp.concatenate([inv_b, scale_down_149(inv_b)])
 
 
 def quantize_2d(
@@ -290,7 +274,7 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
-    inverses = _inverse_table(s_dec)
+    inverses = _exact.inverse_table(s_dec)
     tr, tc = _tile(rows, cols, block, tiling)
     grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
     whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))

@@ -1,0 +1,486 @@
+"""The NVFP4 quantiser (1x16, 16x16 and 16x1 blocks) as one Pallas kernel for TPUs (Mosaic).
+
+The same two passes as the GPU kernel (`_pallas_nvfp4`): the tensor amax, an XLA
+reduction over the bits of `|x|` (skipped where the caller gives `amax`), then one
+kernel that reads each tile of `x` into VMEM once and writes only what its caller asks
+for: the packed codes (two per byte, element `2i` in the low nibble) and the E4M3 block
+scales' bits (`to_nvfp4`); the bfloat16 block values `e2m1 * scale_b` (the GEMM
+operand); or the dequantised values in the input's dtype (`fake_quantize`).
+
+How it fits a TPU's (8, 128) vector tiles, with no 16-wide trailing axis anywhere:
+
+- A tile of `Tiling.rows x Tiling.cols` is DMA'd into VMEM by the grid's pipeline and
+  worked on in chunks of `128 x Tiling.chunk` (a `fori_loop` down the rows, the chunks
+  along the columns unrolled), so that the element steps' temporaries stay small.
+- Blocks lie along the sublanes: 16 consecutive rows of a chunk reduce with a sublane
+  reduction (`(n/16, 16, m)`, max over the 16). 16x1 blocks are already so; a 1x16
+  chunk is transposed first (the XLU's work), so its blocks of 16 columns become 16
+  rows; a 16x16 tile reduces its 16 rows, then its 16 lanes by a butterfly of
+  `pltpu.roll`s within lane groups of 16 (on the reduced array: 1/16 of the elements).
+- Every per-block step runs once per block on the reduced array (`_block_steps`): the
+  reference's block scale and E4M3 bits (`_exact.block_scale`), and the inverse
+  `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` without a division: where the tensor
+  scale is not tiny (`s_dec >= 2^-64`), every product and quotient is normal, so
+  `inv_b` is the reference's inverse of `scale_b`'s significand (one of 8, made in XLA
+  by the reference's own function, `_exact.inverse_table`) shifted by its exponent;
+  for a tiny tensor the kernel takes another branch that selects among all 128
+  entries of that table. The results are broadcast back down the sublanes.
+- Per element: the scaled magnitude (`mul_normal`'s two products, so a subnormal `x`
+  is read exactly although the TPU flushes subnormals in arithmetic), the E2M1 code
+  by the seven midpoint comparisons (`_e2m1.encode_nearest`'s) or stochastically
+  (`_exact.encode_stochastic`, thresholds hashed from each element's flat index in
+  the caller's array, as `_e2m1.uniform` does), the sign from `x`'s bits.
+- Two codes per byte along a row: each 256 codes of a row (or, transposed, of a
+  column) are packed into 128 bytes by a matmul with a constant 0/1/16 matrix on the
+  MXU (`_pairs`): codes and bytes are integers below 256, exact in bfloat16 with
+  float32 accumulation; a 1x16 chunk's bytes are transposed back.
+
+The scales are written in the layout the kernel holds them in, and one small XLA op
+puts them in the format's layout: a 1x16 array's scales are written transposed
+(`(cols / 16, rows)`, then `.T`), a 16x16 array's once per column (`(rows / 16,
+cols)`, then every 16th column); both move 1/16 of a byte per element, about 1 bit per
+element on top of the 4.5 the format writes. Arrays with fewer rows or columns than a
+tile, or columns not a multiple of 256 below a tile's width, are padded to the
+kernel's granules first (an XLA copy; the tiles of larger arrays may overhang them,
+which the pipeline masks).
+
+Same bits as the reference (`nvfp4x._numerics._nvfp4`), tested in interpret mode on the
+CPU (`pltpu.InterpretParams()`, which simulates the TPU's semantics); the same tests run
+the compiled kernel on a TPU. Tile shapes are one table, `TILINGS`;
+`benchmarks/tpu_quantize_check.py` times `CANDIDATES` on a TPU and prints the best.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float
+
+from .._numerics._constants import BLOCK, FLT_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._e2m1 import _fmix32
+from .._numerics._ieee import (
+    INF_BITS,
+    MIN_NORMAL_BITS,
+    from_bits,
+    is_tiny_scale,
+    ldexp_normal,
+    scale_down_149,
+)
+from .._numerics._nvfp4 import Block, Rounding, amax_of_bits, tensor_scales
+from . import _exact
+
+#: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
+BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
+#: What a call writes (see `_pallas_nvfp4.OUTPUTS`).
+OUTPUTS = ("codes", "values", "dequantized")
+#: Rows of a chunk: the lanes of a transposed 1x16 chunk, 8 sublanes of block maxima.
+CHUNK_ROWS = 128
+#: Codes packed per matmul (into half as many bytes: one MXU tile wide).
+PAIR_GROUP = 256
+#: Slots of the float32 parameter vector: `c, c_sub, s_dec, tiny`, then the inverses
+#: of the 8 E4M3 significands `1 + k/8` (see `_block_steps`).
+_NPARAMS = 16
+#: The table slot of the E4M3 scale `1.0` (exponent field 7, mantissa 0).
+_ONE = 7 << 3
+
+
+class Tiling(NamedTuple):
+    """How the kernel tiles an array: tiles of `rows x cols` (the pipeline's blocks in
+    VMEM), worked on in chunks of `CHUNK_ROWS x chunk` (`chunk` a multiple of 256).
+    `rows` a multiple of 512 and `cols` of 512 (the int8 scale blocks' tiles), `cols`
+    a multiple of `chunk`; an array smaller than a tile gets one tile of its size."""
+
+    rows: int = 512
+    cols: int = 1024
+    chunk: int = 256
+
+
+#: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
+#: table to edit after a sweep on a TPU (`benchmarks/tpu_quantize_check.py --sweep`).
+TILINGS: dict[tuple[Block, str], Tiling] = {
+    (ROW_BLOCK, "float32"): Tiling(),
+    (ROW_BLOCK, "bfloat16"): Tiling(512, 2048),
+    (TILE, "float32"): Tiling(),
+    (TILE, "bfloat16"): Tiling(512, 2048),
+    ((BLOCK, 1), "float32"): Tiling(),
+    ((BLOCK, 1), "bfloat16"): Tiling(512, 2048),
+}
+
+#: The tilings a sweep on a TPU tries (each lowers for TPU in `tests/test_tpu_kernels.py`).
+CANDIDATES: tuple[Tiling, ...] = (
+    Tiling(),
+    Tiling(512, 2048),
+    Tiling(1024, 1024),
+    Tiling(512, 1024, 512),
+    Tiling(1024, 2048, 512),
+    Tiling(512, 512),
+)
+
+
+def tiling_for(block: Block, dtype) -> Tiling:
+    """The `TILINGS` entry for `block` and an input of `dtype`."""
+    return TILINGS.get((block, jnp.dtype(dtype).name), Tiling())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _tile(rows: int, cols: int, tiling: Tiling) -> tuple[int, int, int, int, int]:
+    """`(padded rows, padded cols, tile rows, tile cols, chunk)` for a `(rows, cols)`
+    array: an axis shorter than a tile is padded to the kernel's granule (128 rows, 256
+    columns) and gets one tile; a longer one keeps its length (its last tile may
+    overhang it)."""
+    if tiling.rows % 512 or tiling.cols % 512 or tiling.chunk % PAIR_GROUP:
+        raise ValueError(f"`{tiling}`: rows and cols multiples of 512, chunk of 256.")
+    if tiling.cols % tiling.chunk:
+        raise ValueError(f"`{tiling}`: cols must be a multiple of chunk.")
+    rp, tr = (rows, tiling.rows) if rows >= tiling.rows else (_round_up(rows, CHUNK_ROWS),) * 2
+    cp, tc = (cols, tiling.cols) if cols >= tiling.cols else (_round_up(cols, PAIR_GROUP),) * 2
+    chunk = tiling.chunk if tc % tiling.chunk == 0 else PAIR_GROUP
+    return rp, cp, tr, tc, chunk
+
+
+def _expand(g: Array) -> Array:
+    """A block-grid array `(n / 16, m)` broadcast down the sublanes to `(n, m)`."""
+    n16, m = g.shape
+    return jnp.broadcast_to(g[:, None, :], (n16, BLOCK, m)).reshape(n16 * BLOCK, m)
+
+
+def _lane_group_max(a: Array) -> Array:
+    """The max of each group of 16 lanes of the int32 array `a`, in every lane of its
+    group: a butterfly over lane distances 8, 4, 2, 1, each lane taking the max with
+    its partner `lane ^ d` (which of the two rolls brings the partner is found by
+    rolling the lane index too, so the direction of `roll` does not matter)."""
+    m = a.shape[1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    for d in (8, 4, 2, 1):
+        fwd = pltpu.roll(a, d, 1)
+        from_fwd = pltpu.roll(lane, d, 1) == (lane ^ d)
+        a = jnp.maximum(a, jnp.where(from_fwd, fwd, pltpu.roll(a, m - d, 1)))
+    return a
+
+
+def _lookup(index: Array, table) -> Array:
+    """`table[index]` for an int32 `index` array and a table of scalars (a power of two
+    of them), by a tree of selects on the bits of `index` (TPUs have no vector
+    gather from a table)."""
+    level, bit = list(table), 0
+    while len(level) > 1:
+        take = ((index >> bit) & 1) == 1
+        level = [jnp.where(take, hi, lo) for lo, hi in zip(level[::2], level[1::2], strict=True)]
+        bit += 1
+    return level[0]
+
+
+def _block_steps(bamax_bits: Array, params_ref, table_ref):
+    """The per-block steps on the block maxima' bits: `(scale_b, bits, inv_b, inv_sub)`,
+    the reference's `_block_scales_exact` (see the module docstring for the inverse)."""
+    c, c_sub = params_ref[0], params_ref[1]
+    scale_b, bits = _exact.block_scale(from_bits(bamax_bits), c, c_sub)
+
+    def tiny(scale_b, bits):  # `s_dec < 2^-64`: products may be subnormal; 128 entries
+        return _lookup(bits, [table_ref[i] for i in range(_exact.E4M3_CODES)])
+
+    def normal(scale_b, bits):  # `scale_b = (1 + k/8) 2^e`: `1 / (1 + k/8)`, times `2^-e`
+        sb = jax.lax.bitcast_convert_type(scale_b, jnp.int32)
+        k, e = (sb >> 20) & 7, (sb >> 23) - 127
+        inv = ldexp_normal(_lookup(k, [params_ref[4 + i] for i in range(8)]), -e)
+        return jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
+
+    inv = jax.lax.cond(params_ref[3] != 0.0, tiny, normal, scale_b, bits)
+    return scale_b, bits, inv, scale_down_149(inv)
+
+
+def _pair_matrix(transposed: bool) -> np.ndarray:
+    """The 0/1/16 matrix that packs 256 codes into 128 bytes: `byte i = code 2i + 16 *
+    code 2i+1` (`(256, 128)`, codes along lanes; its transpose for codes down the
+    sublanes)."""
+    p = np.zeros((PAIR_GROUP, PAIR_GROUP // 2), np.float32)
+    i = np.arange(PAIR_GROUP // 2)
+    p[2 * i, i], p[2 * i + 1, i] = 1.0, 16.0
+    return p.T if transposed else p
+
+
+def _pairs(codes: Array, pair_ref, transposed: bool) -> list[Array]:
+    """The packed bytes (as int32, `(rows, 128)` each) of each 256 codes along a row of
+    `codes` (transposed: down a column of `codes`, the bytes transposed back)."""
+    out = []
+    c = codes.astype(jnp.float32).astype(jnp.bfloat16)  # 0..15: exact
+    p = pair_ref[...]
+    for g in range(codes.shape[0 if transposed else 1] // PAIR_GROUP):
+        part = slice(g * PAIR_GROUP, (g + 1) * PAIR_GROUP)
+        if transposed:
+            b = jnp.dot(p, c[part, :], preferred_element_type=jnp.float32).T
+        else:
+            b = jnp.dot(c[:, part], p, preferred_element_type=jnp.float32)
+        out.append(b.astype(jnp.int32))
+    return out
+
+
+def _uniform(seed_ref, row: Array, col: Array, cols: int) -> Array:
+    """`_e2m1.uniform`'s samples at the elements `(row, col)` of an array with `cols`
+    columns (the flat index hashed with the seed words, as there)."""
+    index = row.astype(jnp.uint32) * jnp.uint32(cols) + col.astype(jnp.uint32)
+    s0 = seed_ref[0].astype(jnp.uint32)
+    s1 = seed_ref[1].astype(jnp.uint32)
+    h = _fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + s0)
+    h = _fmix32(h ^ s1)
+    return ((h >> 16).astype(jnp.int32).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
+
+
+def _encode_nearest(a: Array) -> Array:
+    """The E2M1 magnitude code (int32 0..7) of `a >= 0`, ties to even, saturating; NaN
+    gives 0: the seven midpoint comparisons of `_e2m1.encode_nearest`."""
+    mag = (a > 0.25).astype(jnp.int32)
+    for t, ge in ((0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True)):
+        mag = mag + ((a >= t) if ge else (a > t)).astype(jnp.int32)
+    return mag + (a > 5.0).astype(jnp.int32)
+
+
+def _chunk(
+    x: Array,
+    row: Array,
+    col: Array,
+    refs,
+    *,
+    block: Block,
+    rounding: Rounding,
+    output: str,
+    cols: int,
+):
+    """The steps of one chunk `x` (float32, blocks of 16 down its sublanes: 1x16 chunks
+    come transposed), `row` and `col` the caller's indices of its elements. Returns
+    `(codes or None, scale bits (n/16, m), values or None)`, values in float32."""
+    params_ref, seed_ref, table_ref, pair_ref = refs
+    n, m = x.shape
+    xbits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    ab = xbits & 0x7FFFFFFF
+    bmax = jnp.max(ab.reshape(n // BLOCK, BLOCK, m), axis=1)  # (NaN above inf)
+    if block == TILE:
+        bmax = _lane_group_max(bmax)
+    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
+    # `mul_normal(|x|, inv_b, inv_sub)`: a subnormal `x` is its 23-bit field times
+    # `inv_b * 2^-149`.
+    sub = ab < MIN_NORMAL_BITS
+    a = jnp.where(sub, ab.astype(jnp.float32) * _expand(inv_sub), from_bits(ab) * _expand(inv))
+    nan_block = _expand(bits == 0x7F)
+    negative = xbits < 0
+    if rounding == "nearest":
+        mag = _encode_nearest(a)
+        # The reference's sign is `x * inv_b`'s: `x`'s, or in a NaN block that of the
+        # NaN product (`+NaN`, or a NaN `x` itself).
+        sign = negative & (~nan_block | (ab > INF_BITS))
+    else:
+        mag = _exact.encode_stochastic(a, _uniform(seed_ref, row, col, cols))
+        sign = negative & ~nan_block  # (`round_stochastic` gives NaN code 0)
+    codes = mag | jnp.where(sign, 8, 0)
+    if output == "codes":
+        return codes, bits, None
+    q = _exact.decode(codes) * _expand(scale_b)  # exact
+    if output == "dequantized":
+        s_dec = params_ref[2]
+        q = jax.lax.cond(
+            params_ref[3] != 0.0,
+            lambda q: _exact.mul_exact(q, s_dec, jnp.bool_(True)),
+            lambda q: q * s_dec,
+            q,
+        )
+    return None, bits, q
+
+
+def _kernel(
+    params_ref,
+    seed_ref,
+    table_ref,
+    pair_ref,
+    x_ref,
+    *refs,
+    block: Block,
+    rounding: Rounding,
+    output: str,
+    cols: int,
+    chunk: int,
+):
+    """One tile: a loop down its rows, `CHUNK_ROWS` at a time, over its chunks of
+    `chunk` columns; the tile's scale bits are gathered in an int32 scratch and written
+    at the end."""
+    tr, tc = x_ref.shape
+    transposed = block == ROW_BLOCK
+    scratch = refs[-1]
+    outs = refs[:-1]
+    r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
+    consts = (params_ref, seed_ref, table_ref, pair_ref)
+
+    def body(k, carry):
+        r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+        for c0 in range(0, tc, chunk):
+            x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
+            shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
+            ri, ci = (1, 0) if transposed else (0, 1)
+            row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
+            col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, ci)
+            codes, bits, q = _chunk(
+                x.T if transposed else x,
+                row,
+                col,
+                consts,
+                block=block,
+                rounding=rounding,
+                output=output,
+                cols=cols,
+            )
+            rows = pl.ds(r0, CHUNK_ROWS)
+            if codes is not None:
+                if transposed:
+                    scratch[k, pl.ds(c0 // BLOCK, chunk // BLOCK), :] = bits
+                else:
+                    r16 = pl.multiple_of(k * (CHUNK_ROWS // BLOCK), CHUNK_ROWS // BLOCK)
+                    scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, chunk)] = bits
+                for g, b in enumerate(_pairs(codes, pair_ref, transposed)):
+                    cb = pl.ds(c0 // 2 + g * (PAIR_GROUP // 2), PAIR_GROUP // 2)
+                    outs[0][rows, cb] = b.astype(jnp.int8)
+            else:
+                assert q is not None
+                out = outs[0]
+                out[rows, pl.ds(c0, chunk)] = (q.T if transposed else q).astype(out.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
+    if output == "codes":
+        scales = outs[1]
+        if transposed:
+            for k in range(tr // CHUNK_ROWS):
+                lanes = pl.ds(k * CHUNK_ROWS, CHUNK_ROWS)
+                scales[:, lanes] = scratch[k].astype(jnp.int8)
+        else:
+            scales[...] = scratch[...].astype(jnp.int8)
+
+
+def quantize_2d(
+    x: Float[Array, "rows cols"],
+    amax: Float[Array, ""] | None = None,
+    seed: Array | None = None,
+    *,
+    block: Block = ROW_BLOCK,
+    rounding: Rounding = "nearest",
+    output: str = "codes",
+    interpret: bool = False,
+    tiling: Tiling | None = None,
+) -> tuple[Array, Array | None, Float[Array, ""]]:
+    """Quantise a 2-D array whose blocked axes are multiples of 16 (padded), in blocks
+    `(1, 16)`, `(16, 16)` or `(16, 1)`: `_pallas_nvfp4.quantize_2d`'s arguments and
+    results, on a TPU (`interpret=True` runs it in the TPU interpreter,
+    `pltpu.InterpretParams()`; `tiling` defaults to `tiling_for(block, x.dtype)`).
+
+    **Returns:** `(out, scale_bits, s_dec)`: with `output="codes"`, the packed codes
+    `(rows, cols / 2)` uint8 and the E4M3 scale bits on the block grid, uint8; with
+    `"values"` the bfloat16 block values, with `"dequantized"` the dequantised values
+    in `x`'s dtype, and `scale_bits` `None`.
+    """
+    tiling = tiling or tiling_for(block, x.dtype)
+    return _quantize_2d(
+        x,
+        amax,
+        seed,
+        block=block,
+        rounding=rounding,
+        output=output,
+        interpret=interpret,
+        tiling=tiling,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block", "rounding", "output", "interpret", "tiling"))
+def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
+    """`quantize_2d` with its tiling given (jitted: one trace per case)."""
+    rows, cols = x.shape
+    br, bc = block
+    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
+        raise ValueError(
+            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
+            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
+        )
+    if amax is None:
+        amax = amax_of_bits(x)
+    s_enc, s_dec = tensor_scales(amax)
+    c = s_enc * INV_E2M1_MAX
+    table = _exact.inverse_table(s_dec)
+    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
+    head = jnp.stack([c, scale_down_149(c), s_dec, tiny])
+    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
+    params = params.at[4:12].set(table[_ONE : _ONE + 8])
+    seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+    seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+    transposed = block == ROW_BLOCK
+    pairs = jnp.asarray(_pair_matrix(transposed), jnp.bfloat16)
+
+    rp, cp, tr, tc, chunk = _tile(rows, cols, tiling)
+    xp = x if (rp, cp) == (rows, cols) else jnp.pad(x, ((0, rp - rows), (0, cp - cols)))
+    grid = (pl.cdiv(rp, tr), pl.cdiv(cp, tc))
+    tiles = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, j))
+    if output == "codes":
+        if transposed:  # (the scales transposed: `(cols / 16, rows)`)
+            scales = ((cp // BLOCK, rp), pl.BlockSpec((tc // BLOCK, tr), lambda i, j: (j, i)))
+            scratch = pltpu.VMEM((tr // CHUNK_ROWS, tc // BLOCK, CHUNK_ROWS), jnp.int32)
+        else:  # (16x16: once per column, `(rows / 16, cols)`)
+            scales = ((rp // BLOCK, cp), tiles((tr // BLOCK, tc)))
+            scratch = pltpu.VMEM((tr // BLOCK, tc), jnp.int32)
+        out_shape = [
+            jax.ShapeDtypeStruct((rp, cp // 2), jnp.int8),
+            jax.ShapeDtypeStruct(scales[0], jnp.int8),
+        ]
+        out_specs = [tiles((tr, tc // 2)), scales[1]]
+    else:
+        dtype = x.dtype if output == "dequantized" else jnp.bfloat16
+        out_shape = [jax.ShapeDtypeStruct((rp, cp), dtype)]
+        out_specs = [tiles((tr, tc))]
+        scratch = pltpu.VMEM((8, 128), jnp.int32)  # (unused)
+    kernel = functools.partial(
+        _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk
+    )
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[
+            smem,
+            smem,
+            smem,
+            pl.BlockSpec(pairs.shape, lambda i, j: (0, 0)),
+            tiles((tr, tc)),
+        ],
+        out_specs=out_specs,
+        scratch_shapes=[scratch],
+        interpret=pltpu.InterpretParams() if interpret else False,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=_vmem_limit(tr, tc, x.dtype, output),
+        ),
+        name="nvfp4_quantize_tpu",
+    )(params, seeds, table, pairs, xp)
+    if output != "codes":
+        out = outs[0]
+        return (out if (rp, cp) == (rows, cols) else out[:rows, :cols]), None, s_dec
+    codes = jax.lax.bitcast_convert_type(outs[0], jnp.uint8)[:rows, : cols // 2]
+    scale_bits = jax.lax.bitcast_convert_type(outs[1], jnp.uint8)
+    if transposed:
+        scale_bits = scale_bits.T
+    elif block == TILE:
+        scale_bits = scale_bits[:, ::BLOCK]
+    return codes, scale_bits[: rows // br, : cols // bc], s_dec
+
+
+def _vmem_limit(tr: int, tc: int, dtype, output: str) -> int:
+    """Scoped VMEM for a tile: double-buffered input and outputs, the scale scratch,
+    and room for the chunks' temporaries (Mosaic's default is smaller than a v5e's
+    128 MiB)."""
+    size = tr * tc
+    inp = 2 * size * jnp.dtype(dtype).itemsize
+    out = 2 * size * (4 if output == "dequantized" else 2) if output != "codes" else size
+    return int(inp + out + size // 4 + (32 << 20))

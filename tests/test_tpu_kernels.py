@@ -1,0 +1,163 @@
+"""The Mosaic (Pallas TPU) NVFP4 quantiser equals the reference bit for bit.
+
+On a CPU the kernel runs in the TPU interpreter (`pltpu.InterpretParams()`, which
+simulates a TPU's semantics); on a TPU the same tests run it compiled. Each case is
+one compilation (the interpreter's are several seconds each), reused across data: edge
+arrays (NaN and inf blocks, zero rows, subnormals, a block far below the amax), tiny
+tensors (subnormal amax, subnormal products with `s_dec`), SR keys, both input dtypes,
+all three block layouts and all three outputs, tiles that overhang the array on both
+axes. Every case also lowers for a TPU here (Mosaic's own compile runs on the device).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import edge_array, on_cpu, same_floats, same_nvfp4
+
+import nvfp4x
+from benchmarks.tpu_quantize_check import lowers_for_tpu, main
+from nvfp4x import _kernels
+from nvfp4x._formats import Format, quantize_operand
+from nvfp4x._kernels import _tpu_quantize
+from nvfp4x._numerics import _e2m1
+from nvfp4x._numerics._constants import GOLDEN_RATIO_32
+from nvfp4x._numerics._nvfp4 import scale_blocks
+from nvfp4x._numerics._pack import pack
+
+
+def traced_with(impl: str, fn, *args):
+    """`jax.jit(fn)` traced with implementation `impl` and compiled, checked to hold the
+    kernel exactly when `impl` is `"mosaic"` (pass a new function per implementation:
+    `jax.jit` reuses a trace)."""
+    with _kernels.use("nvfp4_quantize", impl):
+        traced = jax.jit(fn).trace(*args)
+    assert ("pallas_call" in str(traced.jaxpr)) == (impl == "mosaic"), impl
+    return traced.lower().compile()
+
+
+def scaled(x, scale):
+    """`x` with non-finite values replaced by 1, times `scale` (a tiny tensor)."""
+    return (jnp.where(jnp.isfinite(x), x, 1.0).astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def test_mosaic_to_nvfp4_equals_reference():
+    """`to_nvfp4` under `jit` (packed codes, scale bits, tensor scale), float32, 1x16, on
+    the edge array, then tiny tensors through the same compilation."""
+
+    def to():  # a new function per implementation
+        return lambda x: nvfp4x.to_nvfp4(x)
+
+    x = edge_array(jnp.float32)
+    want, got = traced_with("xla", to(), x), traced_with("mosaic", to(), x)
+    for data in (x, scaled(x, 1e-42), scaled(x, 1e-25)):  # subnormal amax, tiny tensor
+        same_nvfp4(got(data), want(*on_cpu((data,))))
+
+
+def test_mosaic_fake_quantize_equals_reference():
+    """`fake_quantize` (the dequantised values in the input's dtype), SR, 1x16: a
+    normal tensor and a tiny one, whose products with `s_dec < 2^-64` are subnormal."""
+
+    def fq():
+        return lambda x, key: nvfp4x.fake_quantize(x, rounding="stochastic", key=key)
+
+    x = edge_array(jnp.float32, rows=7, cols=48)
+    x, key = jnp.where(jnp.isinf(x), 2.0, x), jax.random.key(2)
+    want, got = traced_with("xla", fq(), x, key), traced_with("mosaic", fq(), x, key)
+    for data in (x, x * 1e-33):
+        expected = want(*on_cpu((data, key)))
+        assert np.any(np.signbit(expected) & (expected == 0))  # -0.0 among them
+        same_floats(got(data, key), expected)
+
+
+def test_mosaic_operand_equals_reference_eagerly(monkeypatch):
+    """The GEMM operand path (bfloat16 block values `e2m1 * scale_b` and the tensor
+    scale), called eagerly: bfloat16, SR, along the leading axis (16x1 blocks: wgrad's
+    tokens)."""
+    fmt = Format("nvfp4", block=(1, 16), rounding="stochastic")
+    x, key = edge_array(jnp.bfloat16, rows=41, cols=40), jax.random.key(3)
+    calls = []
+    kernel = _tpu_quantize.quantize_2d
+    monkeypatch.setattr(
+        _tpu_quantize, "quantize_2d", lambda *a, **k: calls.append(k["block"]) or kernel(*a, **k)
+    )
+    want = jax.jit(lambda x, key: quantize_operand(x, fmt, 0, key))(*on_cpu((x, key)))
+    with _kernels.use("nvfp4_quantize", "mosaic"):
+        got = quantize_operand(x, fmt, 0, key)
+    assert calls == [(16, 1)]
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    values = np.asarray(want[0], np.float32)
+    assert np.any(np.signbit(values) & (values == 0))  # -0.0 among them
+    same_floats(got[0], want[0])
+
+
+def test_mosaic_tiles_overhanging_both_edges():
+    """bfloat16, 16x16 tiles, SR: several tiles along both axes, the last ones
+    overhanging the array (their reads outside it are garbage, their writes dropped),
+    given amax below `max|x|` (scales clamp at 448), SR by each element's index
+    whatever the tiling."""
+    small = _tpu_quantize.Tiling(512, 512)
+    x = jnp.tile(edge_array(jnp.bfloat16, rows=37, cols=112), (15, 5))[:528, :528]
+    seed = jax.random.bits(jax.random.key(9), (2,), jnp.uint32)
+    amax = jnp.float32(1e5)
+    block = (16, 16)
+    codes, bits, s_dec = _tpu_quantize.quantize_2d(
+        x,
+        amax,
+        seed,
+        block=block,
+        rounding="stochastic",
+        tiling=small,
+        interpret=jax.default_backend() != "tpu",
+    )
+    q, scale_b, s_want = jax.jit(reference_codes, static_argnums=1)(x, block, amax, seed)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(scale_b))
+    assert np.asarray(s_dec).view(np.uint32) == np.asarray(s_want).view(np.uint32)
+
+
+def reference_codes(x, block, amax, seed):
+    """Packed SR codes, scale bits and `s_dec` by the reference's steps, the thresholds
+    drawn as `_e2m1.uniform` draws them from the seed words `seed`."""
+    v, scale_b, s_dec = scale_blocks(x, block, amax)
+    index = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)  # (flat: x's order)
+    h = _e2m1._fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed[0])
+    u = ((_e2m1._fmix32(h ^ seed[1]) >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
+    codes = _e2m1.encode(_e2m1.round_stochastic(v, u)).reshape(x.shape)
+    bits = jax.lax.bitcast_convert_type(scale_b.astype(jnp.float8_e4m3fn), jnp.uint8)
+    return pack(codes), bits, s_dec
+
+
+def test_chooser_picks_mosaic_on_tpu():
+    assert _kernels.pick("nvfp4_quantize", "tpu") == "mosaic"
+    assert _kernels.pick("nvfp4_quantize", "cpu") == "xla"
+    x = jnp.ones((16, 32), jnp.float32)
+    with _kernels.use("nvfp4_quantize", "mosaic"):
+        assert _kernels.nvfp4_quantizer(x, (16, 16), "nearest", "nearest", None, None)
+        assert _kernels.nvfp4_quantizer(x, (1, 16), "nearest", "up", None, None) is None
+        half = x.astype(jnp.float16)
+        assert _kernels.nvfp4_quantizer(half, (1, 16), "nearest", "nearest", None, None) is None
+
+
+@pytest.mark.parametrize(
+    "block,output,dtype,rounding",
+    [
+        ((1, 16), "codes", jnp.float32, "stochastic"),
+        ((16, 16), "values", jnp.bfloat16, "nearest"),
+        ((16, 1), "dequantized", jnp.bfloat16, "stochastic"),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_mosaic_kernel_lowers_for_tpu(block, output, dtype, rounding):
+    """Mosaic lowering, each block layout, output, dtype and rounding once, on an array
+    whose tiles overhang it on both axes (every combination, and every tiling of the
+    sweep: `python -m benchmarks.tpu_quantize_check --lower-only`)."""
+    assert lowers_for_tpu((8208, 16400), dtype, block, rounding, output)
+
+
+def test_tpu_quantize_check_smoke(tmp_path):
+    """The device script runs (tiny shapes, interpreted here) and writes its table."""
+    out = tmp_path / "check.md"
+    assert main(["--smoke", "--no-sweep", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| to_nvfp4 1x16 float32 48x112 | yes |" in text
