@@ -94,9 +94,15 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     The frozen forward equals the unfrozen one bit for bit wherever the weight is used
     in its stored layout (on a GPU, up to float32 summation order: XLA:GPU picks each
     program's GEMM algorithm). A weight that a wrapper transforms before its GEMM
-    (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`) is decoded, transformed and quantised
-    again at use: it runs, close to the unfrozen numbers but not bit-equal. Stacked
-    layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the
+    (`eqx.nn.WeightNorm`'s `v * g / ||v||`, `eqx.nn.SpectralNorm`'s `W / σ`) keeps its
+    master array besides the packed one (`FrozenWeight.master`), as a tied weight does:
+    the wrapper reads it and the GEMM quantises the transformed master values as
+    training did, bit for bit (the memory of the float weight plus the packed one).
+    Equinox's wrappers are found; a user's wrapper that scales, normalises or masks
+    `self.layer.weight` is named in `tied` (without it, its frozen forward raises at the
+    transform, naming the weight and this fix). A weight read in another layout (a
+    reshape, a slice) is decoded and quantised again at use: close to the unfrozen
+    numbers, not bit-equal. Stacked layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the
     policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
     the group's largest amax: the layer that holds it freezes as without the group, the
     others to a coarser grid than their training forward used (not bit-equal to it).
@@ -124,8 +130,8 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
 
     - `model`: a model returned by [`nvfp4x.quantize`][] (trained or not).
     - `tied`: paths of quantised weights (as [`nvfp4x.summary`][] lists them) that the
-      model also reads outside GEMMs, e.g. `["logit_head.linear2"]`: they keep their
-      master values for those reads.
+      model also reads outside GEMMs or transforms before them, e.g.
+      `["logit_head.linear2"]`: they keep their master values for those reads.
 
     **Returns:** the frozen model.
 
@@ -194,10 +200,30 @@ def _refuse_unquantised_slices(w: QWeight) -> None:
     )
 
 
+#: Equinox's wrappers that transform their layer's weight before its GEMM, from the
+#: master values (`eqx.nn.WeightNorm`: `v * g / ||v||`; `eqx.nn.SpectralNorm`: `W / σ`,
+#: σ by power iteration on `W`).
+WEIGHT_WRAPPERS = (eqx.nn.WeightNorm, eqx.nn.SpectralNorm)
+
+
+def _wrapped_paths(model: Any) -> set[str]:
+    """The paths of the quantised weights that a `WEIGHT_WRAPPERS` module transforms
+    before its layer's GEMM (its `layer`'s `weight_name` field)."""
+    wrapper = lambda x: isinstance(x, WEIGHT_WRAPPERS)
+    found = set()
+    for node in jax.tree_util.tree_leaves(model, is_leaf=wrapper):
+        if wrapper(node):
+            w = getattr(node.layer, node.weight_name, None)
+            if is_qweight(w):
+                found.add(w.path)
+    return found
+
+
 def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
     """The paths of the quantised weights that keep their master values: those in
-    `named` and those that an `eqx.nn.Shared` places in a module other than a linear
-    layer or convolution (an embedding: a read that is not a GEMM)."""
+    `named`, those that an `eqx.nn.Shared` places in a module other than a linear
+    layer or convolution (an embedding: a read that is not a GEMM), and those that a
+    wrapper of Equinox's transforms before their GEMM (`WEIGHT_WRAPPERS`)."""
     if isinstance(named, str):
         raise TypeError(f"`tied` must be a list of weight paths, e.g. `[{named!r}]`.")
     named = frozenset(named)
@@ -208,7 +234,7 @@ def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
             f"nvfp4x.freeze: `tied` names {unknown}, which are not quantised weights of the "
             f"model; its quantised weights are {sorted(paths)}."
         )
-    found = set(named)
+    found = set(named) | _wrapped_paths(model)
     shared = lambda x: isinstance(x, eqx.nn.Shared)
     for node in jax.tree_util.tree_leaves(model, is_leaf=shared):
         if not shared(node):

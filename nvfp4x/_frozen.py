@@ -59,16 +59,18 @@ class FrozenWeight(WeightValue):
     Other uses (an embedding lookup, a norm) read what training read there, the master
     values, when the weight keeps them: a weight tied to an embedding (see `freeze`'s
     `tied`) holds `master` besides `packed`, as much memory as an untied model's
-    embedding table plus its packed head. Without `master`, other uses see the decoded
-    values, and an embedding lookup (a row gather of a 2-D weight) raises: training's
-    lookup read the master values, which were dropped.
+    embedding table plus its packed head; so does a weight that a wrapper transforms
+    before its GEMM (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`). Without `master`,
+    other uses see the decoded values, and an embedding lookup (a row gather of a 2-D
+    weight) or a transform of its values before a GEMM (`w * g`, `w / σ`, a mask)
+    raises: training read the master values there, which were dropped.
 
     **Fields:** `packed` (an [`nvfp4x.NVFP4Array`][], [`nvfp4x.MXFP8Array`][],
     [`nvfp4x.FP8Array`][] or array), `recipe`, `path`, `fast` (static); for a
     convolution kernel, packed as its GEMM matrix `(out, in x window)` (per feature
     group: `(groups, out / groups, in / groups x window)`), also `kernel_shape` (the
     kernel's shape, per layer), `kernel_axes` and `groups` (as the `QWeight`'s); `master`: the
-    master weight of a tied weight, or None.
+    master weight of a tied or wrapped weight, or None.
     """
 
     packed: Any
@@ -127,6 +129,7 @@ class FrozenWeight(WeightValue):
         for v in values:
             if isinstance(v, FrozenWeight) and v.master is None:
                 _refuse_lookup(v, primitive)
+                _refuse_transform(v, primitive)
         return default_rule(primitive, values, params)
 
     def __getattr__(self, name: str) -> Any:
@@ -152,6 +155,31 @@ def _refuse_lookup(w: FrozenWeight, primitive) -> None:
         "values, which `nvfp4x.freeze` dropped. Freeze with "
         f'`nvfp4x.freeze(qmodel, tied=["{w.path}"])` to keep them for such reads (the '
         "memory of an untied embedding table), or untie the embedding."
+    )
+
+
+#: Elementwise primitives that give a weight new values (a wrapper's scaling,
+#: normalisation or mask), which a GEMM then quantises: training quantised them computed
+#: from the master values. (Layout primitives, and `neg`, which quantisation commutes
+#: with, are not among them.)
+_TRANSFORMS = frozenset({lax.mul_p, lax.div_p, lax.add_p, lax.sub_p, lax.select_n_p})
+
+
+def _refuse_transform(w: FrozenWeight, primitive) -> None:
+    """Raise for a frozen weight without its master values whose values a wrapper
+    transforms (`w * g / norm`, `w / σ`, `w * mask`) before a GEMM: training quantised
+    the transformed master values, the decoded ones would give other numbers."""
+    if primitive not in _TRANSFORMS:
+        return
+    raise ValueError(
+        f"nvfp4x: the frozen weight `{w.path}` is transformed by `{primitive.name}` before "
+        "its GEMM (a wrapper that scales, normalises or masks its layer's weight, as "
+        "`eqx.nn.WeightNorm` does): training quantised the result computed from its master "
+        "values, which `nvfp4x.freeze` dropped, and the decoded weight would give other "
+        "numbers. Freeze with "
+        f'`nvfp4x.freeze(qmodel, tied=["{w.path}"])` to keep them (the frozen forward then '
+        "computes what training did, bit for bit, holding the master weight besides the "
+        "packed one), or apply the transform to the weight before quantising."
     )
 
 
