@@ -102,10 +102,11 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     `self.layer.weight` is named in `tied` (without it, its frozen forward raises at the
     transform, naming the weight and this fix). A weight read in another layout (a
     reshape, a slice) is decoded and quantised again at use: close to the unfrozen
-    numbers, not bit-equal. Stacked layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the
-    policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
-    the group's largest amax: the layer that holds it freezes as without the group, the
-    others to a coarser grid than their training forward used (not bit-equal to it).
+    numbers, not bit-equal. Stacked layers get one tensor scale per slice. NVFP4
+    weights in one tensor scale group (the policy's `tensor_scale_groups`, see
+    [`nvfp4x.Policy`][]) share one tensor scale, from the group's largest amax: the
+    layer that holds it freezes as without the group, the others to a coarser grid than
+    their training forward used (not bit-equal to it).
     A convolution kernel is packed as trained, as its GEMM matrix `(out, in x window)`
     (one per feature group of a grouped convolution, each with its own tensor scale),
     and its frozen forward equals the unfrozen one bit for bit.
