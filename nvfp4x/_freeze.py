@@ -215,7 +215,7 @@ def _wrapped_paths(model: Any) -> set[str]:
     for node in jax.tree_util.tree_leaves(model, is_leaf=wrapper):
         if wrapper(node):
             w = getattr(node.layer, node.weight_name, None)
-            if is_qweight(w):
+            if isinstance(w, QWeight):
                 found.add(w.path)
     return found
 

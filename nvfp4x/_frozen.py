@@ -35,6 +35,8 @@ from ._linear import apply_linear, product_seen_by_interpreter
 from ._packed import PackedArray
 from ._policy import Recipe
 from ._prims import (
+    PLACEMENT,
+    PLACEMENT_MANY,
     def_jvp,
     is_zero,
     primitive,
@@ -126,6 +128,15 @@ class FrozenWeight(WeightValue):
 
     @staticmethod
     def default(primitive, values, params):
+        # Placed anew (a sharding constraint, a reshard): still the packed weight, whose
+        # leaves are placed with their arrays (`packed_sharding`).
+        if primitive in PLACEMENT:
+            return values[0]
+        if primitive in PLACEMENT_MANY:
+            out: Any = default_rule(primitive, values, params)  # (a list: several results)
+            return [
+                v if isinstance(v, FrozenWeight) else o for v, o in zip(values, out, strict=True)
+            ]
         for v in values:
             if isinstance(v, FrozenWeight) and v.master is None:
                 _refuse_lookup(v, primitive)
