@@ -112,19 +112,21 @@ class FrozenWeight(WeightValue):
         if self.kernel_shape is not None:
             shape = self._stack() + self.kernel_shape
         dtype = self.packed.dtype if self.master is None else self.master.dtype
-        return shaped(shape[::-1] if self.transposed else shape, dtype)
+        return shaped(_swap_last(shape) if self.transposed else shape, dtype)
 
     def materialise(self) -> Array:
         """What reads other than GEMMs see: the master weight if it is kept, else the
         decoded weight, `(value x block scale) x tensor scale` (spec §2)."""
         if self.master is not None:
-            return self.master.T if self.transposed else self.master
+            return jnp.swapaxes(self.master, -1, -2) if self.transposed else self.master
         wv, ws = weight_operand(self.packed, self.recipe)
-        out = wv.astype(jnp.float32) if ws is None else wv.astype(jnp.float32) * ws
+        out = wv.astype(jnp.float32)
+        if ws is not None:  # one tensor scale per slice of a stack (or feature group)
+            out = out * jnp.reshape(ws, jnp.shape(ws) + (1,) * (out.ndim - jnp.ndim(ws)))
         out = out.astype(self.packed.dtype)
         if self.kernel_shape is not None and self.kernel_axes is not None:
             out = kernel_from_matrix(out, self.kernel_shape, self.kernel_axes, self.groups)
-        return out.T if self.transposed else out
+        return jnp.swapaxes(out, -1, -2) if self.transposed else out
 
     @staticmethod
     def default(primitive, values, params):
@@ -397,9 +399,11 @@ def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_
     w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)
     if isinstance(a, quax.ArrayValue):
         a = type(a).materialise(a)
-    if w.transposed:  # `w.T`, read lazily: the same product on the stored 2-D weight
+    if w.transposed:  # `w.T` (`swapaxes(w, -1, -2)`), read lazily: the same product on
+        # the stored weight
         (lc, rc), (lb, rb) = dimension_numbers
-        flip = lambda axes: tuple(1 - i for i in axes)
+        n = len(w.packed.shape)
+        flip = lambda axes: tuple({n - 2: n - 1, n - 1: n - 2}.get(i, i) for i in axes)
         if w_is_lhs:
             dimension_numbers = ((flip(lc), rc), (flip(lb), rb))
         else:
@@ -409,9 +413,20 @@ def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_
     return weight_gemm(tuple(w.packed.shape), a, w_is_lhs, dimension_numbers, dtype, gemm)
 
 
+def _swap_last(shape: tuple) -> tuple:
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
 @quax.register(lax.transpose_p)
 def _(operand: FrozenWeight, *, permutation):
-    if tuple(permutation) == (1, 0):
+    # `w.T` of a matrix, `swapaxes(w, -1, -2)` of a stack (experts stored `(E, out, in)`
+    # read as `(E, in, out)`): read lazily, the packed weight as it is
+    n = len(permutation)
+    if (
+        n >= 2
+        and tuple(permutation) == _swap_last(tuple(range(n)))
+        and operand.kernel_shape is None
+    ):
         return dataclasses.replace(operand, transposed=not operand.transposed)
     return default_rule(lax.transpose_p, (operand,), dict(permutation=permutation))
 
@@ -462,7 +477,8 @@ def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -
     """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
     values of each expert's packed weight, the same values as the unfrozen experts'."""
     fmt = w.recipe.weight
-    if w.transposed or (fmt is not None and not fmt.spec.layouts_agree(fmt)):
+    experts_kn = experts_kn != w.transposed  # (the layout of the stored experts)
+    if fmt is not None and not fmt.spec.layouts_agree(fmt):
         raise ValueError(
             f"nvfp4x: the frozen experts `{w.path}` are packed in blocks along one axis "
             f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "
