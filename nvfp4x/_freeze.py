@@ -121,9 +121,10 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     table) is read two ways: its GEMM ran quantised, its lookup read the master values.
     Such a weight keeps its master array besides the packed one (`FrozenWeight.master`:
     the memory of an untied model, embedding table plus packed head), so the frozen
-    lookup reads what training's did and the forward stays bit for bit. Ties through
-    `eqx.nn.Shared` that place the weight in a module other than a linear layer (an
-    `eqx.nn.Embedding`) are found; name other ties in `tied` (a property building an
+    lookup reads what training's did and the forward stays bit for bit. Ties that place
+    the weight in a module other than a linear layer (an `eqx.nn.Embedding`) through
+    `eqx.nn.Shared`, or as one master array in two places (`eqx.tree_at`), are found
+    (eagerly: under `jax.jit` the two places are two tracers); name other ties in `tied` (a property building an
     `eqx.nn.Embedding` from the head's weight, as esm2quinox does). A frozen weight
     without its master values raises if a lookup reads it, naming it and `tied`.
 
@@ -222,9 +223,10 @@ def _wrapped_paths(model: Any) -> set[str]:
 
 def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
     """The paths of the quantised weights that keep their master values: those in
-    `named`, those that an `eqx.nn.Shared` places in a module other than a linear
-    layer or convolution (an embedding: a read that is not a GEMM), and those that a
-    wrapper of Equinox's transforms before their GEMM (`WEIGHT_WRAPPERS`)."""
+    `named`, those that an `eqx.nn.Shared` places (or that sit, as one object, in two
+    places of the model) in a module other than a linear layer or convolution (an
+    embedding: a read that is not a GEMM), and those that a wrapper of Equinox's
+    transforms before their GEMM (`WEIGHT_WRAPPERS`)."""
     if isinstance(named, str):
         raise TypeError(f"`tied` must be a list of weight paths, e.g. `[{named!r}]`.")
     named = frozenset(named)
@@ -236,6 +238,17 @@ def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
             f"model; its quantised weights are {sorted(paths)}."
         )
     found = set(named) | _wrapped_paths(model)
+    # One weight (the same master array object) in two places (`eqx.tree_at` tying an
+    # embedding table to a quantised head): a place that is not a linear layer or
+    # convolution reads it otherwise.
+    places: dict[int, list[tuple]] = {}
+    for keys, w in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_qweight)[0]:
+        if is_qweight(w):
+            places.setdefault(id(w.array), []).append(keys)
+    for spots in places.values():
+        holders = [at_path(model, keys[:-1]) for keys in spots]
+        if len(spots) > 1 and not all(is_layer(h) or is_conv(h) for h in holders):
+            found.add(at_path(model, spots[0]).path)
     shared = lambda x: isinstance(x, eqx.nn.Shared)
     for node in jax.tree_util.tree_leaves(model, is_leaf=shared):
         if not shared(node):
