@@ -124,8 +124,9 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     lookup reads what training's did and the forward stays bit for bit. Ties that place
     the weight in a module other than a linear layer (an `eqx.nn.Embedding`) through
     `eqx.nn.Shared`, or as one master array in two places (`eqx.tree_at`), are found
-    (eagerly: under `jax.jit` the two places are two tracers); name other ties in `tied` (a property building an
-    `eqx.nn.Embedding` from the head's weight, as esm2quinox does). A frozen weight
+    (eagerly: under `jax.jit` the two places are two tracers); name other ties in
+    `tied` (a property building an `eqx.nn.Embedding` from the head's weight, as
+    esm2quinox does). A frozen weight
     without its master values raises if a lookup reads it, naming it and `tied`.
 
     **Arguments:**
