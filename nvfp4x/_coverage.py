@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from jax import lax
+from jax._src import source_info_util
 
 from ._conv import CONV_PASS, conv_tw_p, conv_tx_p
 from ._dispatch import LAYOUT, NORMALISER, record_unquantised
@@ -220,7 +221,7 @@ def _grouped_row(eqn, repeats: int) -> CoverageRow:
     return _recipe_row(eqn, kind, shape, 2 * m * n * k * repeats, batch, (fa, fb))
 
 
-def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
+def _plain_ragged_row(eqn, repeats: int, origin: dict, named: dict) -> CoverageRow:
     """A float `ragged_dot`: `2 * M * K * N` for each of its output's rows (each row is
     one group's product), whichever of its three modes."""
     lhs, rhs = (v.aval for v in eqn.invars[:2])
@@ -233,7 +234,7 @@ def _plain_ragged_row(eqn, repeats: int, origin: dict) -> CoverageRow:
     else:
         flops = 2 * math.prod(out.shape) * k
     shape = f"ragged {lhs.shape} x {rhs.shape}"
-    return _float_row(eqn, origin, shape, flops * repeats)
+    return _float_row(eqn, origin, named, shape, flops * repeats)
 
 
 def _frozen_row(eqn, repeats: int) -> CoverageRow:
@@ -248,7 +249,7 @@ def _frozen_row(eqn, repeats: int) -> CoverageRow:
     return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts, "(frozen)")
 
 
-def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
+def _plain_row(eqn, repeats: int, origin: dict, named: dict) -> CoverageRow:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     if eqn.primitive is lax.dot_general_p:
         (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
@@ -262,25 +263,45 @@ def _plain_row(eqn, repeats: int, origin: dict) -> CoverageRow:
         out = eqn.outvars[0].aval
         flops = 2 * math.prod(out.shape) * math.prod(rhs.shape) // rhs.shape[0]
         shape = f"conv {lhs.shape} * {rhs.shape}"
-    return _float_row(eqn, origin, shape, flops * repeats)
+    return _float_row(eqn, origin, named, shape, flops * repeats)
 
 
-def _float_row(eqn, origin: dict, shape: str, flops: int) -> CoverageRow:
+def _float_row(eqn, origin: dict, named: dict, shape: str, flops: int) -> CoverageRow:
     """The row of a float GEMM (`dot_general`, convolution, `ragged_dot`) of `shape` and
-    `flops`: its pass from its name scope, its path from its operands' origins."""
+    `flops`: its pass from its name scope, its path from its operands' origins. A GEMM
+    whose operands are no model array's (a wgrad: the input times the cotangent) is
+    named by the weight of the forward GEMM it derives from, the one traced from the same
+    source call (`named`: source call -> the paths of the GEMMs traced there), if that
+    call's GEMMs read one weight only."""
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     scope = str(eqn.source_info.name_stack)
     pass_ = "backward" if "transpose" in scope else "fprop"
     if NORMALISER in scope:  # e.g. SpectralNorm's σ, read from the master weight
         pass_ = "normaliser"
     paths = [_origin(origin, v) for v in eqn.invars[:2]]
-    path = next((p for p in paths if p is not None), "(activations)")
+    path = next((p for p in paths if p is not None), None)
+    call = _source_call(eqn)
+    if path is not None and call is not None:
+        named.setdefault(call, set()).add(path)
+    elif path is None and len(known := named.get(call, ())) == 1:
+        [path] = known
+    path = path or "(activations)"
     formats = (_dtype_name(lhs), _dtype_name(rhs))
     return CoverageRow(path, pass_, shape, flops, formats, False)
 
 
 def _origin(origin: dict, var) -> str | None:
     return None if isinstance(var, Literal) else origin.get(var)
+
+
+def _source_call(eqn) -> tuple | None:
+    """Where `eqn` was traced from: its user frames (file, lines and columns), the same
+    for a GEMM and the backward GEMMs JAX derives from it; None if unknown."""
+    frames = source_info_util.user_frames(eqn.source_info.traceback)
+    key = tuple(
+        (f.file_name, f.start_line, f.start_column, f.end_line, f.end_column) for f in frames
+    )
+    return key or None
 
 
 #: nvfp4x's own GEMM primitives and the function that makes each one's row.
@@ -292,9 +313,10 @@ _RECIPE_ROWS: dict[Any, Callable[[Any, int], CoverageRow]] = {
 }
 
 
-def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected: set):
+def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected: set, named: dict):
     """Collect the GEMMs of `jaxpr` (and its sub-jaxprs); `origin` maps a variable to the
-    path of the model array it is (through layout changes)."""
+    path of the model array it is (through layout changes and placements); `named`, see
+    `_float_row`."""
     for eqn in jaxpr.eqns:
         prim = eqn.primitive
         if (row_of := _RECIPE_ROWS.get(prim)) is not None:
@@ -302,7 +324,7 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
             continue
         if prim in GEMM_PRIMITIVES:
             ragged = prim is ragged_dot_general_p
-            row = (_plain_ragged_row if ragged else _plain_row)(eqn, repeats, origin)
+            row = (_plain_ragged_row if ragged else _plain_row)(eqn, repeats, origin, named)
             rows.append(row)
             if row.path in selected and row.pass_ != "normaliser":
                 flagged.append((row.path, f"a plain {prim.name} ({row.pass_})"))
@@ -315,7 +337,7 @@ def _walk(jaxpr, origin: dict, repeats: int, rows: list, flagged: list, selected
         times = eqn.params.get("length", 1) if prim is lax.scan_p else 1
         for sub in jaxprs_in_params(eqn.params):
             inner = dict(_map_inputs(eqn, sub, origin))
-            _walk(sub, inner, repeats * times, rows, flagged, selected)
+            _walk(sub, inner, repeats * times, rows, flagged, selected, named)
 
 
 def _map_inputs(eqn, sub, origin):
@@ -373,7 +395,7 @@ def coverage(fn: Callable, *args: Any, **kwargs: Any) -> CoverageReport:
             selected.add(p[1:])
     rows: list[CoverageRow] = []
     flagged: list[tuple[str, str]] = []
-    _walk(closed.jaxpr, origin, 1, rows, flagged, selected)
+    _walk(closed.jaxpr, origin, 1, rows, flagged, selected, {})
     unquantised = tuple(dict.fromkeys([*seen, *flagged]))
     return CoverageReport(tuple(rows), unquantised)
 

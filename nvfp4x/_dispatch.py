@@ -44,6 +44,8 @@ from ._formats import widest_float
 from ._internals import install_custom_vjp, tracer_value
 from ._policy import Recipe
 from ._prims import (
+    PLACEMENT,
+    PLACEMENT_MANY,
     Jaxpr,
     eval_jaxpr,
     jaxpr_has_gemm,
@@ -341,17 +343,20 @@ def kernel_conv(lhs, kernel: tuple, gemm: Callable, fast: Callable, fast_ok, par
 # --- everything else ---
 
 #: Primitives after which an array is still the same values, laid out or typed anew.
-LAYOUT = frozenset(
-    {
-        lax.transpose_p,
-        lax.reshape_p,
-        lax.squeeze_p,
-        lax.broadcast_in_dim_p,
-        lax.convert_element_type_p,
-        lax.copy_p,
-        lax.reduce_precision_p,
-    }
-)
+LAYOUT = (
+    frozenset(
+        {
+            lax.transpose_p,
+            lax.reshape_p,
+            lax.squeeze_p,
+            lax.broadcast_in_dim_p,
+            lax.convert_element_type_p,
+            lax.copy_p,
+            lax.reduce_precision_p,
+        }
+    )
+    | PLACEMENT
+)  # (sharding constraints, reshards: the same values, placed anew)
 
 # Primitives whose result is still "the weight" (its effective value) when it has the
 # weight's shape: layout changes, casts and the linear elementwise operations.
@@ -379,6 +384,11 @@ def default_rule(primitive, values, params):
         for w in weights:
             _report_unquantised(w.path, f"`{primitive.name}`, which nvfp4x cannot look into")
     out = primitive.bind(*arrays, **params)
+    if primitive in PLACEMENT_MANY:  # each weight placed anew is still the weight
+        return [
+            _carried(v, o, getattr(v, "kernel_axes", None)) if isinstance(v, WeightValue) else o
+            for v, o in zip(values, out, strict=True)
+        ]
     if primitive.multiple_results or primitive not in _CARRY:
         return out
     src = weights[0]
@@ -392,13 +402,18 @@ def default_rule(primitive, values, params):
         carried = carried and any(tuple(w.shape) == out.shape for w in weights)
     if not carried:
         return out
-    probe, enabled = getattr(src, "probe", None), getattr(src, "enabled", None)
     # A convolution kernel laid out or scaled anew is still one (same axes' roles).
     same = out.ndim == len(src.shape)
     kernel_axes = getattr(src, "kernel_axes", None) if same else None
     if kernel_axes is not None and primitive is lax.transpose_p:
         perm = list(params["permutation"])
         kernel_axes = tuple(perm.index(a) for a in kernel_axes)
+    return _carried(src, out, kernel_axes)
+
+
+def _carried(src: Any, out: Array, kernel_axes: tuple[int, ...] | None) -> QWeight:
+    """`out`, computed from the weight `src`, as a `QWeight` of `src`'s recipe and path."""
+    probe, enabled = getattr(src, "probe", None), getattr(src, "enabled", None)
     groups = getattr(src, "groups", 1) if kernel_axes is not None else 1
     return QWeight(out, src.recipe, src.path, src.fast, probe, enabled, None, kernel_axes, groups)
 

@@ -94,12 +94,19 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     The frozen forward equals the unfrozen one bit for bit wherever the weight is used
     in its stored layout (on a GPU, up to float32 summation order: XLA:GPU picks each
     program's GEMM algorithm). A weight that a wrapper transforms before its GEMM
-    (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`) is decoded, transformed and quantised
-    again at use: it runs, close to the unfrozen numbers but not bit-equal. Stacked
-    layers get one tensor scale per slice. NVFP4 weights in one tensor scale group (the
-    policy's `tensor_scale_groups`, see [`nvfp4x.Policy`][]) share one tensor scale, from
-    the group's largest amax: the layer that holds it freezes as without the group, the
-    others to a coarser grid than their training forward used (not bit-equal to it).
+    (`eqx.nn.WeightNorm`'s `v * g / ||v||`, `eqx.nn.SpectralNorm`'s `W / σ`) keeps its
+    master array besides the packed one (`FrozenWeight.master`), as a tied weight does:
+    the wrapper reads it and the GEMM quantises the transformed master values as
+    training did, bit for bit (the memory of the float weight plus the packed one).
+    Equinox's wrappers are found; a user's wrapper that scales, normalises or masks
+    `self.layer.weight` is named in `tied` (without it, its frozen forward raises at the
+    transform, naming the weight and this fix). A weight read in another layout (a
+    reshape, a slice) is decoded and quantised again at use: close to the unfrozen
+    numbers, not bit-equal. Stacked layers get one tensor scale per slice. NVFP4
+    weights in one tensor scale group (the policy's `tensor_scale_groups`, see
+    [`nvfp4x.Policy`][]) share one tensor scale, from the group's largest amax: the
+    layer that holds it freezes as without the group, the others to a coarser grid than
+    their training forward used (not bit-equal to it).
     A convolution kernel is packed as trained, as its GEMM matrix `(out, in x window)`
     (one per feature group of a grouped convolution, each with its own tensor scale),
     and its frozen forward equals the unfrozen one bit for bit.
@@ -114,18 +121,20 @@ def freeze(model: Any, *, tied: Iterable[str] = ()) -> Any:
     table) is read two ways: its GEMM ran quantised, its lookup read the master values.
     Such a weight keeps its master array besides the packed one (`FrozenWeight.master`:
     the memory of an untied model, embedding table plus packed head), so the frozen
-    lookup reads what training's did and the forward stays bit for bit. Ties through
-    `eqx.nn.Shared` that place the weight in a module other than a linear layer (an
-    `eqx.nn.Embedding`) are found; name other ties in `tied` (a property building an
-    `eqx.nn.Embedding` from the head's weight, as esm2quinox does). A frozen weight
+    lookup reads what training's did and the forward stays bit for bit. Ties that place
+    the weight in a module other than a linear layer (an `eqx.nn.Embedding`) through
+    `eqx.nn.Shared`, or as one master array in two places (`eqx.tree_at`), are found
+    (eagerly: under `jax.jit` the two places are two tracers); name other ties in
+    `tied` (a property building an `eqx.nn.Embedding` from the head's weight, as
+    esm2quinox does). A frozen weight
     without its master values raises if a lookup reads it, naming it and `tied`.
 
     **Arguments:**
 
     - `model`: a model returned by [`nvfp4x.quantize`][] (trained or not).
     - `tied`: paths of quantised weights (as [`nvfp4x.summary`][] lists them) that the
-      model also reads outside GEMMs, e.g. `["logit_head.linear2"]`: they keep their
-      master values for those reads.
+      model also reads outside GEMMs or transforms before them, e.g.
+      `["logit_head.linear2"]`: they keep their master values for those reads.
 
     **Returns:** the frozen model.
 
@@ -194,10 +203,31 @@ def _refuse_unquantised_slices(w: QWeight) -> None:
     )
 
 
+#: Equinox's wrappers that transform their layer's weight before its GEMM, from the
+#: master values (`eqx.nn.WeightNorm`: `v * g / ||v||`; `eqx.nn.SpectralNorm`: `W / σ`,
+#: σ by power iteration on `W`).
+WEIGHT_WRAPPERS = (eqx.nn.WeightNorm, eqx.nn.SpectralNorm)
+
+
+def _wrapped_paths(model: Any) -> set[str]:
+    """The paths of the quantised weights that a `WEIGHT_WRAPPERS` module transforms
+    before its layer's GEMM (its `layer`'s `weight_name` field)."""
+    wrapper = lambda x: isinstance(x, WEIGHT_WRAPPERS)
+    found = set()
+    for node in jax.tree_util.tree_leaves(model, is_leaf=wrapper):
+        if wrapper(node):
+            w = getattr(node.layer, node.weight_name, None)
+            if isinstance(w, QWeight):
+                found.add(w.path)
+    return found
+
+
 def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
     """The paths of the quantised weights that keep their master values: those in
-    `named` and those that an `eqx.nn.Shared` places in a module other than a linear
-    layer or convolution (an embedding: a read that is not a GEMM)."""
+    `named`, those that an `eqx.nn.Shared` places (or that sit, as one object, in two
+    places of the model) in a module other than a linear layer or convolution (an
+    embedding: a read that is not a GEMM), and those that a wrapper of Equinox's
+    transforms before their GEMM (`WEIGHT_WRAPPERS`)."""
     if isinstance(named, str):
         raise TypeError(f"`tied` must be a list of weight paths, e.g. `[{named!r}]`.")
     named = frozenset(named)
@@ -208,7 +238,18 @@ def _tied_paths(model: Any, named: Iterable[str]) -> frozenset[str]:
             f"nvfp4x.freeze: `tied` names {unknown}, which are not quantised weights of the "
             f"model; its quantised weights are {sorted(paths)}."
         )
-    found = set(named)
+    found = set(named) | _wrapped_paths(model)
+    # One weight (the same master array object) in two places (`eqx.tree_at` tying an
+    # embedding table to a quantised head): a place that is not a linear layer or
+    # convolution reads it otherwise.
+    places: dict[int, list[tuple]] = {}
+    for keys, w in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_qweight)[0]:
+        if is_qweight(w):
+            places.setdefault(id(w.array), []).append(keys)
+    for spots in places.values():
+        holders = [at_path(model, keys[:-1]) for keys in spots]
+        if len(spots) > 1 and not all(is_layer(h) or is_conv(h) for h in holders):
+            found.add(at_path(model, spots[0]).path)
     shared = lambda x: isinstance(x, eqx.nn.Shared)
     for node in jax.tree_util.tree_leaves(model, is_leaf=shared):
         if not shared(node):

@@ -35,6 +35,8 @@ from ._linear import apply_linear, product_seen_by_interpreter
 from ._packed import PackedArray
 from ._policy import Recipe
 from ._prims import (
+    PLACEMENT,
+    PLACEMENT_MANY,
     def_jvp,
     is_zero,
     primitive,
@@ -59,16 +61,18 @@ class FrozenWeight(WeightValue):
     Other uses (an embedding lookup, a norm) read what training read there, the master
     values, when the weight keeps them: a weight tied to an embedding (see `freeze`'s
     `tied`) holds `master` besides `packed`, as much memory as an untied model's
-    embedding table plus its packed head. Without `master`, other uses see the decoded
-    values, and an embedding lookup (a row gather of a 2-D weight) raises: training's
-    lookup read the master values, which were dropped.
+    embedding table plus its packed head; so does a weight that a wrapper transforms
+    before its GEMM (`eqx.nn.WeightNorm`, `eqx.nn.SpectralNorm`). Without `master`,
+    other uses see the decoded values, and an embedding lookup (a row gather of a 2-D
+    weight) or a transform of its values before a GEMM (`w * g`, `w / σ`, a mask)
+    raises: training read the master values there, which were dropped.
 
     **Fields:** `packed` (an [`nvfp4x.NVFP4Array`][], [`nvfp4x.MXFP8Array`][],
     [`nvfp4x.FP8Array`][] or array), `recipe`, `path`, `fast` (static); for a
     convolution kernel, packed as its GEMM matrix `(out, in x window)` (per feature
     group: `(groups, out / groups, in / groups x window)`), also `kernel_shape` (the
     kernel's shape, per layer), `kernel_axes` and `groups` (as the `QWeight`'s); `master`: the
-    master weight of a tied weight, or None.
+    master weight of a tied or wrapped weight, or None.
     """
 
     packed: Any
@@ -108,25 +112,37 @@ class FrozenWeight(WeightValue):
         if self.kernel_shape is not None:
             shape = self._stack() + self.kernel_shape
         dtype = self.packed.dtype if self.master is None else self.master.dtype
-        return shaped(shape[::-1] if self.transposed else shape, dtype)
+        return shaped(_swap_last(shape) if self.transposed else shape, dtype)
 
     def materialise(self) -> Array:
         """What reads other than GEMMs see: the master weight if it is kept, else the
         decoded weight, `(value x block scale) x tensor scale` (spec §2)."""
         if self.master is not None:
-            return self.master.T if self.transposed else self.master
+            return jnp.swapaxes(self.master, -1, -2) if self.transposed else self.master
         wv, ws = weight_operand(self.packed, self.recipe)
-        out = wv.astype(jnp.float32) if ws is None else wv.astype(jnp.float32) * ws
+        out = wv.astype(jnp.float32)
+        if ws is not None:  # one tensor scale per slice of a stack (or feature group)
+            out = out * jnp.reshape(ws, jnp.shape(ws) + (1,) * (out.ndim - jnp.ndim(ws)))
         out = out.astype(self.packed.dtype)
         if self.kernel_shape is not None and self.kernel_axes is not None:
             out = kernel_from_matrix(out, self.kernel_shape, self.kernel_axes, self.groups)
-        return out.T if self.transposed else out
+        return jnp.swapaxes(out, -1, -2) if self.transposed else out
 
     @staticmethod
     def default(primitive, values, params):
+        # Placed anew (a sharding constraint, a reshard): still the packed weight, whose
+        # leaves are placed with their arrays (`packed_sharding`).
+        if primitive in PLACEMENT:
+            return values[0]
+        if primitive in PLACEMENT_MANY:
+            out: Any = default_rule(primitive, values, params)  # (a list: several results)
+            return [
+                v if isinstance(v, FrozenWeight) else o for v, o in zip(values, out, strict=True)
+            ]
         for v in values:
             if isinstance(v, FrozenWeight) and v.master is None:
                 _refuse_lookup(v, primitive)
+                _refuse_transform(v, primitive)
         return default_rule(primitive, values, params)
 
     def __getattr__(self, name: str) -> Any:
@@ -152,6 +168,31 @@ def _refuse_lookup(w: FrozenWeight, primitive) -> None:
         "values, which `nvfp4x.freeze` dropped. Freeze with "
         f'`nvfp4x.freeze(qmodel, tied=["{w.path}"])` to keep them for such reads (the '
         "memory of an untied embedding table), or untie the embedding."
+    )
+
+
+#: Elementwise primitives that give a weight new values (a wrapper's scaling,
+#: normalisation or mask), which a GEMM then quantises: training quantised them computed
+#: from the master values. (Layout primitives, and `neg`, which quantisation commutes
+#: with, are not among them.)
+_TRANSFORMS = frozenset({lax.mul_p, lax.div_p, lax.add_p, lax.sub_p, lax.select_n_p})
+
+
+def _refuse_transform(w: FrozenWeight, primitive) -> None:
+    """Raise for a frozen weight without its master values whose values a wrapper
+    transforms (`w * g / norm`, `w / σ`, `w * mask`) before a GEMM: training quantised
+    the transformed master values, the decoded ones would give other numbers."""
+    if primitive not in _TRANSFORMS:
+        return
+    raise ValueError(
+        f"nvfp4x: the frozen weight `{w.path}` is transformed by `{primitive.name}` before "
+        "its GEMM (a wrapper that scales, normalises or masks its layer's weight, as "
+        "`eqx.nn.WeightNorm` does): training quantised the result computed from its master "
+        "values, which `nvfp4x.freeze` dropped, and the decoded weight would give other "
+        "numbers. Freeze with "
+        f'`nvfp4x.freeze(qmodel, tied=["{w.path}"])` to keep them (the frozen forward then '
+        "computes what training did, bit for bit, holding the master weight besides the "
+        "packed one), or apply the transform to the weight before quantising."
     )
 
 
@@ -358,9 +399,11 @@ def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_
     w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)
     if isinstance(a, quax.ArrayValue):
         a = type(a).materialise(a)
-    if w.transposed:  # `w.T`, read lazily: the same product on the stored 2-D weight
+    if w.transposed:  # `w.T` (`swapaxes(w, -1, -2)`), read lazily: the same product on
+        # the stored weight
         (lc, rc), (lb, rb) = dimension_numbers
-        flip = lambda axes: tuple(1 - i for i in axes)
+        n = len(w.packed.shape)
+        flip = lambda axes: tuple({n - 2: n - 1, n - 1: n - 2}.get(i, i) for i in axes)
         if w_is_lhs:
             dimension_numbers = ((flip(lc), rc), (flip(lb), rb))
         else:
@@ -370,9 +413,20 @@ def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_
     return weight_gemm(tuple(w.packed.shape), a, w_is_lhs, dimension_numbers, dtype, gemm)
 
 
+def _swap_last(shape: tuple) -> tuple:
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
 @quax.register(lax.transpose_p)
 def _(operand: FrozenWeight, *, permutation):
-    if tuple(permutation) == (1, 0):
+    # `w.T` of a matrix, `swapaxes(w, -1, -2)` of a stack (experts stored `(E, out, in)`
+    # read as `(E, in, out)`): read lazily, the packed weight as it is
+    n = len(permutation)
+    if (
+        n >= 2
+        and tuple(permutation) == _swap_last(tuple(range(n)))
+        and operand.kernel_shape is None
+    ):
         return dataclasses.replace(operand, transposed=not operand.transposed)
     return default_rule(lax.transpose_p, (operand,), dict(permutation=permutation))
 
@@ -423,7 +477,8 @@ def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -
     """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
     values of each expert's packed weight, the same values as the unfrozen experts'."""
     fmt = w.recipe.weight
-    if w.transposed or (fmt is not None and not fmt.spec.layouts_agree(fmt)):
+    experts_kn = experts_kn != w.transposed  # (the layout of the stored experts)
+    if fmt is not None and not fmt.spec.layouts_agree(fmt):
         raise ValueError(
             f"nvfp4x: the frozen experts `{w.path}` are packed in blocks along one axis "
             f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import ad_checkpoint
+from jax._src import ad_checkpoint, core as _core, dispatch, pjit
 from jax._src.lax import lax as _lax
 from jax.core import ShapedArray, Tracer, eval_jaxpr
 from jax.extend.core import Jaxpr, Literal, Primitive, jaxprs_in_params
@@ -40,6 +40,8 @@ from . import _kernels
 __all__ = [
     "Jaxpr",
     "GEMM_PRIMITIVES",
+    "PLACEMENT",
+    "PLACEMENT_MANY",
     "Literal",
     "Primitive",
     "combine_seeds",
@@ -67,6 +69,14 @@ remat_p = ad_checkpoint.remat_p
 #: `lax.ragged_dot` / `ragged_dot_general`'s primitive (not exported by `jax.lax` or
 #: `jax.extend` in jax 0.10).
 ragged_dot_general_p = _lax.ragged_dot_general_p
+#: Primitives whose result is their operand's values, placed anew (sharding
+#: constraints, `jax.sharding.reshard`, `pvary` in `shard_map`); `PLACEMENT_MANY`: those
+#: of several operands and results, result `i` operand `i`'s values
+#: (`jax.device_put` of a tuple, `lax.optimization_barrier`).
+PLACEMENT = frozenset(
+    {pjit.sharding_constraint_p, pjit.reshard_p, pjit.layout_constraint_p, _core.pvary_p}
+)
+PLACEMENT_MANY = frozenset({dispatch.device_put_p, _lax.optimization_barrier_p})
 #: The JAX primitives that are GEMMs.
 GEMM_PRIMITIVES = (_lax.dot_general_p, ragged_dot_general_p, jax.lax.conv_general_dilated_p)
 

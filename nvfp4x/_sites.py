@@ -144,7 +144,8 @@ def conv_kernel(x: Any) -> tuple[tuple[int, ...], int]:
     kernel's axes as `lax.conv_general_dilated`'s kernel spec (out channels, in channels,
     window...) and its feature group count."""
     if isinstance(x, eqx.nn.Conv | eqx.nn.ConvTranspose):
-        return tuple(range(x.weight.ndim)), x.groups
+        # (a stack of them, `eqx.filter_vmap`-made, has leading axes before the kernel)
+        return tuple(range(x.num_spatial_dims + 2)), x.groups
     found = _call_gemms(x)
     if found is None or found.conv is None:
         raise ValueError(f"{type(x).__name__} is not a convolution")  # callers check
@@ -165,20 +166,28 @@ def _call_gemms(module: Any) -> "_Gemms | None":
     then, for a weight of three or more dimensions, the inputs a convolution takes
     (`_conv_inputs`). Cached by class, static fields and shapes. (Arrays and their
     `ShapeDtypeStruct`s alike: a model made by `eqx.filter_eval_shape` answers as the
-    model does.)"""
+    model does.) A stack of such modules (`eqx.filter_vmap`-made: every array with the
+    same leading axis) that traces on no input is traced as one of its slices."""
     weight = module.weight
-    inputs = (
-        jax.ShapeDtypeStruct((weight.shape[-1],), weight.dtype),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        *_conv_inputs(tuple(weight.shape), weight.dtype),
-    )
     arrays, rest = eqx.partition(module, _is_array_like)
     leaves, treedef = jax.tree_util.tree_flatten(arrays)
+    shape = tuple(weight.shape)
     avals = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves)
-    try:
-        return _cached_traced_gemm(rest, treedef, avals, inputs)
-    except TypeError:  # an unhashable static field: trace without the cache
-        return _traced_gemm(rest, treedef, avals, inputs)
+    while True:
+        inputs = (
+            jax.ShapeDtypeStruct((shape[-1],), weight.dtype),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            *_conv_inputs(shape, weight.dtype),
+        )
+        try:
+            found = _cached_traced_gemm(rest, treedef, avals, inputs)
+        except TypeError:  # an unhashable static field: trace without the cache
+            found = _traced_gemm(rest, treedef, avals, inputs)
+        lead = {v.shape[0] if v.shape else None for v in avals}
+        if found is not None or len(shape) <= 2 or len(lead) != 1 or None in lead:
+            return found
+        shape = shape[1:]  # one slice of the stack
+        avals = tuple(jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for v in avals)
 
 
 def _is_array_like(v: Any) -> bool:

@@ -324,6 +324,56 @@ def test_freeze_packs_kernels_as_trained_and_equals_the_unfrozen_forward():
     assert_close(decoded, qmodel.down.weight.array, "decoded kernel", rtol=0.2)
 
 
+class _MambaBlock(eqx.Module):
+    """A Mamba-style block over `(channels, tokens)`: a causal depthwise `eqx.nn.Conv1d`,
+    then a linear, and a user's short convolution on `(tokens, channels)`."""
+
+    conv: eqx.nn.Conv1d
+    short: ShortConv
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.conv = eqx.nn.Conv1d(32, 32, 4, padding=((3, 0),), groups=32, key=k[0])
+        self.short = ShortConv(32, 4, k[1])
+        self.out = eqx.nn.Linear(32, 32, key=k[2])
+
+    def __call__(self, x):
+        h = jax.nn.silu(self.conv(x)).T
+        return x + jax.vmap(self.out)(self.short(h)).T
+
+
+class _ScannedStack(eqx.Module):
+    """Blocks built by `eqx.filter_vmap` and run by `lax.scan`, as Mamba ports do."""
+
+    layers: _MambaBlock
+
+    def __init__(self, key):
+        self.layers = eqx.filter_vmap(_MambaBlock)(jax.random.split(key, 3))
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        body = lambda h, p: (eqx.combine(p, static)(h), None)
+        return lax.scan(body, x, params)[0]
+
+
+def test_stacked_convolutions_scanned_train_and_freeze_as_trained():
+    # Each slice's kernel keeps its roles (out, in, window): the stack's axis is not one.
+    qmodel = nvfp4x.quantize(_ScannedStack(jax.random.key(0)), CONVS)
+    for w in (qmodel.layers.conv.weight, qmodel.layers.short.weight):
+        assert w.kernel_axes == (0, 1, 2) and w.stack_shape == (3,) and w.groups == 32
+    x = normal(1, (32, 24))
+    loss = lambda m: jnp.sum(m(x) ** 2)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(qmodel))
+    assert jaxpr.count("nvfp4x_qdot[") == 3  # the body's three fprops, scanned once
+    g = eqx.filter_jit(eqx.filter_grad(loss))(qmodel)
+    assert np.all(np.isfinite(g.layers.conv.weight.array))
+    assert float(jnp.abs(g.layers.short.weight.array).max()) > 0
+    frozen = nvfp4x.freeze(qmodel)
+    run = eqx.filter_jit(lambda m: m(x))
+    assert_same(run(frozen), run(qmodel), "frozen scanned convolutions")
+
+
 def test_telemetry_runs_on_convolutions():
     k = jax.random.split(jax.random.key(0), 2)
     model = eqx.nn.Sequential(

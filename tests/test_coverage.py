@@ -180,3 +180,61 @@ def test_a_selected_weight_that_reaches_a_plain_gemm_is_flagged():
         ("layers[0]", "a plain dot_general (fprop)"),
     )
     assert "SELECTED WEIGHTS THAT REACHED A GEMM UNQUANTISED:\n  layers[0]: a `jax" in str(report)
+
+
+_EXPERT_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,),
+)
+
+
+class LevanterMoE(eqx.Module):
+    """A Levanter-style MoE MLP: raw expert arrays `w1`, `w3` `(E, d, h)` and `w2`
+    `(E, h, d)` (experts `(E, k, n)`), each placed by a sharding constraint, then run by
+    `lax.ragged_dot_general` on tokens sorted by expert (silu(x w1) * x w3, then w2)."""
+
+    router: eqx.nn.Linear
+    w1: jax.Array
+    w2: jax.Array
+    w3: jax.Array
+
+    def __init__(self, key, experts=4, d=32, h=48):
+        k = jax.random.split(key, 4)
+        self.router = eqx.nn.Linear(d, experts, use_bias=False, key=k[0])
+        self.w1 = jax.random.normal(k[1], (experts, d, h))
+        self.w3 = jax.random.normal(k[2], (experts, d, h))
+        self.w2 = jax.random.normal(k[3], (experts, h, d))
+
+    def __call__(self, x):
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        w1, w2, w3 = (
+            jax.lax.with_sharding_constraint(w, sharding) for w in (self.w1, self.w2, self.w3)
+        )
+        gate, chosen = jax.lax.top_k(jax.vmap(self.router)(x), 2)
+        order = jnp.argsort(chosen.reshape(-1))
+        sizes = jnp.bincount(chosen.reshape(-1), length=self.w1.shape[0]).astype(jnp.int32)
+        xs = jnp.take(x, order // 2, axis=0)
+        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, _EXPERT_DIMS)
+        out = dot(jax.nn.silu(dot(xs, w1)) * dot(xs, w3), w2)
+        back = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], 2, -1)
+        return jnp.sum(back * jax.nn.softmax(gate)[..., None], axis=1)
+
+
+def test_raw_expert_weights_of_a_moe_block_are_named():
+    """The expert GEMMs of raw arrays read through sharding constraints are named by
+    their weights, in the forward and in the backward (a wgrad multiplies two
+    activations: it is named by the weight of the GEMM it derives from)."""
+    model = LevanterMoE(jax.random.key(0))
+    grad = eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2))
+    report = nvfp4x.coverage(grad, model, X)
+    ragged = [(r.path, r.pass_) for r in report.rows if r.shape.startswith("ragged")]
+    assert sorted(p for p, kind in ragged if kind == "fprop") == ["w1", "w2", "w3"]
+    assert sorted(p for p, kind in ragged if kind == "backward") == ["w1", "w2", "w2", "w3"]
+    # A quantised weight placed by a sharding constraint is still the weight: its GEMM
+    # runs in NVFP4 (it ran in float32, silently).
+    layer = LevanterMoE(jax.random.key(0)).router
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed = lambda m, x: x @ jax.lax.with_sharding_constraint(m.weight, sharding).T
+    report = nvfp4x.coverage(nvfp4x.quantized(placed), nvfp4x.quantize(layer, "nvfp4_training"), X)
+    assert report.share("nvfp4") == 1.0 and not report.unquantised

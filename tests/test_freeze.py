@@ -374,3 +374,72 @@ def test_a_frozen_linear_is_an_eqx_linear_like_the_quantized_one():
     ]  # fmt: skip
     assert all(isinstance(x, nvfp4x.FrozenLinear) for x in linears(frozen))
     assert len(linears(frozen)) == len(linears(model)) == len(linears(mlp)) == 2
+
+
+# --- weights a wrapper transforms before its GEMM (issue 34) ---
+
+
+class _NormedLinear(eqx.Module):
+    """A user's wrapper that reads its layer's weight before the GEMM (a learned
+    per-row scale over the row norm, as weight-normalised ports write it)."""
+
+    layer: eqx.nn.Linear
+    scale: jax.Array
+
+    def __init__(self, key):
+        self.layer = eqx.nn.Linear(32, 32, key=key)
+        self.scale = jnp.linspace(0.5, 1.5, 32)[:, None]
+
+    def __call__(self, x):
+        w = self.layer.weight
+        w = w * self.scale / jnp.linalg.norm(w, axis=1, keepdims=True)
+        return x @ w.T + self.layer.bias
+
+
+def _wrapped_models():
+    key = jax.random.key(0)
+    spectral, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
+        eqx.nn.Linear(32, 32, key=key), "weight", key=jax.random.key(1)
+    )
+    weight_norm = eqx.nn.WeightNorm(eqx.nn.Conv1d(16, 32, 3, key=key))
+    return spectral, state, weight_norm
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_frozen_weight_wrappers_equal_training_bit_for_bit(jit):
+    # `eqx.nn.SpectralNorm` (σ by power iteration on the master weight) and
+    # `eqx.nn.WeightNorm` (`v * g / ||v||`) transform the master weight before the
+    # GEMM: `freeze` finds them and keeps the master, so the frozen forward computes
+    # the same quantised GEMM of the same effective weight.
+    spectral, state, weight_norm = _wrapped_models()
+    policy = nvfp4x.Policy([(".*", RECIPES["nvfp4_training"]())], convolutions=True)
+    x = jax.random.normal(jax.random.key(2), (8, 32))
+    xc = jax.random.normal(jax.random.key(3), (16, 20))
+    maybe = eqx.filter_jit if jit else lambda f: f
+
+    @maybe
+    def run(m, s, inference):
+        return jax.vmap(lambda xi: m(xi, s, inference=inference))(x)[0]
+
+    qs = nvfp4x.quantize(spectral, policy)
+    fs = nvfp4x.freeze(qs)
+    assert fs.layer.weight.master is not None
+    for inference in (False, True):
+        assert_same_bits(run(fs, state, inference), run(qs, state, inference))
+    qw = nvfp4x.quantize(weight_norm, policy)
+    fw = nvfp4x.freeze(qw)
+    assert fw.layer.weight.master is not None
+    call = maybe(lambda m: m(xc))
+    assert_same_bits(call(fw), call(qw))
+
+
+def test_frozen_user_wrapper_is_refused_without_its_master_and_exact_with_it():
+    # A wrapper `freeze` cannot see: the frozen forward refuses the transform by the
+    # weight's name and the fix; with the fix it equals training bit for bit.
+    qmodel = nvfp4x.quantize(_NormedLinear(jax.random.key(0)), RECIPES["nvfp4_training"]())
+    x = jax.random.normal(jax.random.key(2), (8, 32))
+    with pytest.raises(ValueError, match=r"`layer` is transformed by `mul`.*tied=\[\"layer\"\]"):
+        nvfp4x.freeze(qmodel)(x)
+    frozen = nvfp4x.freeze(qmodel, tied=["layer"])
+    assert_same_bits(frozen(x), qmodel(x))
+    assert_same_bits(eqx.filter_jit(lambda m: m(x))(frozen), eqx.filter_jit(lambda m: m(x))(qmodel))

@@ -12,6 +12,7 @@ import json
 import pathlib
 import shutil
 import struct
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -607,3 +608,38 @@ def test_names_rules():
     # beartype checks calls, as in this test run):
     with pytest.raises(TypeError, match=r"`rules\[1\]\[1\]` must be a string .* regex `head`"):
         _names._check_template(1, "head", 3)
+
+
+class _ConvBlock(eqx.Module):
+    conv: eqx.nn.Conv1d
+
+    def __init__(self, key):
+        self.conv = eqx.nn.Conv1d(32, 32, 4, padding=((3, 0),), key=key)
+
+    def __call__(self, x):
+        return x + jax.nn.silu(self.conv(x))
+
+
+class _Layers(eqx.Module):
+    layers: Any
+
+
+def test_stacked_convolutions_export_one_tensor_per_layer(tmp_path):
+    """Convolutions in a `filter_vmap`-built stack export as stacked linears do: the
+    tensors of the same kernels built as a list, read back bit for bit."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    stacked = _Layers(eqx.filter_vmap(_ConvBlock)(keys))
+    listed = _Layers([_ConvBlock(k) for k in keys])
+    policy = nvfp4x.Policy([(".*", nvfp4x.recipes.nvfp4_weight_only())], convolutions=True)
+    frozen = nvfp4x.freeze(nvfp4x.quantize(stacked, policy))
+    names = {"layers.conv": "model.layers.{i}.conv"}
+    nvfp4x.export_hf(frozen, tmp_path / "stack", names=names)
+    list_names = {f"layers[{i}].conv": f"model.layers.{i}.conv" for i in range(2)}
+    listed = nvfp4x.freeze(nvfp4x.quantize(listed, policy))
+    nvfp4x.export_hf(listed, tmp_path / "list", names=list_names)
+    a = read_raw(tmp_path / "list/model.safetensors")
+    b = read_raw(tmp_path / "stack/model.safetensors")
+    assert sorted(a) == sorted(b) and "model.layers.1.conv.weight_scale_2" in b
+    for name in a:
+        assert a[name][0] == b[name][0] and a[name][1].tobytes() == b[name][1].tobytes(), name
+    assert_same_bits(nvfp4x.import_hf(tmp_path / "stack", frozen, names=names), frozen)

@@ -227,6 +227,33 @@ def test_ragged_moe_frozen_equals_unfrozen():
     assert_same(call(frozen, x), call(qmodel, x), "frozen experts, jit")
 
 
+class OutInExperts(eqx.Module):
+    """Experts stored `(E, out, in)` as PyTorch checkpoints hold them, read as `(E, in,
+    out)` by `ragged_dot`: through `jnp.swapaxes` or `.mT`."""
+
+    weight: jax.Array
+    read: str = eqx.field(static=True)
+
+    def __call__(self, x, group_sizes):
+        w = jnp.swapaxes(self.weight, 1, 2) if self.read == "swapaxes" else self.weight.mT
+        return lax.ragged_dot(x, w, group_sizes)
+
+
+@pytest.mark.parametrize("read", ["swapaxes", "mT"])
+def test_experts_stored_out_in_freeze_to_the_trained_numbers(read):
+    """Every expert layout training accepts freezes to the same numbers: `(E, out, in)`
+    read transposed runs the grouped GEMM, and its frozen forward (and decoded weight)
+    equals the unfrozen one, eagerly and under jit."""
+    qmodel = nvfp4x.quantize(OutInExperts(normal(14, (G, 48, K)), read), "nvfp4_training")
+    x, s = normal(5, (T, K)), jnp.asarray(SIZES["uneven"], jnp.int32)
+    assert _count(jax.make_jaxpr(qmodel)(x, s), "nvfp4x_grouped_qdot") == 1
+    frozen = nvfp4x.freeze(qmodel)
+    assert_same(frozen(x, s), qmodel(x, s), "frozen (E, out, in) experts, eager")
+    call = eqx.filter_jit(lambda m, x: m(x, s))
+    assert_same(call(frozen, x), call(qmodel, x), "frozen (E, out, in) experts, jit")
+    assert np.asarray(frozen.weight).shape == (G, 48, K)
+
+
 def test_unsupported_ragged_layout_warns_and_runs_float():
     """A `ragged_dot` layout the grouped GEMM does not take (here a batch of token
     arrays) is reported, naming the weight, and runs unquantised."""

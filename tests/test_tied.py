@@ -6,12 +6,15 @@ The models are written the way public Equinox code ties its heads: esm2quinox bu
 `eqx.nn.Embedding` from the head's weight in a property; Equinox's documentation ties
 them with `eqx.nn.Shared`."""
 
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import normal
+import safetensors
+from helpers import assert_same_bits, normal
 
 import nvfp4x
 
@@ -154,6 +157,32 @@ def test_shared_tie_frozen_equals_trained(head, embed_first):
     assert_frozen_equals_trained(qmodel, frozen)
 
 
+class TreeAtTie(eqx.Module):
+    """A table tied to the head by placing one weight in both (`eqx.tree_at`)."""
+
+    embed: eqx.nn.Embedding
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(V, D, key=k1)
+        self.head = eqx.nn.Linear(D, V, use_bias=False, key=k2)
+
+    def __call__(self, tokens):
+        return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.embed)(tokens)))
+
+
+def test_a_weight_in_two_places_is_found_tied():
+    """The quantised head's weight placed in the embedding too (one master array, two
+    places): `freeze` finds the tie without being told, and the lookup reads the master
+    values as training did."""
+    qmodel = nvfp4x.quantize(TreeAtTie(jax.random.key(0)), nvfp4x.recipes.nvfp4_training())
+    qmodel = eqx.tree_at(lambda m: m.embed.weight, qmodel, qmodel.head.weight)
+    frozen = nvfp4x.freeze(qmodel)
+    assert frozen.head.weight.master is not None
+    assert_frozen_equals_trained(qmodel, frozen)
+
+
 def weights(model):
     is_frozen = lambda x: isinstance(x, nvfp4x.FrozenWeight)
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_frozen)[0]
@@ -171,10 +200,30 @@ def test_tied_model_saves_and_loads_bit_exact(tmp_path):
     assert_frozen_equals_trained(qmodel, loaded)
 
 
-def test_export_hf_refuses_a_tied_weight_naming_it(tmp_path):
+def test_export_hf_refuses_a_quantised_tied_weight_naming_it(tmp_path):
     qmodel = nvfp4x.quantize(SharedTie(jax.random.key(0)), nvfp4x.recipes.nvfp4_weight_only())
-    with pytest.raises(ValueError, match=r"`shared.pytree\[1\]` out of the NVFP4 policy"):
+    with pytest.raises(ValueError, match=r"Keep `shared.pytree\[1\]` unquantised \(a rule"):
         nvfp4x.export_hf(nvfp4x.freeze(qmodel), tmp_path / "hf", names=lambda p: p)
+
+
+def test_export_hf_writes_a_tie_kept_in_bf16_once_unquantised(tmp_path):
+    """A tied head the policy keeps in bf16 is written as serving stacks expect a tie:
+    one unquantised tensor, the table (the master values its lookup reads), listed as
+    excluded from quantisation; read back, the frozen model is the same, bit for bit."""
+    head = nvfp4x.recipes.bf16()
+    weight_only = nvfp4x.Policy([(r".*\[1\]", head), (".*", nvfp4x.recipes.nvfp4_weight_only())])
+    frozen = nvfp4x.freeze(nvfp4x.quantize(SharedTie(jax.random.key(0)), weight_only))
+    nvfp4x.export_hf(frozen, tmp_path / "hf", names=lambda p: p)
+    with safetensors.safe_open(tmp_path / "hf" / "model.safetensors", "numpy") as f:
+        [tied] = [n for n in f.keys() if n.startswith("shared.pytree")]  # noqa: SIM118
+        tensor = f.get_tensor(tied)
+    # (the embedding holds the table: `eqx.nn.Shared` puts the head's slot aside)
+    assert tied == "shared.pytree[0].weight" and tensor.dtype == np.float32
+    np.testing.assert_array_equal(tensor, np.asarray(frozen.shared.pytree[0].weight.master))
+    config = json.loads((tmp_path / "hf" / "hf_quant_config.json").read_text())
+    assert config["quantization"]["quant_algo"] == "W4A16_NVFP4"  # the block's layer
+    back = nvfp4x.import_hf(tmp_path / "hf", frozen, names=lambda p: p)
+    assert_same_bits(back, frozen)
 
 
 class UserLinear(eqx.Module):

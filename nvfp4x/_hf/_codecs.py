@@ -26,6 +26,7 @@ from .._formats._nvfp4 import (
     tensor_decode_scale,
     to_rows,
 )
+from .._freeze import pack_weight
 from .._frozen import FrozenWeight
 from .._sites import layers as site_layers, weight_path
 from ._modelopt import Algo, QuantConfig
@@ -87,12 +88,21 @@ class Codec:
         raise NotImplementedError
 
 
+def _plain_array(leaf: Any) -> Any:
+    """The array a plain tensor holds: a frozen weight's master values if it keeps them
+    (a tie kept unquantised: the table its lookup reads, which its GEMM casts), else its
+    packed array; any other leaf itself."""
+    if not isinstance(leaf, FrozenWeight):
+        return leaf
+    return leaf.packed if leaf.master is None else leaf.master
+
+
 class Plain(Codec):
     """Arrays and weights kept in their dtype: one tensor each (per stacked slice)."""
 
     def export(self, entry, weight_only, input_amax, who):
         leaf = entry.leaf
-        array = np.asarray(leaf.packed if isinstance(leaf, FrozenWeight) else leaf)
+        array = np.asarray(_plain_array(leaf))
         slices = [array] if entry.stack is None else list(array)
         tensors = {}
         for name, a in zip(entry.tensor_names(), slices, strict=True):
@@ -103,7 +113,7 @@ class Plain(Codec):
 
     def read(self, entry, source, config):
         leaf = entry.leaf
-        array = leaf.packed if isinstance(leaf, FrozenWeight) else leaf
+        array = _plain_array(leaf)
         dtype = np.dtype(array.dtype)
         if dtype not in CODES:
             raise ValueError(
@@ -114,7 +124,11 @@ class Plain(Codec):
         names = entry.tensor_names()
         parts = [source.get(n, CODES[dtype], [shape], holder).array() for n in names]
         value = jnp.asarray(parts[0] if entry.stack is None else np.stack(parts))
-        return dataclasses.replace(leaf, packed=value) if isinstance(leaf, FrozenWeight) else value
+        if not isinstance(leaf, FrozenWeight):
+            return value
+        if leaf.master is not None:  # the tie's table; its GEMM's weight, packed as `freeze` does
+            return dataclasses.replace(leaf, packed=pack_weight(value, leaf.recipe), master=value)
+        return dataclasses.replace(leaf, packed=value)
 
 
 _NVFP4_WEIGHTS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}

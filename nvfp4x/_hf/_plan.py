@@ -78,13 +78,15 @@ def plan(model: Any, names: Any, who: str) -> tuple[list[Entry], Any, list]:
                 )
             if leaf.transposed:
                 raise ValueError(f"{who}: `{path}` is a transposed view of a frozen weight.")
-            if leaf.master is not None:
+            if leaf.master is not None and isinstance(leaf.packed, PackedArray):
                 raise ValueError(
                     f"{who}: `{path}` is tied to an embedding (it keeps its master values "
-                    "for the lookup, `FrozenWeight.master`); the checkpoint format holds one "
-                    "tensor per weight, and serving stacks keep a tied LM head unquantised. "
-                    f"Leave `{leaf.path}` out of the NVFP4 policy, or write the model with "
-                    "`nvfp4x.save`, which keeps both."
+                    "for the lookup, `FrozenWeight.master`) and quantised "
+                    f"({leaf.recipe.weight}); the checkpoint format holds one tensor per "
+                    "weight, and serving stacks keep a tied LM head unquantised. Keep "
+                    f"`{leaf.path}` unquantised (a rule `({leaf.path!r}, None)` or "
+                    "`nvfp4x.recipes.bf16()`: its master values are then written once, as "
+                    "the tied table), or write the model with `nvfp4x.save`, which keeps both."
                 )
         elif not _is_array(leaf):
             continue  # not a tensor (a Python scalar, a string...): not checkpoint data
