@@ -55,6 +55,41 @@ def check_float(x: Any, name: str = "x") -> jax.Array:
     return jnp.asarray(x)
 
 
+def layer_name(path: str) -> str:
+    """` of `path`` to follow a description of a layer in a message, or nothing for the
+    model itself (its path is empty)."""
+    return f" of `{path}`" if path else ""
+
+
+def layer_operand(x: jax.Array, who: str, dtype) -> jax.Array:
+    """A quantised layer's input `x` (an array) as the float layer would compute with it:
+    integer and boolean inputs cast to `dtype` (the weight's, where `eqx.nn.Linear` and
+    `lax.ragged_dot` promote them to it); complex inputs refused, naming `who` (a
+    complex product's imaginary part would be dropped without a word)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{who}'s input `x` is complex ({x.dtype}); nvfp4x layers compute real "
+            "products and would drop its imaginary part. Apply the layer to `x.real` and "
+            "`x.imag` separately, or leave this layer unquantised."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or bool
+        x = x.astype(dtype)
+    return x
+
+
+def check_group_sizes(group_sizes: Any, who: str) -> jax.Array:
+    """`group_sizes` of a grouped GEMM as an int32 array; `TypeError` unless its dtype is
+    an integer one (as `lax.ragged_dot_general` requires: a boolean mask is not a count)."""
+    sizes = jnp.asarray(group_sizes)
+    if not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: `group_sizes` has dtype `{np.dtype(sizes.dtype).name}`; it counts the "
+            "tokens of each group and must be an integer array (as `lax.ragged_dot` "
+            "requires), e.g. `jnp.bincount(expert_ids, length=groups)`."
+        )
+    return sizes.astype(jnp.int32)
+
+
 def check_ndim(x: jax.Array, min_ndim: int, what: str, name: str = "x") -> None:
     """Raise `ValueError` unless `x` has at least `min_ndim` axes (`what` says why)."""
     if x.ndim < min_ndim:

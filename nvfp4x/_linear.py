@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, Shaped
 
 from ._axes import explicit_axes_as_auto
+from ._checks import layer_operand
 from ._dispatch import as_qweight, interpreting, with_class
 from ._formats import widest_float
 from ._numerics._threefry import seed_words
@@ -226,12 +227,4 @@ def layer_input(layer, x: Any, weight_dtype) -> Array:
             f"{name} takes an array `x` of shape (..., {layer.in_features}), got "
             f"{type(x).__name__}: {e}"
         ) from None
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"{name}'s input `x` is complex ({x.dtype}); nvfp4x layers compute real "
-            "products and would drop its imaginary part. Apply the layer to `x.real` and "
-            "`x.imag` separately, or leave this layer unquantised."
-        )
-    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or bool: as eqx.nn.Linear
-        x = x.astype(weight_dtype)
-    return x
+    return layer_operand(x, name, weight_dtype)
