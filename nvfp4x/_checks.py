@@ -19,7 +19,9 @@ import numpy as np
 
 from ._numerics._constants import BLOCK, NVFP4_BLOCKS, is_tile
 from ._numerics._fp8 import FP8_KINDS
+from ._numerics._ieee import INF_BITS
 from ._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
+from ._numerics._subnormal import to_float32
 from ._prims import is_traced
 
 _ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (
@@ -214,10 +216,14 @@ def check_amax(amax: Any) -> jax.Array | None:
                 "`jnp.max(jnp.abs(x))` or its `jax.lax.pmax` across devices."
             )
         return jnp.asarray(np.abs(value))  # -0.0 -> +0.0
-    traced = jnp.asarray(amax, jnp.float32).reshape(())
+    traced = to_float32(jnp.asarray(amax).astype(jnp.result_type(float)).reshape(()))
+    bits = jax.lax.bitcast_convert_type(traced, jnp.int32)
+    # Negative from the bits (NaN aside): a float `< 0` reads a negative subnormal as 0
+    # on a device that flushes subnormals.
+    negative = (bits < 0) & ((bits & 0x7FFFFFFF) != 0) & ((bits & 0x7FFFFFFF) <= INF_BITS)
     return eqx.error_if(
         traced,
-        traced < 0,
+        negative,
         "`amax` is negative; it must be `max(|x|)` (>= 0), e.g. `jnp.max(jnp.abs(x))` or "
         "its `jax.lax.pmax` across devices.",
     )

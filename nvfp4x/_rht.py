@@ -27,8 +27,8 @@ def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
     scaled down by a power of two); a non-finite element makes its chunk column's
     outputs non-finite. Chunk columns below 2^-100 are transformed scaled up and
     rounded once back into float32, so subnormal inputs and outputs are kept, not
-    flushed to zero, on every device. A float64 `x` is rounded to float32 first
-    (beyond its range: ±inf).
+    flushed to zero, on every device. A float64 `x` is rounded to float32 first, once
+    (beyond its range: ±inf; in its subnormal range: the subnormal, not zero).
 
     **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex) or a
     non-integer `axis`; `ValueError` for a 0-d `x` or an `axis` out of range.

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from ._constants import BLOCK, RHT_SIGNS
 from ._ieee import abs_bits
-from ._subnormal import tiny_down, tiny_up
+from ._subnormal import tiny_down, tiny_up, to_float32
 
 #: Chunk columns whose largest magnitude reaches this (2^124) are transformed scaled by
 #: `_RANGE_SHIFT`: otherwise a float32 partial sum of 16 terms of up to `max/4` each may
@@ -54,7 +54,7 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     `nvfp4x.rht`, which checks them, and the GEMMs, whose operands are checked already);
     see `nvfp4x.rht` (`_rht.py`) for what it computes."""
     axis = axis % x.ndim
-    x = jnp.moveaxis(x.astype(jnp.float32), axis, 0)
+    x = jnp.moveaxis(to_float32(x), axis, 0)
     pad = -x.shape[0] % BLOCK
     if pad:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
