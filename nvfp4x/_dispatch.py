@@ -263,7 +263,8 @@ def ragged_rule(lhs, rhs, group_sizes, gemm: Callable, *, ragged_dot_dimension_n
     (lc, rc), (lb, rb) = dims.dot_dimension_numbers
     w, a = rhs, lhs
     weights = [v for v in (lhs, rhs) if isinstance(v, WeightValue)]
-    who = f"The quantised grouped GEMM (`ragged_dot`){layer_name(weights[0].path)}"
+    path = getattr(weights[0], "path", "")
+    who = f"The quantised grouped GEMM (`ragged_dot`){layer_name(path)}"
     sizes = check_group_sizes(group_sizes, who)
     supported = (
         isinstance(w, WeightValue)

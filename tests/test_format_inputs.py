@@ -690,6 +690,26 @@ def test_rht_near_float32_max(mode):
 
 
 @MODES
+def test_rht_at_float32_max(mode):
+    # Sums of multiples of FLT_MAX and their neighbours: exact results of exactly ±FLT_MAX
+    # (and others in the top binade) came out ±inf where the float32 einsum's summation
+    # error crossed the overflow threshold. Results from 2^127 up are the exact
+    # transform rounded once to float32 (±inf from the midpoint above FLT_MAX); every
+    # result whose exact value rounds to a finite float32 is finite.
+    rng = np.random.default_rng(12)
+    x = (FLT_MAX * rng.choice([-1, 1, 0.5, -0.5, 0.25, 0, 0.75], SHAPE)).astype(F32)
+    x = np.where(rng.random(SHAPE) < 0.5, np.nextafter(x, F32(0)), x)
+    y = np.asarray(call(nvfp4x.rht, mode, x))
+    exact = _exact_rht(x)  # (exact in float64: the terms' exponents are close)
+    with np.errstate(over="ignore"):
+        want = exact.astype(F32)  # rounded once; beyond the midpoint, ±inf
+    assert np.isfinite(y[np.isfinite(want)]).all()
+    top = np.abs(exact) >= 2.0**127
+    assert top.sum() > 100 and (np.abs(want[top]) == FLT_MAX).sum() > 5
+    assert_bits(y[top], want[top], "results in the top binade")
+
+
+@MODES
 def test_mxfp8_subnormal_blocks(mode):
     # Blocks of subnormals (and a normal block): the elements, scales and dequantised
     # values (subnormal products of an E4M3 value and the 2^-126 scale) are the spec's
