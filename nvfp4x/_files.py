@@ -446,6 +446,45 @@ def read_regular(
         return f.read()
 
 
+def irregular_file(directory: str | os.PathLike, *, max_bytes: int, data: str = "d") -> str | None:
+    """What makes the folder `directory` unsafe to hand to a reader that opens its files
+    blindly (Orbax), or None: a file (symlinks followed) that is not a regular file or a
+    folder (a FIFO would block the reader forever, `/dev/zero` never ends), or a regular
+    file larger than `max_bytes` outside the array-data folders named `data` (whose files
+    are read by the ranges their manifest records). Reads nothing but metadata.
+    """
+    root = os.fspath(directory)
+    if not os.path.isdir(root) or os.path.islink(root):  # one file (or a link to one)
+        here, name = os.path.split(root)
+        return _irregular(here, name, max_bytes, in_data=False)
+    for here, folders, files in os.walk(root, followlinks=False):
+        in_data = data in os.path.relpath(here, root).split(os.sep)
+        for name in folders + files:
+            problem = _irregular(here, name, max_bytes, in_data=in_data)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _irregular(here: str, name: str, max_bytes: int, *, in_data: bool) -> str | None:
+    """`irregular_file` for the entry `name` of the folder `here`."""
+    path = os.path.join(here, name)
+    try:
+        info = os.stat(path)  # (follows links: what a reader opens)
+    except OSError as e:
+        return f"`{path}` cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(info.st_mode):
+        return f"`{path}` is a link to a folder, not a folder" if os.path.islink(path) else None
+    if not stat.S_ISREG(info.st_mode):
+        return f"`{path}` is a {_kind(info.st_mode)}, not a regular file"
+    if not in_data and info.st_size > max_bytes:
+        return (
+            f"`{path}` has {info.st_size:,} bytes, more than the {max_bytes:,} a metadata "
+            "file can plausibly hold"
+        )
+    return None
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for key, value in pairs:

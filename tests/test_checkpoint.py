@@ -427,6 +427,45 @@ def test_damaged_metadata_is_refused_as_corrupted_naming_the_folder_and_step(tmp
     assert outcomes.get("refused", 0) > 0, outcomes
 
 
+SPECIAL_FILES = """
+import os, sys
+sys.path.insert(0, {root!r})
+import jax.numpy as jnp
+import nvfp4x
+
+folder, step = {folder!r}, os.path.join({folder!r}, "5")
+with nvfp4x.TrainingCheckpointer(folder, async_save=False) as ckpt:
+    ckpt.save(5, {{"w": jnp.arange(6.0)}})
+cases = [(name, "fifo") for name in
+         ("_CHECKPOINT_METADATA", "nvfp4x/metadata", "state/_METADATA", "state/_sharding")]
+cases += [("state/manifest.ocdbt", "/dev/zero"), ("nvfp4x/metadata", "/dev/zero")]
+for name, what in cases:
+    path = os.path.join(step, name)
+    os.rename(path, path + ".good")
+    os.mkfifo(path) if what == "fifo" else os.symlink(what, path)
+    try:
+        with nvfp4x.TrainingCheckpointer(folder) as ckpt:
+            ckpt.restore({{"w": jnp.zeros(6)}}, step=5)
+    except ValueError as e:
+        print("refused:", e)
+    os.unlink(path)
+    os.rename(path + ".good", path)
+"""
+
+
+def test_special_files_in_a_step_are_refused_before_orbax_opens_them(tmp_path):
+    """A step file replaced by a FIFO (Orbax's and nvfp4x's metadata files) hung the
+    restore forever; a link to `/dev/zero` was read until memory ran out. Each is
+    refused as corrupted, naming the file and what it is (a subprocess, time-bound)."""
+    script = SPECIAL_FILES.format(root=str(HERE.parent), folder=str(tmp_path / "run"))
+    out = run_script(["-c", script], timeout=120, what="restore of special files").stdout
+    refusals = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 6, out
+    for line, name in zip(refusals, ("_CHECKPOINT_METADATA", "nvfp4x/metadata"), strict=False):
+        assert f"step 5 is corrupted: `{tmp_path / 'run' / '5' / name}` is a FIFO" in line, line
+    assert sum("is a character device, not a regular file" in line for line in refusals) == 2
+
+
 def test_step_metadata_records_are_checked_field_by_field(tmp_path):
     """The nvfp4x metadata carries a digest of itself: a value changed, a field lost
     or added is refused as corrupted before anything is compared with `like`."""
