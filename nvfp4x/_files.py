@@ -6,9 +6,12 @@
   folder, then swapped in with one atomic rename (`renameat2(RENAME_EXCHANGE)` on Linux,
   `renamex_np(RENAME_SWAP)` on macOS), so a reader of the folder sees the old contents
   or the new, never a mix.
-- Temporaries carry recognisable names (`.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`):
-  the next write of the same target removes those a killed process left behind, and
-  never those of a writer still running.
+- Temporaries carry recognisable names (`.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`)
+  and a lock file beside them (`...<random>.lock`) that the writer holds locked
+  (`flock`) while it writes: the next write of the same target removes those a killed
+  process left behind (its lock released by the kernel when it died), and never those of
+  a writer still running, in any PID namespace on any host whose file system honours
+  the lock (a container sharing the volume, whose process ids mean nothing here).
 - `read_regular` / `load_json`: reads that refuse what is not a regular file (a FIFO
   would block, `/dev/zero` never ends) or not plausible JSON (too large, too deep,
   duplicate keys), naming the file.
@@ -32,8 +35,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
-#: A temporary of another host (a shared file system) is stale after this many seconds
-#: without a change; on this host, as soon as the process that made it is gone.
+try:
+    import fcntl
+except ImportError:  # Windows: no `flock`; temporaries are then removed by age only
+    fcntl = None
+
+#: A temporary is stale after this many seconds without a change, whoever made it; before
+#: that, only when its lock file can be locked (its writer is gone).
 STALE_AFTER_S = 24 * 3600
 #: The largest JSON file (config, index, checkpoint header) nvfp4x reads.
 MAX_JSON_BYTES = 100_000_000  # the safetensors library's limit for its header
@@ -43,9 +51,10 @@ MAX_JSON_DEPTH = 64
 #: This host, as temporaries and claims name it (a hash of its name).
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _TEMPORARY = re.compile(
-    r"\.(?P<target>.+)\.nvfp4x-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>[a-z]+)"
+    r"\.(?P<target>.+)\.nvfp4x-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>[a-z]+~?)"
 )
 _live: set[str] = set()  # absolute paths of the temporaries this process is writing
+_held: dict[str, int] = {}  # path -> descriptor of a locked file this process holds
 _live_lock = threading.Lock()
 _umask_lock = threading.Lock()
 
@@ -57,40 +66,87 @@ _umask_lock = threading.Lock()
 def _temporary(target: str, kind: str) -> Iterator[str]:
     """A fresh temporary path next to `target`, recorded as live while the block runs."""
     directory, base = os.path.split(target)
-    name = f".{base}.nvfp4x-{HOST}-{os.getpid()}-{secrets.token_hex(4)}.{kind}"
-    path = os.path.join(directory, name)
+    stem = f".{base}.nvfp4x-{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = os.path.join(directory, f"{stem}.{kind}")
+    lock = os.path.join(directory, f"{stem}.lock")
     with _live_lock:
         _live.add(path)
     try:
-        yield path
+        create_locked(lock)  # held while the temporary may exist
+        try:
+            yield path
+        finally:
+            let_go(lock)
     finally:
         with _live_lock:
             _live.discard(path)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host with id `pid` runs (unknown: assumed so)."""
+def lock_of(path: str) -> str:
+    """The lock file of the temporary `path` (a temporary named as `_temporary` names
+    them: the same name with the kind `lock`); a lock file is its own."""
+    return (
+        path[: path.rindex(".")] + ".lock" if _TEMPORARY.fullmatch(os.path.basename(path)) else path
+    )
+
+
+def create_locked(path: str, content: bytes = b"") -> None:
+    """Create the file `path` holding `content`, locked (`flock`) by this process until
+    `let_go`; `FileExistsError` if it exists. It is made under a private name, locked,
+    then linked into place, so that no other process ever sees it unlocked."""
+    unique = _TEMPORARY.fullmatch(os.path.basename(path)) is not None  # (a random part)
+    private = f"{path}~" if unique else f"{path}.{secrets.token_hex(4)}~"
+    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, content)
+        os.link(private, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(private)
+    with _live_lock:
+        _live.add(path)
+        _held[path] = fd
+
+
+def _lock_free(lock: str) -> bool:
+    """Whether the lock file `lock` exists and no process holds its lock (taking it for
+    a moment, without waiting). False where it cannot be told (no `flock`: Windows)."""
+    if fcntl is None:
         return False
-    except (PermissionError, OSError):  # another user's process, or no `kill` (Windows)
-        return True
+    try:
+        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (EWOULDBLOCK), or locks not supported here
+        return False
+    finally:
+        os.close(fd)  # (releases the lock if taken)
     return True
 
 
-def writer_gone(path: str, host: str, pid: int) -> bool:
+def writer_gone(path: str, lock: str | None = None) -> bool:
     """Whether the writer of `path` (a temporary, or a claim on a step) is gone, so that
     `path` may be removed: the one rule for every leftover of a killed writer.
 
-    `path` was made by process `pid` of host `host` (a hash, as `HOST`). Never while
-    this process holds it (`hold`); else when it is untouched for `STALE_AFTER_S`, or
-    when it is of this host and its process no longer runs (or is this process, which
-    does not hold it: an earlier process that had the same id). A path that cannot be
-    read is not removed.
+    Never while this process holds it; else when it is untouched for `STALE_AFTER_S`,
+    or when its lock file `lock` (default: `lock_of(path)`), which its writer holds
+    locked (`flock`) as long as it runs, exists and can be locked: the kernel released
+    it when the writer died, whatever its host or PID namespace (process ids are not
+    compared: in another container on the same host name they mean nothing here). A
+    path that cannot be read, or whose lock file is missing, waits for its age.
     """
+    lock = lock_of(path) if lock is None else lock
     with _live_lock:
-        if path in _live:
+        if path in _live or lock in _live:
             return False
     try:
         age = time.time() - os.lstat(path).st_mtime
@@ -98,24 +154,28 @@ def writer_gone(path: str, host: str, pid: int) -> bool:
         return False
     if age > STALE_AFTER_S:
         return True
-    if host != HOST:
+    if path.endswith("~"):  # a lock file killed before it was linked: its age only
         return False
-    return pid == os.getpid() or not pid_alive(pid)
+    return _lock_free(lock)
 
 
 def hold(path: str) -> None:
-    """Mark `path` (a file this process made, such as a lock file) as held by this
-    process: `writer_gone` says no for it until `let_go`."""
+    """Mark `path` (a file this process made) as held by this process: `writer_gone`
+    says no for it until `let_go`."""
     with _live_lock:
         _live.add(path)
 
 
 def let_go(path: str) -> None:
-    """Remove `path`, held with `hold`, and stop holding it (a missing file is fine)."""
+    """Remove `path`, held with `hold` or `create_locked`, and stop holding it (its lock
+    released after it is removed; a missing file is fine)."""
     with contextlib.suppress(OSError):
         os.unlink(path)
     with _live_lock:
         _live.discard(path)
+        fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def umask() -> int:
@@ -135,9 +195,9 @@ def umask() -> int:
 
 def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:
     """Remove the temporaries that writes of `target` left behind when their process
-    was killed (files or folders named `.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`):
-    those of a process of this host that no longer runs, and those of another host
-    untouched for `STALE_AFTER_S`. A temporary of a live writer is never removed.
+    was killed (files or folders named `.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`),
+    then their lock files: those whose lock file no process holds (`writer_gone`), and
+    any untouched for `STALE_AFTER_S`. A temporary of a live writer is never removed.
 
     **Returns:** the paths removed (errors, such as a read-only folder, are ignored).
     """
@@ -148,12 +208,12 @@ def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:
     except OSError:
         return []
     removed = []
-    for name in names:
+    for name in sorted(names, key=lambda n: n.endswith((".lock", ".lock~"))):  # locks last
         m = _TEMPORARY.fullmatch(name)
         if m is None or m["target"] != base:
             continue
         path = os.path.join(directory, name)
-        if not writer_gone(path, m["host"], int(m["pid"])):
+        if not writer_gone(path):
             continue
         try:
             if os.path.isdir(path) and not os.path.islink(path):
@@ -368,7 +428,7 @@ def recover_folder(directory: str | os.PathLike) -> None:
         if m is None or m["target"] != base or m["kind"] != "old":
             continue
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and writer_gone(path, m["host"], int(m["pid"])):
+        if os.path.isdir(path) and writer_gone(path):
             olds.append((os.stat(path).st_mtime, path))
     if olds:
         with contextlib.suppress(OSError):

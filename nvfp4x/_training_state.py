@@ -516,8 +516,8 @@ class TrainingCheckpointer:
         path = os.path.join(self.directory, f".nvfp4x-step-{step}.claim")
         record = f"{_files.HOST} {os.getpid()} {token}"
         for _ in range(2):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:  # locked (`flock`) while this process lives: the proof it is not gone
+                _files.create_locked(path, record.encode())
             except FileExistsError:
                 holder = _claim_holder(path)
                 if holder is not None:
@@ -529,9 +529,6 @@ class TrainingCheckpointer:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # a killed writer's claim
                 continue
-            _files.hold(path)
-            with os.fdopen(fd, "w") as f:
-                f.write(record)
             break
         else:
             raise ValueError(f"`{self.directory}`: could not claim step {step} (contended).")
@@ -594,15 +591,15 @@ class _Pending:
 
 def _claim_holder(path: str) -> str | None:
     """Who holds the claim at `path` (`"host <hash>, pid <id>"`), or None where its
-    writer is gone (`_files.writer_gone`, the rule for temporaries too)."""
+    writer is gone (`_files.writer_gone`, the rule for temporaries too: the claim's
+    lock released)."""
+    if _files.writer_gone(path):
+        return None
     try:
         text = read_regular(path, max_bytes=4096).decode(errors="replace")
         host, pid, _ = text.split()
-        pid_number = int(pid)
     except (OSError, ValueError):
-        return None  # a claim cut short by a kill (or gone)
-    if _files.writer_gone(path, host, pid_number):
-        return None
+        host, pid = "?", "?"  # (written before it was linked into place: unreadable)
     if not os.path.lexists(path):
         return None  # released meanwhile
     return f"host {host}, pid {pid}"

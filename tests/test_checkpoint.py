@@ -8,6 +8,7 @@ and resumed ends with the same bits as one never stopped. (Sharded state:
 `tests/test_save_load.py`.)
 """
 
+import fcntl
 import gc
 import json
 import os
@@ -627,12 +628,16 @@ def test_a_claimed_step_is_refused_unless_its_writer_is_gone(tmp_path):
     )
     with nvfp4x.TrainingCheckpointer(folder, async_save=False) as ckpt:
         claim = folder / ".nvfp4x-step-3.claim"
-        claim.write_text(f"{_files.HOST} {os.getppid()} 0123456789abcdef")
+        # A live writer holds its claim's lock (`flock`), whatever its process id says
+        # (in another container's PID namespace: one that has ended here).
+        claim.write_text(f"{_files.HOST} {int(gone.stdout)} 0123456789abcdef")
+        holder = os.open(claim, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_EX)
         with pytest.raises(
             ValueError, match=rf"step 3 is being written by another process \(host {_files.HOST}"
         ):
             ckpt.save(3, state)
-        claim.write_text(f"{_files.HOST} {int(gone.stdout)} 0123456789abcdef")  # killed
+        os.close(holder)  # killed: its lock released
         ckpt.save(3, state)
         assert ckpt.all_steps() == [3] and not claim.exists()
         assert_same_bits(ckpt.restore(small_state(1)), state, "after a stale claim")

@@ -178,7 +178,9 @@ def test_without_an_atomic_swap_a_kill_between_two_renames_is_undone(
     nvfp4x.export_hf(frozen, target, names=NAMES, input_amax=AMAX["w4a4"])
     assert read_either(target, exports) == "w4a4"
     assert os.listdir(tmp_path) == ["served"]
-    target.rename(tmp_path / f".served.nvfp4x-{_files.HOST}-{dead_pid()}-0123abcd.old")
+    stem = f".served.nvfp4x-{_files.HOST}-{dead_pid()}-0123abcd"
+    target.rename(tmp_path / f"{stem}.old")
+    (tmp_path / f"{stem}.lock").write_text("")  # its writer's lock, released by the kill
     _, _, frozen = exports["w4a16"]
     nvfp4x.export_hf(frozen, target, names=NAMES)
     assert read_either(target, exports) == "w4a16"
