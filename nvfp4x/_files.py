@@ -545,6 +545,17 @@ def _irregular(here: str, name: str, max_bytes: int, *, in_data: bool) -> str | 
     return None
 
 
+def shown(value: Any) -> str:
+    """A value read from a JSON file, for a message: a string in quotes marked as one (a
+    `"16"` is not the number 16), anything else as JSON writes it."""
+    if isinstance(value, str):
+        return f"{json.dumps(value)} (a string)"
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for key, value in pairs:

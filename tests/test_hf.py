@@ -10,6 +10,7 @@ decoding, bit for bit.
 
 import json
 import pathlib
+import re
 import shutil
 import struct
 
@@ -25,6 +26,8 @@ from helpers import assert_same_bits
 
 import nvfp4x
 from nvfp4x._hf import _names
+from nvfp4x._hf._codecs import ALGOS
+from nvfp4x._hf._modelopt import config_json_block
 
 CFG = lm.SMOKE  # d_model 64, 2 blocks, 2 heads, SwiGLU 192
 NAMES = nvfp4x.hf_names.llama
@@ -313,6 +316,16 @@ def test_mixed_policy_round_trip(tmp_path):
     assert raw["model.layers.0.mlp.up_proj.weight"][0] == "F32"
     assert raw["model.layers.1.mlp.up_proj.weight"][0] == "BF16"
     assert_same_bits(nvfp4x.import_hf(tmp_path, like_of(policy), names=NAMES), frozen)
+    # `config.json`'s per-layer map must be the one nvfp4x reads (a serving stack reads it)
+    hq = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    config = {"quantization_config": config_json_block(hq, ALGOS)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    nvfp4x.import_hf(tmp_path, like_of(policy), names=NAMES)  # (as `export_hf` writes it)
+    o_proj = "model.layers.0.self_attn.o_proj"
+    config["quantization_config"]["quantized_layers"][o_proj]["quant_algo"] = "NVFP4"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"`quantized_layers\.{re.escape(o_proj)}: .*disagree"):
+        nvfp4x.import_hf(tmp_path, like_of(policy), names=NAMES)
 
 
 # --- refusals ---

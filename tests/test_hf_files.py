@@ -440,6 +440,55 @@ def test_a_file_that_lost_its_checksums_is_refused_where_the_config_names_nvfp4x
         read()
 
 
+CONFIG_DISAGREEMENTS = {
+    "no quantization_config": (
+        lambda q: None, r"has no `quantization_config` object but .*hf_quant_config\.json"
+    ),
+    "a quantised layer ignored": (
+        lambda q: {**q, "ignore": ["model.layers.0.mlp.up_proj"]},
+        r"says `ignore: \['model\.layers\.0\.mlp\.up_proj'\]` but .* says `exclude_modules: "
+        r"\[\]` \(they differ in \['model\.layers\.0\.mlp\.up_proj'\]\)",
+    ),
+    "group_size": (
+        lambda q: {**q, "config_groups": {"group_0": {
+            **q["config_groups"]["group_0"],
+            "weights": {**q["config_groups"]["group_0"]["weights"], "group_size": 32},
+        }}},
+        r"says `config_groups\.group_0\.weights\.group_size: 32` but .* says .*: 16",
+    ),
+    "top-level group_size": (
+        lambda q: {**q, "group_size": "16"}, r"says `group_size: \"16\" \(a string\)` but"
+    ),
+    "kv_cache_scheme": (
+        lambda q: {**q, "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+        r"says `kv_cache_scheme: \{'num_bits': 8, 'type': 'float'\}` but .*_scheme: None`",
+    ),
+    "quant_method": (
+        lambda q: {**q, "quant_method": "compressed-tensors"},
+        r"says `quant_method: compressed-tensors` but",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case", list(CONFIG_DISAGREEMENTS.values()), ids=list(CONFIG_DISAGREEMENTS)
+)
+def test_config_json_must_say_what_hf_quant_config_says(copy, case):
+    """`import_hf` reads `hf_quant_config.json`; a serving stack reads `config.json`.
+    Before, only `quant_algo` was compared: these loaded silently."""
+    change, message = case
+    target, read = copy
+    config = json.loads((target / "config.json").read_text())
+    block = change(config["quantization_config"])
+    if block is None:
+        del config["quantization_config"]
+    else:
+        config["quantization_config"] = block
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json` " + message + r".*disagree"):
+        read()
+
+
 def test_configs_that_disagree_are_refused(copy):
     target, read = copy
     config = json.loads((target / "config.json").read_text())
