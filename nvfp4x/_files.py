@@ -556,6 +556,34 @@ def shown(value: Any) -> str:
         return repr(value)
 
 
+def _unsigned_int(text: str) -> int:
+    if text.startswith("-"):  # `-0` included: not an unsigned integer
+        raise ValueError(f"the integer `{text}` is negative (written as a signed number)")
+    return int(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"`{text}` is not JSON (NaN and Infinity are Python's extension)")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """A string of `value` (keys included) holding a lone surrogate, or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for key, value in pairs:
@@ -576,14 +604,32 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def load_json(data: bytes, what: str) -> Any:
+def load_json(data: bytes, what: str, *, unsigned: bool = False) -> Any:
     """Parse `data` as JSON, refusing (`ValueError` naming `what`, as "`path`" or
-    "`path`: the header") invalid or non-UTF-8 text, a key given twice, more than
-    `MAX_JSON_BYTES` or nesting deeper than `MAX_JSON_DEPTH`."""
+    "`path`: the header") invalid text, text that is not UTF-8 (UTF-16, or a UTF-8 byte
+    order mark: JSON is UTF-8 without one, and Rust's serde, which the safetensors
+    library and serving stacks read with, refuses them; Python's `json` would guess), a
+    string with a lone surrogate escape (`"\\ud800"`: no character), a key given
+    twice, more than `MAX_JSON_BYTES` or nesting deeper than `MAX_JSON_DEPTH`. With
+    `unsigned` (a safetensors header: its numbers are unsigned), an integer written `-0`
+    (serde reads it as the float -0.0) and `NaN` / `Infinity` are refused too."""
     if len(data) > MAX_JSON_BYTES:
         raise ValueError(f"{what} has {len(data):,} bytes of JSON, more than {MAX_JSON_BYTES:,}.")
+    if bytes(data[:3]) == b"\xef\xbb\xbf":
+        raise ValueError(f"{what} starts with a UTF-8 byte order mark, which JSON does not allow.")
     try:
-        value = json.loads(data, object_pairs_hook=_no_duplicates)
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text (JSON must be; UTF-16?): {e}.") from None
+    if "\0" in text:
+        raise ValueError(f"{what} is not UTF-8 text (JSON must be): it holds NUL bytes (UTF-16?).")
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_int=_unsigned_int if unsigned else int,
+            parse_constant=_no_constant if unsigned else None,
+        )
     except RecursionError:
         value = None
         deep = True
@@ -594,5 +640,11 @@ def load_json(data: bytes, what: str) -> Any:
     if deep:
         raise ValueError(
             f"{what} nests arrays or objects deeper than {MAX_JSON_DEPTH} levels (corrupted)."
+        )
+    bad = _lone_surrogate(value)
+    if bad is not None:
+        raise ValueError(
+            f"{what} has a string with a lone surrogate escape ({ascii(bad)[:60]}), which is "
+            "no character (corrupted or crafted)."
         )
     return value

@@ -26,6 +26,7 @@ from helpers import assert_same_bits, dead_pid
 
 import nvfp4x
 from nvfp4x import _files
+from nvfp4x._hf import _safetensors
 
 NAMES = {"layers[0]": "model.layers.0.mlp.up_proj", "layers[1]": "model.layers.0.mlp.down_proj"}
 WRITTEN = ("model.safetensors", "hf_quant_config.json", "config.json")
@@ -322,6 +323,48 @@ def test_safetensors_header_is_checked_as_strictly_as_safetensors_does(copy, how
     (target / "model.safetensors").write_bytes(craft(header, payload, how))
     with pytest.raises(ValueError, match=rf"model\.safetensors`.*{message}"):
         read()
+
+
+_ONE = '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+_EMPTY = '{"a":{"dtype":"F32","shape":[0,%d],"data_offsets":[0,0]}}'
+HEADER_TEXT = {
+    "utf-8 BOM": (b"\xef\xbb\xbf" + _ONE.encode(), b"\0" * 4, r"byte order mark"),
+    "utf-16": (_ONE.encode("utf-16-le"), b"\0" * 4, r"not UTF-8 text"),
+    "offset -0": (_ONE.replace("[0,4]", "[-0,4]").encode(), b"\0" * 4, r"integer `-0`"),
+    "lone surrogate name": (
+        _ONE.replace('"a"', '"\\ud800"').encode(),
+        b"\0" * 4,
+        r"lone surrogate escape",
+    ),
+    "dimension 2^64": ((_EMPTY % 2**64).encode(), b"", r"header entry of tensor `a` is malformed"),
+    "dimension 2^64 - 1": ((_EMPTY % (2**64 - 1)).encode(), b"", r"does not fit in 64 bits"),
+    "size beyond 64 bits": (
+        b'{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}',
+        b"",
+        r"does not fit in 64 bits",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADER_TEXT.values()), ids=list(HEADER_TEXT))
+def test_safetensors_header_text_is_read_as_strictly_as_safetensors_does(case):
+    """Headers the safetensors library refuses (its serde JSON: UTF-8 without a byte
+    order mark, no lone surrogate, unsigned 64-bit integers) loaded here (Python's
+    `json` guesses UTF-16, reads `-0` as 0 and `"\\ud800"` as a string)."""
+    import safetensors.numpy
+
+    def file(text: bytes, payload: bytes) -> bytes:
+        return len(text).to_bytes(8, "little") + text + payload
+
+    text, payload, message = case
+    ok = file(_ONE.encode(), b"\0" * 4)
+    safetensors.numpy.load(ok)
+    _safetensors.read("ok.safetensors", ok)
+    crafted = file(text, payload)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the library's own error types
+        safetensors.numpy.load(crafted)
+    with pytest.raises(ValueError, match=rf"`x\.safetensors`.*{message}"):
+        _safetensors.read("x.safetensors", crafted)
 
 
 def in_thread(function, seconds: float = 20.0):
