@@ -497,13 +497,33 @@ def read_regular(
             f"`{shown}` is a {_kind(info.st_mode)}, not a regular file: nvfp4x reads "
             "checkpoints from regular files only. Point it at the file itself."
         )
+    opened = _kernel_file(fd)
+    if opened is not None:
+        os.close(fd)
+        raise ValueError(
+            f"`{shown}` is the kernel's `{opened}` (a file of /proc or /sys, not on disk), "
+            "not a checkpoint file. Point it at the checkpoint itself."
+        )
     with open(fd, "rb") as f:
         if max_bytes is not None and info.st_size > max_bytes:
             raise ValueError(
                 f"`{shown}` has {info.st_size:,} bytes, more than the {max_bytes:,} a file of "
                 "this kind can plausibly hold: it is not a checkpoint file, or corrupted."
             )
-        return f.read()
+        try:
+            return f.read()
+        except OSError as e:  # named: a bare `[Errno 5]` says nothing of which file
+            raise OSError(e.errno, f"`{shown}` cannot be read ({e.strerror})") from e
+
+
+def _kernel_file(fd: int) -> str | None:
+    """The path of the open file `fd` where it is a kernel file of /proc or /sys (regular
+    to `stat`, but not data: `/proc/self/mem` fails every read), else None."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc (macOS): nothing to tell
+        return None
+    return path if path.startswith(("/proc/", "/sys/")) else None
 
 
 def irregular_file(directory: str | os.PathLike, *, max_bytes: int, data: str = "d") -> str | None:

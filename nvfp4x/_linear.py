@@ -102,6 +102,12 @@ class QuantizedLinear(eqx.nn.Linear):
         """
         if not isinstance(recipe, Recipe):
             raise TypeError(f"`recipe` must be an `nvfp4x.Recipe`, got {type(recipe).__name__}.")
+        if not isinstance(linear, eqx.nn.Linear):
+            raise TypeError(
+                f"`linear` must be an `eqx.nn.Linear` (its weight, bias and features are "
+                f"wrapped), got {type(linear).__name__}. To quantise a whole model, use "
+                "`nvfp4x.quantize(model, recipe)`."
+            )
         return cls(
             weight=QWeight(linear.weight, recipe, path, fast, scale_group=scale_group),
             bias=linear.bias,

@@ -473,7 +473,10 @@ class TrainingCheckpointer:
                 _release(p.claim)
 
     def _failed(self, step: int | str, error: BaseException) -> BaseException:
-        if not isinstance(error, Exception) or isinstance(error, ValueError | TypeError):
+        """The error to raise for a save of `step` that Orbax failed: `RuntimeError`
+        naming the folder and the step, whatever Orbax raised (a full disk reaches it as
+        tensorstore's `ValueError`), with that error as its cause."""
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: as they are
             return error
         return RuntimeError(
             f"`{self.directory}`: the save of step {step} failed, and the step was not "

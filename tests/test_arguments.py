@@ -151,6 +151,20 @@ def test_policy_rules_from_an_iterable():
     assert nvfp4x.Policy(iter(rules)) == nvfp4x.Policy(rules)
 
 
+@pytest.mark.parametrize("groups", [5, None, {"a": 1}], ids=["int", "None", "dict"])
+def test_policy_tensor_scale_groups_must_be_a_list(groups):
+    # (was "'int' object is not iterable")
+    with pytest.raises(TypeError, match=r"`tensor_scale_groups` must be a list of regexes"):
+        nvfp4x.Policy([(".*", TRAIN)], tensor_scale_groups=groups)
+
+
+@pytest.mark.parametrize("linear", [None, jnp.ones((4, 4))], ids=["None", "array"])
+def test_from_linear_needs_a_linear(linear):
+    # (was an AttributeError on `None.weight`)
+    with pytest.raises(TypeError, match=r"`linear` must be an `eqx.nn.Linear`.*got"):
+        nvfp4x.QuantizedLinear.from_linear(linear, TRAIN)
+
+
 @pytest.mark.parametrize("path", [None, 5, ("blocks", 0)], ids=["None", "int", "tuple"])
 def test_policy_paths_must_be_strings(path):
     policy = nvfp4x.Policy([(".*", TRAIN)], tensor_scale_groups=[".*"])

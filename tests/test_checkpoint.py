@@ -556,6 +556,34 @@ def test_a_failed_background_save_surfaces_its_error_and_never_holds_the_exit(tm
         assert ckpt.all_steps() == [1]
 
 
+def test_a_save_that_orbax_fails_with_a_value_error_raises_runtime_error(tmp_path, monkeypatch):
+    """A full disk reaches Orbax as tensorstore's `ValueError` ("No space left on
+    device"); the docs promise `RuntimeError` naming the folder and the step, whether the
+    save failed at once (a synchronous save) or in the background."""
+    full = ValueError("RESOURCE_EXHAUSTED: Error writing file: No space left on device")
+
+    def no_space(*_, **__):
+        raise full
+
+    state = small_state(0)
+    failed = r"`{}`: the save of step {} failed, and the step was not written \(ValueError: "
+    with nvfp4x.TrainingCheckpointer(tmp_path / "sync", async_save=False) as ckpt:
+        monkeypatch.setattr(ckpt._manager, "save", no_space)
+        with pytest.raises(RuntimeError, match=failed.format(re.escape(str(tmp_path / "sync")), 1)):
+            ckpt.save(1, state)
+        monkeypatch.undo()
+    with nvfp4x.TrainingCheckpointer(tmp_path / "async") as ckpt:
+        ckpt.save(2, state)
+        real = ckpt._manager.wait_until_finished
+        monkeypatch.setattr(ckpt._manager, "wait_until_finished", no_space)
+        with pytest.raises(
+            RuntimeError, match=failed.format(re.escape(str(tmp_path / "async")), 2)
+        ):
+            ckpt.wait_until_finished()
+        real()
+        monkeypatch.undo()
+
+
 TWO_WRITERS = """
 import os, sys, time
 import jax.numpy as jnp

@@ -418,8 +418,10 @@ def test_refuses_dtype_mismatch(bad):
         ({"quant_algo": "FP8"}, r"quant_algo: FP8` \(FP8 checkpoints"),
         ({"group_size": 32}, r"group_size: 32"),
         ({"kv_cache_quant_algo": "FP8"}, r"KV cache quantisation"),
+        # (was "unsupported `group_size: 16`; nvfp4x reads group size 16 only")
+        ({"group_size": "16"}, r'`group_size` is "16" \(a string\), not an integer'),
     ],
-    ids=["mxfp4", "nvfp4_awq", "w4a16_awq", "fp8", "group_size_32", "kv_cache"],
+    ids=["mxfp4", "nvfp4_awq", "w4a16_awq", "fp8", "group_size_32", "kv_cache", "group_size_str"],
 )
 def test_refuses_unsupported_quantisation(bad, changes, message):
     directory, read = bad

@@ -235,14 +235,23 @@ def test_load_non_checkpoint_raises(tmp_path, kind):
         nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
 
 
-def test_load_other_format_version_raises(tmp_path):
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        (999, r"has checkpoint format version 999; this nvfp4x reads versions 1 to 2"),
+        # (was "has checkpoint format version 2; this nvfp4x reads versions 1 to 2")
+        ("2", r'`format_version` is "2" \(a string\), not an integer'),
+    ],
+    ids=["999", "string"],
+)
+def test_load_other_format_version_raises(tmp_path, version, message):
     path, data = saved(tmp_path)
     magic = data.index(b"\n") + 1
     header, end = header_of(data)
-    header["format_version"] = 999
+    header["format_version"] = version
     raw = json.dumps(header).encode()
     path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[end:])
-    with pytest.raises(ValueError, match=r"version"):
+    with pytest.raises(ValueError, match=message):
         nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
 
 
@@ -479,6 +488,19 @@ def test_load_refuses_what_is_not_a_regular_file(tmp_path, frozen_pair, kind):
         path.mkdir()
     what = {"fifo": "FIFO", "dev-zero": "character device", "folder": "folder"}[kind]
     with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is a {what}.*not a regular"):
+        nvfp4x.load(path, new)
+
+
+@pytest.mark.parametrize("how", ["path", "link"])
+def test_load_refuses_a_kernel_file_by_name(tmp_path, frozen_pair, how):
+    """`/proc/self/mem` is a regular file to `stat` whose every read fails (a bare
+    `OSError: [Errno 5]` before): refused by name, as the kernel's file it is."""
+    _, new = frozen_pair
+    path = pathlib.Path("/proc/self/mem")
+    if how == "link":
+        (tmp_path / "model.nvfp4x").symlink_to(path)
+        path = tmp_path / "model.nvfp4x"
+    with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is the kernel's `/proc/"):
         nvfp4x.load(path, new)
 
 
