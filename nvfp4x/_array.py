@@ -32,6 +32,7 @@ from ._numerics._nvfp4 import (
     to_blocks,
 )
 from ._numerics._pack import pack, unpack
+from ._numerics._subnormal import from_float32, to_float32
 from ._packed import PackedArray, as_bits
 
 
@@ -126,7 +127,7 @@ class NVFP4Array(PackedArray):
         # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
         tiny = jnp.any(is_tiny_scale(ts))
         x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
-        return x.astype(self.dtype if dtype is None else dtype)
+        return from_float32(x, self.dtype if dtype is None else dtype)
 
     @follows_input_sharding(like=lambda self: self.codes)
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
@@ -215,7 +216,7 @@ def to_nvfp4(
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
-    xp = pad_to_blocks(x, block)
+    xp = pad_to_blocks(to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
         packed, scales, s_dec, _ = kernel("codes")
@@ -300,14 +301,14 @@ def _straight_through(
     amax: Array | None,
 ) -> Array:
     """`fake_quantize` of checked arguments, with the straight-through derivative."""
-    xp = pad_to_blocks(x, block)
+    xp = pad_to_blocks(to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
         y = cast(Array, kernel("dequantized").values)  # asked for: not None
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-2:] if is_tile(block) else x.shape[-1:]))
-    return y[index].astype(x.dtype)
+    return from_float32(y[index], x.dtype)
 
 
 @_straight_through.defjvp

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from ._files import atomic_write, load_json, read_regular, remove_stale_temporaries
+from ._files import atomic_write, load_json, read_regular, remove_stale_temporaries, shown
 from ._sites import layers as site_layers, path_str
 
 FORMAT_VERSION = 2
@@ -125,6 +125,12 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
         raise ValueError(f"`{path}`: the checkpoint header is corrupt.")
     version = header.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(
+            f"`{path}`: the checkpoint header's `format_version` is {shown(version)}, not an "
+            f"integer (nvfp4x writes one, 1 to {FORMAT_VERSION}): the header is corrupt or was "
+            "not written by nvfp4x."
+        )
     if version not in (1, FORMAT_VERSION):
         raise ValueError(
             f"`{path}` has checkpoint format version {version}; this nvfp4x reads versions "

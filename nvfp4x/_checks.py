@@ -19,7 +19,9 @@ import numpy as np
 
 from ._numerics._constants import BLOCK, NVFP4_BLOCKS, is_tile
 from ._numerics._fp8 import FP8_KINDS
+from ._numerics._ieee import INF_BITS
 from ._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS, Rounding, ScaleRounding
+from ._numerics._subnormal import to_float32
 from ._prims import is_traced
 
 _ALLOWED_BLOCKS = f"`(1, {BLOCK})` (blocks of 16 along the last axis) or `({BLOCK}, {BLOCK})` " + (
@@ -53,6 +55,41 @@ def check_float(x: Any, name: str = "x") -> jax.Array:
             f"`{name}.astype(jnp.float32)`."
         )
     return jnp.asarray(x)
+
+
+def layer_name(path: str) -> str:
+    """` of `path`` to follow a description of a layer in a message, or nothing for the
+    model itself (its path is empty)."""
+    return f" of `{path}`" if path else ""
+
+
+def layer_operand(x: jax.Array, who: str, dtype) -> jax.Array:
+    """A quantised layer's input `x` (an array) as the float layer would compute with it:
+    integer and boolean inputs cast to `dtype` (the weight's, where `eqx.nn.Linear` and
+    `lax.ragged_dot` promote them to it); complex inputs refused, naming `who` (a
+    complex product's imaginary part would be dropped without a word)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{who}'s input `x` is complex ({x.dtype}); nvfp4x layers compute real "
+            "products and would drop its imaginary part. Apply the layer to `x.real` and "
+            "`x.imag` separately, or leave this layer unquantised."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or bool
+        x = x.astype(dtype)
+    return x
+
+
+def check_group_sizes(group_sizes: Any, who: str) -> jax.Array:
+    """`group_sizes` of a grouped GEMM as an int32 array; `TypeError` unless its dtype is
+    an integer one (as `lax.ragged_dot_general` requires: a boolean mask is not a count)."""
+    sizes = jnp.asarray(group_sizes)
+    if not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"{who}: `group_sizes` has dtype `{np.dtype(sizes.dtype).name}`; it counts the "
+            "tokens of each group and must be an integer array (as `lax.ragged_dot` "
+            "requires), e.g. `jnp.bincount(expert_ids, length=groups)`."
+        )
+    return sizes.astype(jnp.int32)
 
 
 def check_ndim(x: jax.Array, min_ndim: int, what: str, name: str = "x") -> None:
@@ -179,10 +216,14 @@ def check_amax(amax: Any) -> jax.Array | None:
                 "`jnp.max(jnp.abs(x))` or its `jax.lax.pmax` across devices."
             )
         return jnp.asarray(np.abs(value))  # -0.0 -> +0.0
-    traced = jnp.asarray(amax, jnp.float32).reshape(())
+    traced = to_float32(jnp.asarray(amax).astype(jnp.result_type(float)).reshape(()))
+    bits = jax.lax.bitcast_convert_type(traced, jnp.int32)
+    # Negative from the bits (NaN aside): a float `< 0` reads a negative subnormal as 0
+    # on a device that flushes subnormals.
+    negative = (bits < 0) & ((bits & 0x7FFFFFFF) != 0) & ((bits & 0x7FFFFFFF) <= INF_BITS)
     return eqx.error_if(
         traced,
-        traced < 0,
+        negative,
         "`amax` is negative; it must be `max(|x|)` (>= 0), e.g. `jnp.max(jnp.abs(x))` or "
         "its `jax.lax.pmax` across devices.",
     )

@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+from ._checks import layer_name, layer_operand
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot, widest_float
 from ._formats._dot import apply_scales, dot_precision
 from ._gemm import (
@@ -546,6 +547,26 @@ def runs_fast(recipe: Recipe, channels: int, probe: Any = None, enabled: Any = N
 # --- the rule: a convolution as its GEMM ---
 
 
+def _grouped(x: Array, g: int, geom: Geometry, gemm: Callable, fast: Callable | None) -> Array:
+    """`conv_gemm`'s GEMMs on the channels-last input `x: (N, spatial..., C)` with `g`
+    feature groups: `(N, out spatial..., out channels)`."""
+    if fast is not None:
+        xg = x.reshape(x.shape[:-1] + (g, -1))  # (N, spatial..., groups, C / groups)
+        xg = jnp.moveaxis(xg, -2, 0) if g > 1 else xg[..., 0, :]
+        y = fast(xg, geom, 1 if g > 1 else 0)
+    else:
+        p = conv_patches(x, geom)  # (N, out..., window x C)
+        c = x.shape[-1]
+        p = p.reshape(p.shape[:-1] + (-1, g, c // g))  # (N, out..., window, groups, C/g)
+        p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
+        p = p.reshape(p.shape[:-2] + (-1,))  # (groups..., N, out..., K)
+        y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
+    if g > 1:
+        y = jnp.moveaxis(y, 0, -2)
+        y = y.reshape(y.shape[:-2] + (-1,))
+    return y
+
+
 def conv_gemm(
     lhs: ArrayLike,
     kernel_shape: tuple[int, ...],
@@ -578,7 +599,8 @@ def conv_gemm(
         )
     lhs_spec, rhs_spec, out_spec = dimension_numbers
     g = feature_group_count
-    x = jnp.transpose(jnp.asarray(lhs), (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+    x = layer_operand(jnp.asarray(lhs), f"The quantised convolution{layer_name(path)}", rhs_dtype)
+    x = jnp.transpose(x, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
     geom = Geometry(
         window=tuple(kernel_shape[i] for i in rhs_spec[2:]),
         strides=tuple(window_strides),
@@ -588,21 +610,15 @@ def conv_gemm(
         in_spatial=tuple(x.shape[1:-1]),
     )
     tokens = x.shape[0] * math.prod(geom.out_spatial)
-    if fast is not None and tokens and x.shape[-1]:
-        xg = x.reshape(x.shape[:-1] + (g, -1))  # (N, spatial..., groups, C / groups)
-        xg = jnp.moveaxis(xg, -2, 0) if g > 1 else xg[..., 0, :]
-        y = fast(xg, geom, 1 if g > 1 else 0)
+    if not tokens or not x.shape[-1]:
+        # No output pixel (an empty input, or a window larger than the padded input) or
+        # no input channel: the float convolution's empty or zero result, nothing to
+        # quantise.
+        out_channels = kernel_shape[rhs_spec[0]]
+        y = jnp.zeros((x.shape[0], *geom.out_spatial, out_channels), jnp.float32)
     else:
-        p = conv_patches(x, geom)  # (N, out..., window x C)
-        c = x.shape[-1]
-        p = p.reshape(p.shape[:-1] + (-1, g, c // g))  # (N, out..., window, groups, C/g)
-        p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
-        p = p.reshape(p.shape[:-2] + (-1,))  # (groups..., N, out..., K)
-        y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
-    if g > 1:
-        y = jnp.moveaxis(y, 0, -2)
-        y = y.reshape(y.shape[:-2] + (-1,))
+        y = _grouped(x, g, geom, gemm, fast)  # (N, out spatial..., out channels)
     y = jnp.moveaxis(y, -1, 1)  # (N, O, out spatial...)
     inverse = tuple(int(i) for i in np.argsort(out_spec))
-    dtype = preferred_element_type or widest_float(jnp.result_type(lhs), rhs_dtype)
+    dtype = preferred_element_type or widest_float(x.dtype, rhs_dtype)
     return jnp.transpose(y, inverse).astype(dtype)

@@ -39,6 +39,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from ._axes import explicit_axes_as_auto
+from ._checks import check_group_sizes, layer_name, layer_operand
 from ._conv import check_conv_kernel, conv_gemm, conv_qdot, gemm_matrix, runs_fast
 from ._formats import widest_float
 from ._internals import install_custom_vjp, tracer_value
@@ -212,6 +213,12 @@ def gemm_out_dtype(a, b, preferred_element_type):
     return widest_float(jnp.result_type(a), jnp.result_type(b))
 
 
+def dot_operand(a: ArrayLike, w: Any) -> Array:
+    """The activation `a` of a `dot_general` with the quantised weight `w`, as the float
+    product would take it (`layer_operand`: integers cast, complex refused)."""
+    return layer_operand(jnp.asarray(a), f"The quantised product{layer_name(w.path)}", w.dtype)
+
+
 def _dot_rule(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_type=None, **_):
     dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
     if isinstance(lhs, QWeight) and isinstance(rhs, QWeight):
@@ -225,6 +232,8 @@ def _dot_rule(lhs, rhs, *, dimension_numbers, precision=None, preferred_element_
         )
     w_is_lhs = isinstance(lhs, QWeight)
     w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)
+    a = dot_operand(a, w)
+    dtype = gemm_out_dtype(a, w, preferred_element_type)
     gemm = functools.partial(_qweight_gemm, w)
     return weight_gemm(w.array.shape, a, w_is_lhs, dimension_numbers, dtype, gemm)
 
@@ -255,6 +264,10 @@ def ragged_rule(lhs, rhs, group_sizes, gemm: Callable, *, ragged_dot_dimension_n
     dims = ragged_dot_dimension_numbers
     (lc, rc), (lb, rb) = dims.dot_dimension_numbers
     w, a = rhs, lhs
+    weights = [v for v in (lhs, rhs) if isinstance(v, WeightValue)]
+    path = getattr(weights[0], "path", "")
+    who = f"The quantised grouped GEMM (`ragged_dot`){layer_name(path)}"
+    sizes = check_group_sizes(group_sizes, who)
     supported = (
         isinstance(w, WeightValue)
         and not isinstance(a, quax.ArrayValue)
@@ -278,9 +291,9 @@ def ragged_rule(lhs, rhs, group_sizes, gemm: Callable, *, ragged_dot_dimension_n
         arrays = [type(v).materialise(v) if isinstance(v, quax.ArrayValue) else v
                   for v in (lhs, rhs, group_sizes)]  # fmt: skip
         return ragged_dot_general_p.bind(*arrays, ragged_dot_dimension_numbers=dims, **params)
-    dtype = gemm_out_dtype(lhs, rhs, params.get("preferred_element_type"))
-    sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    return gemm(w, jnp.asarray(a), tuple(rc) == (1,), sizes).astype(dtype)
+    x = layer_operand(jnp.asarray(a), who, w.dtype)
+    dtype = gemm_out_dtype(x, w, params.get("preferred_element_type"))
+    return gemm(w, x, tuple(rc) == (1,), sizes).astype(dtype)
 
 
 def _qweight_grouped(w: QWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:

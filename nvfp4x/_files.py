@@ -6,9 +6,12 @@
   folder, then swapped in with one atomic rename (`renameat2(RENAME_EXCHANGE)` on Linux,
   `renamex_np(RENAME_SWAP)` on macOS), so a reader of the folder sees the old contents
   or the new, never a mix.
-- Temporaries carry recognisable names (`.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`):
-  the next write of the same target removes those a killed process left behind, and
-  never those of a writer still running.
+- Temporaries carry recognisable names (`.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`)
+  and a lock file beside them (`...<random>.lock`) that the writer holds locked
+  (`flock`) while it writes: the next write of the same target removes those a killed
+  process left behind (its lock released by the kernel when it died), and never those of
+  a writer still running, in any PID namespace on any host whose file system honours
+  the lock (a container sharing the volume, whose process ids mean nothing here).
 - `read_regular` / `load_json`: reads that refuse what is not a regular file (a FIFO
   would block, `/dev/zero` never ends) or not plausible JSON (too large, too deep,
   duplicate keys), naming the file.
@@ -32,8 +35,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
-#: A temporary of another host (a shared file system) is stale after this many seconds
-#: without a change; on this host, as soon as the process that made it is gone.
+try:
+    import fcntl
+except ImportError:  # Windows: no `flock`; temporaries are then removed by age only
+    fcntl = None
+
+#: A temporary is stale after this many seconds without a change, whoever made it; before
+#: that, only when its lock file can be locked (its writer is gone).
 STALE_AFTER_S = 24 * 3600
 #: The largest JSON file (config, index, checkpoint header) nvfp4x reads.
 MAX_JSON_BYTES = 100_000_000  # the safetensors library's limit for its header
@@ -43,9 +51,10 @@ MAX_JSON_DEPTH = 64
 #: This host, as temporaries and claims name it (a hash of its name).
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _TEMPORARY = re.compile(
-    r"\.(?P<target>.+)\.nvfp4x-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>[a-z]+)"
+    r"\.(?P<target>.+)\.nvfp4x-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>[a-z]+~?)"
 )
 _live: set[str] = set()  # absolute paths of the temporaries this process is writing
+_held: dict[str, int] = {}  # path -> descriptor of a locked file this process holds
 _live_lock = threading.Lock()
 _umask_lock = threading.Lock()
 
@@ -57,40 +66,87 @@ _umask_lock = threading.Lock()
 def _temporary(target: str, kind: str) -> Iterator[str]:
     """A fresh temporary path next to `target`, recorded as live while the block runs."""
     directory, base = os.path.split(target)
-    name = f".{base}.nvfp4x-{HOST}-{os.getpid()}-{secrets.token_hex(4)}.{kind}"
-    path = os.path.join(directory, name)
+    stem = f".{base}.nvfp4x-{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = os.path.join(directory, f"{stem}.{kind}")
+    lock = os.path.join(directory, f"{stem}.lock")
     with _live_lock:
         _live.add(path)
     try:
-        yield path
+        create_locked(lock)  # held while the temporary may exist
+        try:
+            yield path
+        finally:
+            let_go(lock)
     finally:
         with _live_lock:
             _live.discard(path)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host with id `pid` runs (unknown: assumed so)."""
+def lock_of(path: str) -> str:
+    """The lock file of the temporary `path` (a temporary named as `_temporary` names
+    them: the same name with the kind `lock`); a lock file is its own."""
+    return (
+        path[: path.rindex(".")] + ".lock" if _TEMPORARY.fullmatch(os.path.basename(path)) else path
+    )
+
+
+def create_locked(path: str, content: bytes = b"") -> None:
+    """Create the file `path` holding `content`, locked (`flock`) by this process until
+    `let_go`; `FileExistsError` if it exists. It is made under a private name, locked,
+    then linked into place, so that no other process ever sees it unlocked."""
+    unique = _TEMPORARY.fullmatch(os.path.basename(path)) is not None  # (a random part)
+    private = f"{path}~" if unique else f"{path}.{secrets.token_hex(4)}~"
+    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, content)
+        os.link(private, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(private)
+    with _live_lock:
+        _live.add(path)
+        _held[path] = fd
+
+
+def _lock_free(lock: str) -> bool:
+    """Whether the lock file `lock` exists and no process holds its lock (taking it for
+    a moment, without waiting). False where it cannot be told (no `flock`: Windows)."""
+    if fcntl is None:
         return False
-    except (PermissionError, OSError):  # another user's process, or no `kill` (Windows)
-        return True
+    try:
+        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (EWOULDBLOCK), or locks not supported here
+        return False
+    finally:
+        os.close(fd)  # (releases the lock if taken)
     return True
 
 
-def writer_gone(path: str, host: str, pid: int) -> bool:
+def writer_gone(path: str, lock: str | None = None) -> bool:
     """Whether the writer of `path` (a temporary, or a claim on a step) is gone, so that
     `path` may be removed: the one rule for every leftover of a killed writer.
 
-    `path` was made by process `pid` of host `host` (a hash, as `HOST`). Never while
-    this process holds it (`hold`); else when it is untouched for `STALE_AFTER_S`, or
-    when it is of this host and its process no longer runs (or is this process, which
-    does not hold it: an earlier process that had the same id). A path that cannot be
-    read is not removed.
+    Never while this process holds it; else when it is untouched for `STALE_AFTER_S`,
+    or when its lock file `lock` (default: `lock_of(path)`), which its writer holds
+    locked (`flock`) as long as it runs, exists and can be locked: the kernel released
+    it when the writer died, whatever its host or PID namespace (process ids are not
+    compared: in another container on the same host name they mean nothing here). A
+    path that cannot be read, or whose lock file is missing, waits for its age.
     """
+    lock = lock_of(path) if lock is None else lock
     with _live_lock:
-        if path in _live:
+        if path in _live or lock in _live:
             return False
     try:
         age = time.time() - os.lstat(path).st_mtime
@@ -98,24 +154,28 @@ def writer_gone(path: str, host: str, pid: int) -> bool:
         return False
     if age > STALE_AFTER_S:
         return True
-    if host != HOST:
+    if path.endswith("~"):  # a lock file killed before it was linked: its age only
         return False
-    return pid == os.getpid() or not pid_alive(pid)
+    return _lock_free(lock)
 
 
 def hold(path: str) -> None:
-    """Mark `path` (a file this process made, such as a lock file) as held by this
-    process: `writer_gone` says no for it until `let_go`."""
+    """Mark `path` (a file this process made) as held by this process: `writer_gone`
+    says no for it until `let_go`."""
     with _live_lock:
         _live.add(path)
 
 
 def let_go(path: str) -> None:
-    """Remove `path`, held with `hold`, and stop holding it (a missing file is fine)."""
+    """Remove `path`, held with `hold` or `create_locked`, and stop holding it (its lock
+    released after it is removed; a missing file is fine)."""
     with contextlib.suppress(OSError):
         os.unlink(path)
     with _live_lock:
         _live.discard(path)
+        fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def umask() -> int:
@@ -135,9 +195,9 @@ def umask() -> int:
 
 def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:
     """Remove the temporaries that writes of `target` left behind when their process
-    was killed (files or folders named `.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`):
-    those of a process of this host that no longer runs, and those of another host
-    untouched for `STALE_AFTER_S`. A temporary of a live writer is never removed.
+    was killed (files or folders named `.<target>.nvfp4x-<host>-<pid>-<random>.<kind>`),
+    then their lock files: those whose lock file no process holds (`writer_gone`), and
+    any untouched for `STALE_AFTER_S`. A temporary of a live writer is never removed.
 
     **Returns:** the paths removed (errors, such as a read-only folder, are ignored).
     """
@@ -148,12 +208,12 @@ def remove_stale_temporaries(target: str | os.PathLike) -> list[str]:
     except OSError:
         return []
     removed = []
-    for name in names:
+    for name in sorted(names, key=lambda n: n.endswith((".lock", ".lock~"))):  # locks last
         m = _TEMPORARY.fullmatch(name)
         if m is None or m["target"] != base:
             continue
         path = os.path.join(directory, name)
-        if not writer_gone(path, m["host"], int(m["pid"])):
+        if not writer_gone(path):
             continue
         try:
             if os.path.isdir(path) and not os.path.islink(path):
@@ -368,7 +428,7 @@ def recover_folder(directory: str | os.PathLike) -> None:
         if m is None or m["target"] != base or m["kind"] != "old":
             continue
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and writer_gone(path, m["host"], int(m["pid"])):
+        if os.path.isdir(path) and writer_gone(path):
             olds.append((os.stat(path).st_mtime, path))
     if olds:
         with contextlib.suppress(OSError):
@@ -437,13 +497,111 @@ def read_regular(
             f"`{shown}` is a {_kind(info.st_mode)}, not a regular file: nvfp4x reads "
             "checkpoints from regular files only. Point it at the file itself."
         )
+    opened = _kernel_file(fd)
+    if opened is not None:
+        os.close(fd)
+        raise ValueError(
+            f"`{shown}` is the kernel's `{opened}` (a file of /proc or /sys, not on disk), "
+            "not a checkpoint file. Point it at the checkpoint itself."
+        )
     with open(fd, "rb") as f:
         if max_bytes is not None and info.st_size > max_bytes:
             raise ValueError(
                 f"`{shown}` has {info.st_size:,} bytes, more than the {max_bytes:,} a file of "
                 "this kind can plausibly hold: it is not a checkpoint file, or corrupted."
             )
-        return f.read()
+        try:
+            return f.read()
+        except OSError as e:  # named: a bare `[Errno 5]` says nothing of which file
+            raise OSError(e.errno, f"`{shown}` cannot be read ({e.strerror})") from e
+
+
+def _kernel_file(fd: int) -> str | None:
+    """The path of the open file `fd` where it is a kernel file of /proc or /sys (regular
+    to `stat`, but not data: `/proc/self/mem` fails every read), else None."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc (macOS): nothing to tell
+        return None
+    return path if path.startswith(("/proc/", "/sys/")) else None
+
+
+def irregular_file(directory: str | os.PathLike, *, max_bytes: int, data: str = "d") -> str | None:
+    """What makes the folder `directory` unsafe to hand to a reader that opens its files
+    blindly (Orbax), or None: a file (symlinks followed) that is not a regular file or a
+    folder (a FIFO would block the reader forever, `/dev/zero` never ends), or a regular
+    file larger than `max_bytes` outside the array-data folders named `data` (whose files
+    are read by the ranges their manifest records). Reads nothing but metadata.
+    """
+    root = os.fspath(directory)
+    if not os.path.isdir(root) or os.path.islink(root):  # one file (or a link to one)
+        here, name = os.path.split(root)
+        return _irregular(here, name, max_bytes, in_data=False)
+    for here, folders, files in os.walk(root, followlinks=False):
+        in_data = data in os.path.relpath(here, root).split(os.sep)
+        for name in folders + files:
+            problem = _irregular(here, name, max_bytes, in_data=in_data)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _irregular(here: str, name: str, max_bytes: int, *, in_data: bool) -> str | None:
+    """`irregular_file` for the entry `name` of the folder `here`."""
+    path = os.path.join(here, name)
+    try:
+        info = os.stat(path)  # (follows links: what a reader opens)
+    except OSError as e:
+        return f"`{path}` cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(info.st_mode):
+        return f"`{path}` is a link to a folder, not a folder" if os.path.islink(path) else None
+    if not stat.S_ISREG(info.st_mode):
+        return f"`{path}` is a {_kind(info.st_mode)}, not a regular file"
+    if not in_data and info.st_size > max_bytes:
+        return (
+            f"`{path}` has {info.st_size:,} bytes, more than the {max_bytes:,} a metadata "
+            "file can plausibly hold"
+        )
+    return None
+
+
+def shown(value: Any) -> str:
+    """A value read from a JSON file, for a message: a string in quotes marked as one (a
+    `"16"` is not the number 16), anything else as JSON writes it."""
+    if isinstance(value, str):
+        return f"{json.dumps(value)} (a string)"
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _unsigned_int(text: str) -> int:
+    if text.startswith("-"):  # `-0` included: not an unsigned integer
+        raise ValueError(f"the integer `{text}` is negative (written as a signed number)")
+    return int(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"`{text}` is not JSON (NaN and Infinity are Python's extension)")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """A string of `value` (keys included) holding a lone surrogate, or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -466,14 +624,32 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def load_json(data: bytes, what: str) -> Any:
+def load_json(data: bytes, what: str, *, unsigned: bool = False) -> Any:
     """Parse `data` as JSON, refusing (`ValueError` naming `what`, as "`path`" or
-    "`path`: the header") invalid or non-UTF-8 text, a key given twice, more than
-    `MAX_JSON_BYTES` or nesting deeper than `MAX_JSON_DEPTH`."""
+    "`path`: the header") invalid text, text that is not UTF-8 (UTF-16, or a UTF-8 byte
+    order mark: JSON is UTF-8 without one, and Rust's serde, which the safetensors
+    library and serving stacks read with, refuses them; Python's `json` would guess), a
+    string with a lone surrogate escape (`"\\ud800"`: no character), a key given
+    twice, more than `MAX_JSON_BYTES` or nesting deeper than `MAX_JSON_DEPTH`. With
+    `unsigned` (a safetensors header: its numbers are unsigned), an integer written `-0`
+    (serde reads it as the float -0.0) and `NaN` / `Infinity` are refused too."""
     if len(data) > MAX_JSON_BYTES:
         raise ValueError(f"{what} has {len(data):,} bytes of JSON, more than {MAX_JSON_BYTES:,}.")
+    if bytes(data[:3]) == b"\xef\xbb\xbf":
+        raise ValueError(f"{what} starts with a UTF-8 byte order mark, which JSON does not allow.")
     try:
-        value = json.loads(data, object_pairs_hook=_no_duplicates)
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text (JSON must be; UTF-16?): {e}.") from None
+    if "\0" in text:
+        raise ValueError(f"{what} is not UTF-8 text (JSON must be): it holds NUL bytes (UTF-16?).")
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_int=_unsigned_int if unsigned else int,
+            parse_constant=_no_constant if unsigned else None,
+        )
     except RecursionError:
         value = None
         deep = True
@@ -484,5 +660,11 @@ def load_json(data: bytes, what: str) -> Any:
     if deep:
         raise ValueError(
             f"{what} nests arrays or objects deeper than {MAX_JSON_DEPTH} levels (corrupted)."
+        )
+    bad = _lone_surrogate(value)
+    if bad is not None:
+        raise ValueError(
+            f"{what} has a string with a lone surrogate escape ({ascii(bad)[:60]}), which is "
+            "no character (corrupted or crafted)."
         )
     return value

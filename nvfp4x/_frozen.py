@@ -20,6 +20,7 @@ from ._dispatch import (
     Layout,
     as_qweight,
     default_rule,
+    dot_operand,
     gemm_out_dtype,
     kernel_conv,
     ragged_rule,
@@ -394,11 +395,12 @@ def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout: Layout, nb: int) -> A
 
 
 def _frozen_dot(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_):
-    dtype = gemm_out_dtype(lhs, rhs, preferred_element_type)
     w_is_lhs = isinstance(lhs, FrozenWeight)
     w, a = (lhs, rhs) if w_is_lhs else (rhs, lhs)
     if isinstance(a, quax.ArrayValue):
         a = type(a).materialise(a)
+    a = dot_operand(a, w)
+    dtype = gemm_out_dtype(a, w, preferred_element_type)
     if w.transposed:  # `w.T` (`swapaxes(w, -1, -2)`), read lazily: the same product on
         # the stored weight
         (lc, rc), (lb, rb) = dimension_numbers

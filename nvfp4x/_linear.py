@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, Shaped
 
 from ._axes import explicit_axes_as_auto
+from ._checks import layer_operand
 from ._dispatch import as_qweight, interpreting, with_class
 from ._formats import widest_float
 from ._numerics._threefry import seed_words
@@ -101,6 +102,12 @@ class QuantizedLinear(eqx.nn.Linear):
         """
         if not isinstance(recipe, Recipe):
             raise TypeError(f"`recipe` must be an `nvfp4x.Recipe`, got {type(recipe).__name__}.")
+        if not isinstance(linear, eqx.nn.Linear):
+            raise TypeError(
+                f"`linear` must be an `eqx.nn.Linear` (its weight, bias and features are "
+                f"wrapped), got {type(linear).__name__}. To quantise a whole model, use "
+                "`nvfp4x.quantize(model, recipe)`."
+            )
         return cls(
             weight=QWeight(linear.weight, recipe, path, fast, scale_group=scale_group),
             bias=linear.bias,
@@ -226,12 +233,4 @@ def layer_input(layer, x: Any, weight_dtype) -> Array:
             f"{name} takes an array `x` of shape (..., {layer.in_features}), got "
             f"{type(x).__name__}: {e}"
         ) from None
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"{name}'s input `x` is complex ({x.dtype}); nvfp4x layers compute real "
-            "products and would drop its imaginary part. Apply the layer to `x.real` and "
-            "`x.imag` separately, or leave this layer unquantised."
-        )
-    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or bool: as eqx.nn.Linear
-        x = x.astype(weight_dtype)
-    return x
+    return layer_operand(x, name, weight_dtype)

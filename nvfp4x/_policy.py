@@ -374,10 +374,19 @@ class Policy:
         object.__setattr__(self, "rules", compile_rules(rules, "Policy rule", "recipe", recipe))
         object.__setattr__(self, "strict", check_bool(strict, "strict"))
         object.__setattr__(self, "convolutions", check_bool(convolutions, "convolutions"))
-        if isinstance(tensor_scale_groups, str):
+        if isinstance(tensor_scale_groups, str | bytes):
             raise TypeError(
                 "`tensor_scale_groups` must be a sequence of regexes, got the string "
                 f"`{tensor_scale_groups!r}`; wrap it in a list."
+            )
+        if isinstance(tensor_scale_groups, Mapping) or not isinstance(
+            tensor_scale_groups, Iterable
+        ):
+            raise TypeError(
+                "`tensor_scale_groups` must be a list of regexes on layer paths, got "
+                f"{type(tensor_scale_groups).__name__} `{tensor_scale_groups!r:.60}`; for no "
+                "groups leave it out (or pass `[]`), e.g. "
+                '`tensor_scale_groups=[r"(.*)\\.attn\\.w[qkv]"]`.'
             )
         groups = []
         for i, pattern in enumerate(tensor_scale_groups):

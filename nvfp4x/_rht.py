@@ -23,12 +23,14 @@ def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
 
     **Returns:** a float32 array of `x`'s shape, except that `axis` has its length
     rounded up to a multiple of 16. Finite input gives finite output wherever the exact
-    transform is finite, up to float32's maximum (chunk columns near it are transformed
-    scaled down by a power of two); a non-finite element makes its chunk column's
+    transform rounds to a finite float32, up to float32's maximum (chunk columns near it
+    are transformed scaled down by a power of two, and their results from 2^127 up are
+    the exact ones rounded once: ±inf only beyond the midpoint above FLT_MAX); a
+    non-finite element makes its chunk column's
     outputs non-finite. Chunk columns below 2^-100 are transformed scaled up and
     rounded once back into float32, so subnormal inputs and outputs are kept, not
-    flushed to zero, on every device. A float64 `x` is rounded to float32 first
-    (beyond its range: ±inf).
+    flushed to zero, on every device. A float64 `x` is rounded to float32 first, once
+    (beyond its range: ±inf; in its subnormal range: the subnormal, not zero).
 
     **Raises:** `TypeError` for a non-float `x` (integer, boolean, complex) or a
     non-integer `axis`; `ValueError` for a 0-d `x` or an `axis` out of range.

@@ -25,7 +25,7 @@ from jax.core import Tracer
 from . import _files
 from ._checkpoint import _TRACED, _first_difference, _layer_recipes, _refuse_traced
 from ._checksum import checksums
-from ._files import load_json, read_regular
+from ._files import MAX_JSON_BYTES, irregular_file, load_json, read_regular
 from ._sites import path_str
 
 _STATE_FORMAT = "nvfp4x-training-state"
@@ -255,6 +255,7 @@ class TrainingCheckpointer:
             create=True,
         )
         self._ocp = ocp
+        _check_listed_files(self.directory)
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
@@ -370,6 +371,7 @@ class TrainingCheckpointer:
         """
         self._surface(wait=True)
         where = f"`{self.directory}`"
+        _check_listed_files(self.directory)
         self._manager.reload()
         if step is None:
             step = self._manager.latest_step()
@@ -381,6 +383,11 @@ class TrainingCheckpointer:
             )
         where = f"{where} step {step}"
         fix = "Restore an earlier step, or the files from a good copy."
+        # Before Orbax opens anything: it would wait forever on a FIFO and read
+        # `/dev/zero` until memory runs out.
+        problem = irregular_file(self._step_dir(step), max_bytes=MAX_JSON_BYTES)
+        if problem is not None:
+            raise ValueError(f"{where} is corrupted: {problem}. {fix}")
         ocp = self._ocp
         restore = lambda **items: self._manager.restore(step, args=ocp.args.Composite(**items))
         try:
@@ -466,7 +473,10 @@ class TrainingCheckpointer:
                 _release(p.claim)
 
     def _failed(self, step: int | str, error: BaseException) -> BaseException:
-        if not isinstance(error, Exception) or isinstance(error, ValueError | TypeError):
+        """The error to raise for a save of `step` that Orbax failed: `RuntimeError`
+        naming the folder and the step, whatever Orbax raised (a full disk reaches it as
+        tensorstore's `ValueError`), with that error as its cause."""
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: as they are
             return error
         return RuntimeError(
             f"`{self.directory}`: the save of step {step} failed, and the step was not "
@@ -509,8 +519,8 @@ class TrainingCheckpointer:
         path = os.path.join(self.directory, f".nvfp4x-step-{step}.claim")
         record = f"{_files.HOST} {os.getpid()} {token}"
         for _ in range(2):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:  # locked (`flock`) while this process lives: the proof it is not gone
+                _files.create_locked(path, record.encode())
             except FileExistsError:
                 holder = _claim_holder(path)
                 if holder is not None:
@@ -522,9 +532,6 @@ class TrainingCheckpointer:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)  # a killed writer's claim
                 continue
-            _files.hold(path)
-            with os.fdopen(fd, "w") as f:
-                f.write(record)
             break
         else:
             raise ValueError(f"`{self.directory}`: could not claim step {step} (contended).")
@@ -535,6 +542,25 @@ class TrainingCheckpointer:
                 "another process): steps must increase."
             )
         return path
+
+
+def _check_listed_files(directory: str) -> None:
+    """Raise `ValueError` naming the step and file if a step's `_CHECKPOINT_METADATA`
+    (which Orbax reads for every step when it lists them) is not a regular file of
+    plausible size: Orbax would wait forever on a FIFO, read `/dev/zero` until memory
+    runs out."""
+    with contextlib.suppress(OSError):
+        names = sorted((n for n in os.listdir(directory) if n.isdigit()), key=int)
+        for name in names:
+            path = os.path.join(directory, name, "_CHECKPOINT_METADATA")
+            if not os.path.lexists(path):
+                continue
+            problem = irregular_file(path, max_bytes=MAX_JSON_BYTES)
+            if problem is not None:
+                raise ValueError(
+                    f"`{directory}` cannot be opened: step {name} is corrupted: {problem}. "
+                    "Move that step's folder away, or restore it from a good copy."
+                )
 
 
 def _damaged_steps(directory: str) -> str:
@@ -568,15 +594,15 @@ class _Pending:
 
 def _claim_holder(path: str) -> str | None:
     """Who holds the claim at `path` (`"host <hash>, pid <id>"`), or None where its
-    writer is gone (`_files.writer_gone`, the rule for temporaries too)."""
+    writer is gone (`_files.writer_gone`, the rule for temporaries too: the claim's
+    lock released)."""
+    if _files.writer_gone(path):
+        return None
     try:
         text = read_regular(path, max_bytes=4096).decode(errors="replace")
         host, pid, _ = text.split()
-        pid_number = int(pid)
     except (OSError, ValueError):
-        return None  # a claim cut short by a kill (or gone)
-    if _files.writer_gone(path, host, pid_number):
-        return None
+        host, pid = "?", "?"  # (written before it was linked into place: unreadable)
     if not os.path.lexists(path):
         return None  # released meanwhile
     return f"host {host}, pid {pid}"

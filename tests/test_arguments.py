@@ -151,6 +151,20 @@ def test_policy_rules_from_an_iterable():
     assert nvfp4x.Policy(iter(rules)) == nvfp4x.Policy(rules)
 
 
+@pytest.mark.parametrize("groups", [5, None, {"a": 1}], ids=["int", "None", "dict"])
+def test_policy_tensor_scale_groups_must_be_a_list(groups):
+    # (was "'int' object is not iterable")
+    with pytest.raises(TypeError, match=r"`tensor_scale_groups` must be a list of regexes"):
+        nvfp4x.Policy([(".*", TRAIN)], tensor_scale_groups=groups)
+
+
+@pytest.mark.parametrize("linear", [None, jnp.ones((4, 4))], ids=["None", "array"])
+def test_from_linear_needs_a_linear(linear):
+    # (was an AttributeError on `None.weight`)
+    with pytest.raises(TypeError, match=r"`linear` must be an `eqx.nn.Linear`.*got"):
+        nvfp4x.QuantizedLinear.from_linear(linear, TRAIN)
+
+
 @pytest.mark.parametrize("path", [None, 5, ("blocks", 0)], ids=["None", "int", "tuple"])
 def test_policy_paths_must_be_strings(path):
     policy = nvfp4x.Policy([(".*", TRAIN)], tensor_scale_groups=[".*"])
@@ -308,3 +322,91 @@ def test_collect_refuses_the_model():
     stepped = eqx.tree_at(lambda m: m[1].weight.probe, qmodel, -jnp.ones((5, 4)))
     with pytest.raises(ValueError, match=r"probe of layer `\[1\]` holds negative amax"):
         nvfp4x.telemetry.collect(stepped)
+
+
+# ---------------------------------------------------------------------------------------
+# Quantised convolutions, grouped GEMMs (`ragged_dot`) and products with a quantised
+# weight take their input as QuantizedLinear does, frozen or not.
+# ---------------------------------------------------------------------------------------
+
+FP8_CONVS = nvfp4x.Policy([(".*", nvfp4x.recipes.fp8())], convolutions=True)
+
+
+class _Experts(eqx.Module):
+    """haliax's `MoELinear`: experts `(G, in, out)` run by `lax.ragged_dot`."""
+
+    weight: jax.Array
+
+    def __call__(self, x, group_sizes):
+        return jax.lax.ragged_dot(x, self.weight, group_sizes)
+
+
+class _MoE(eqx.Module):
+    experts: _Experts
+
+    def __call__(self, x):
+        return self.experts(x, jnp.array([x.shape[0] // 2, x.shape[0] - x.shape[0] // 2]))
+
+
+class _Product(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _other_layers() -> dict:
+    """A quantised convolution, grouped GEMM and raw product (fp8), and each frozen,
+    with the integer input each takes and how to call it."""
+    conv = nvfp4x.quantize(eqx.nn.Conv1d(16, 8, 3, key=jax.random.key(0)), FP8_CONVS)
+    moe = nvfp4x.quantize(_MoE(_Experts(jax.random.normal(jax.random.key(1), (2, 16, 8)))), "fp8")
+    product = nvfp4x.quantize(_Product(jax.random.normal(jax.random.key(2), (8, 16))), "fp8")
+    sizes = jnp.array([3, 2], jnp.int32)
+    x_conv = jnp.arange(16 * 6, dtype=jnp.int32).reshape(16, 6) % 7 - 3
+    x_rows = jnp.arange(5 * 16, dtype=jnp.int32).reshape(5, 16) % 7 - 3
+    out = {}
+    for name, model, call, x in (
+        ("convolution", conv, lambda m, x: m(x), x_conv),
+        ("grouped GEMM", moe, lambda m, x: m.experts(x, sizes), x_rows),
+        ("product", product, lambda m, x: m(x), x_rows),
+    ):
+        out[name] = (model, call, x)
+        out[f"frozen {name}"] = (nvfp4x.freeze(model), call, x)
+    return out
+
+
+OTHER_LAYERS = _other_layers()
+
+
+@pytest.mark.parametrize("kind", list(OTHER_LAYERS))
+def test_other_layers_cast_integer_input_and_refuse_complex(kind):
+    # An int32 input to a quantised convolution gave numbers far from the same values
+    # in float32; a grouped GEMM's int32 output was int32 (and truncated).
+    model, call, x = OTHER_LAYERS[kind]
+    got = call(model, x)  # (booleans take the same path)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, call(model, x.astype(jnp.float32)))
+    with pytest.raises(TypeError, match=r"input `x` is complex \(complex64\).*imaginary part"):
+        call(model, x.astype(jnp.complex64))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["quantised", "frozen"])
+def test_grouped_gemm_refuses_boolean_group_sizes(frozen):
+    model, call, x = OTHER_LAYERS["frozen grouped GEMM" if frozen else "grouped GEMM"]
+    for sizes in (jnp.array([True, True]), jnp.array([3.0, 2.0])):
+        with pytest.raises(TypeError, match=r"`group_sizes` has dtype `(bool|float32)`.*integer"):
+            model.experts(x.astype(jnp.float32), sizes)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["quantised", "frozen"])
+def test_convolution_with_no_output_pixel_is_the_float_result(frozen):
+    # An empty spatial axis (ZeroDivisionError) or a window wider than the unpadded input
+    # (a slice TypeError) gave no result; the float convolution's is empty.
+    float_conv = eqx.nn.Conv2d(16, 8, 3, key=jax.random.key(0))
+    qconv = nvfp4x.quantize(float_conv, FP8_CONVS)
+    qconv = nvfp4x.freeze(qconv) if frozen else qconv
+    for shape in ((16, 0, 5), (16, 2, 5), (16, 0, 0)):
+        got = qconv(jnp.ones(shape))
+        assert got.shape == float_conv(jnp.ones(shape)).shape and got.dtype == jnp.float32
+    grad = jax.grad(lambda x: qconv(x).sum())(jnp.ones((16, 2, 5)))
+    np.testing.assert_array_equal(grad, np.zeros((16, 2, 5), np.float32))

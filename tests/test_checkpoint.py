@@ -8,6 +8,7 @@ and resumed ends with the same bits as one never stopped. (Sharded state:
 `tests/test_save_load.py`.)
 """
 
+import fcntl
 import gc
 import json
 import os
@@ -427,6 +428,45 @@ def test_damaged_metadata_is_refused_as_corrupted_naming_the_folder_and_step(tmp
     assert outcomes.get("refused", 0) > 0, outcomes
 
 
+SPECIAL_FILES = """
+import os, sys
+sys.path.insert(0, {root!r})
+import jax.numpy as jnp
+import nvfp4x
+
+folder, step = {folder!r}, os.path.join({folder!r}, "5")
+with nvfp4x.TrainingCheckpointer(folder, async_save=False) as ckpt:
+    ckpt.save(5, {{"w": jnp.arange(6.0)}})
+cases = [(name, "fifo") for name in
+         ("_CHECKPOINT_METADATA", "nvfp4x/metadata", "state/_METADATA", "state/_sharding")]
+cases += [("state/manifest.ocdbt", "/dev/zero"), ("nvfp4x/metadata", "/dev/zero")]
+for name, what in cases:
+    path = os.path.join(step, name)
+    os.rename(path, path + ".good")
+    os.mkfifo(path) if what == "fifo" else os.symlink(what, path)
+    try:
+        with nvfp4x.TrainingCheckpointer(folder) as ckpt:
+            ckpt.restore({{"w": jnp.zeros(6)}}, step=5)
+    except ValueError as e:
+        print("refused:", e)
+    os.unlink(path)
+    os.rename(path + ".good", path)
+"""
+
+
+def test_special_files_in_a_step_are_refused_before_orbax_opens_them(tmp_path):
+    """A step file replaced by a FIFO (Orbax's and nvfp4x's metadata files) hung the
+    restore forever; a link to `/dev/zero` was read until memory ran out. Each is
+    refused as corrupted, naming the file and what it is (a subprocess, time-bound)."""
+    script = SPECIAL_FILES.format(root=str(HERE.parent), folder=str(tmp_path / "run"))
+    out = run_script(["-c", script], timeout=120, what="restore of special files").stdout
+    refusals = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 6, out
+    for line, name in zip(refusals, ("_CHECKPOINT_METADATA", "nvfp4x/metadata"), strict=False):
+        assert f"step 5 is corrupted: `{tmp_path / 'run' / '5' / name}` is a FIFO" in line, line
+    assert sum("is a character device, not a regular file" in line for line in refusals) == 2
+
+
 def test_step_metadata_records_are_checked_field_by_field(tmp_path):
     """The nvfp4x metadata carries a digest of itself: a value changed, a field lost
     or added is refused as corrupted before anything is compared with `like`."""
@@ -516,6 +556,34 @@ def test_a_failed_background_save_surfaces_its_error_and_never_holds_the_exit(tm
         assert ckpt.all_steps() == [1]
 
 
+def test_a_save_that_orbax_fails_with_a_value_error_raises_runtime_error(tmp_path, monkeypatch):
+    """A full disk reaches Orbax as tensorstore's `ValueError` ("No space left on
+    device"); the docs promise `RuntimeError` naming the folder and the step, whether the
+    save failed at once (a synchronous save) or in the background."""
+    full = ValueError("RESOURCE_EXHAUSTED: Error writing file: No space left on device")
+
+    def no_space(*_, **__):
+        raise full
+
+    state = small_state(0)
+    failed = r"`{}`: the save of step {} failed, and the step was not written \(ValueError: "
+    with nvfp4x.TrainingCheckpointer(tmp_path / "sync", async_save=False) as ckpt:
+        monkeypatch.setattr(ckpt._manager, "save", no_space)
+        with pytest.raises(RuntimeError, match=failed.format(re.escape(str(tmp_path / "sync")), 1)):
+            ckpt.save(1, state)
+        monkeypatch.undo()
+    with nvfp4x.TrainingCheckpointer(tmp_path / "async") as ckpt:
+        ckpt.save(2, state)
+        real = ckpt._manager.wait_until_finished
+        monkeypatch.setattr(ckpt._manager, "wait_until_finished", no_space)
+        with pytest.raises(
+            RuntimeError, match=failed.format(re.escape(str(tmp_path / "async")), 2)
+        ):
+            ckpt.wait_until_finished()
+        real()
+        monkeypatch.undo()
+
+
 TWO_WRITERS = """
 import os, sys, time
 import jax.numpy as jnp
@@ -588,12 +656,16 @@ def test_a_claimed_step_is_refused_unless_its_writer_is_gone(tmp_path):
     )
     with nvfp4x.TrainingCheckpointer(folder, async_save=False) as ckpt:
         claim = folder / ".nvfp4x-step-3.claim"
-        claim.write_text(f"{_files.HOST} {os.getppid()} 0123456789abcdef")
+        # A live writer holds its claim's lock (`flock`), whatever its process id says
+        # (in another container's PID namespace: one that has ended here).
+        claim.write_text(f"{_files.HOST} {int(gone.stdout)} 0123456789abcdef")
+        holder = os.open(claim, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_EX)
         with pytest.raises(
             ValueError, match=rf"step 3 is being written by another process \(host {_files.HOST}"
         ):
             ckpt.save(3, state)
-        claim.write_text(f"{_files.HOST} {int(gone.stdout)} 0123456789abcdef")  # killed
+        os.close(holder)  # killed: its lock released
         ckpt.save(3, state)
         assert ckpt.all_steps() == [3] and not claim.exists()
         assert_same_bits(ckpt.restore(small_state(1)), state, "after a stale claim")

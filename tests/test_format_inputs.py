@@ -596,6 +596,18 @@ def test_traced_negative_amax(fn):
         jax.block_until_ready(f(x, jnp.float32(-1.0)))
 
 
+@functools.cache
+def _dequantized(fn):
+    """`fn`'s values, jitted (one compile per input dtype, shared by the float64 tests):
+    the quantised array dequantised in the input's dtype, or the RHT's output."""
+
+    def values(x):
+        out = fn(x)
+        return out if isinstance(out, jax.Array) else out.dequantize()
+
+    return jax.jit(values)
+
+
 @all_quantisers
 def test_float64_beyond_float32(fn):
     # Defined as: computed in float32, a float64 array rounded to float32 first. Beyond
@@ -605,20 +617,46 @@ def test_float64_beyond_float32(fn):
     x = np.ones((4, 32))
     x[0, 3], x[1, 3], x[2, 4] = 1e39, -1e300, 1e-300
 
-    def values(x):
-        out = fn(x)
-        return out if isinstance(out, jax.Array) else out.dequantize(jnp.float32)
-
     with jax.enable_x64(True):  # (jitted: eager dispatch compiles op by op, ~10 s)
-        y = np.asarray(jax.jit(values)(jnp.asarray(x, jnp.float64))).astype(F32)
+        y = np.asarray(_dequantized(fn)(jnp.asarray(x, jnp.float64))).astype(F32)
     with np.errstate(over="ignore"):
-        want = np.asarray(jax.jit(values)(jnp.asarray(x.astype(F32))))
+        want = np.asarray(_dequantized(fn)(jnp.asarray(x.astype(F32))))
     if fn is nvfp4x.rht:  # one 16-row chunk: column 3 mixes its rows
         assert not np.isfinite(y[:, 3]).any()
         assert_bits(np.delete(y, 3, axis=1), np.delete(want, 3, axis=1), "other columns")
         return
     assert not np.isfinite(y[0, 3]) and not np.isfinite(y[1, 3]) and y[2, 4] == 0
     assert_bits(y[2:], want[2:], "rows within float32's range")
+
+
+@all_quantisers
+def test_float64_subnormals_are_kept(fn):
+    # A float64 array of values in float32's subnormal range is rounded once to float32
+    # (XLA:CPU's conversion flushed them to zero), and dequantised into float64 exactly
+    # (the conversion back flushed them too): the float32 input's numbers.
+    rng = np.random.default_rng(11)
+    x = rng.uniform(-1, 1, (4, 32)) * 2.0**-127
+    x[0, :4] = [1e-45, -0.7e-45, 2.0**-150 * 3, 2.0**-126 * (1 - 2.0**-30)]  # rounding
+    x32 = x.astype(F32)  # NumPy's conversion keeps subnormals
+
+    with jax.enable_x64(True):
+        y = np.asarray(_dequantized(fn)(jnp.asarray(x, jnp.float64)))
+    want = np.asarray(_dequantized(fn)(jnp.asarray(x32)))
+    assert np.count_nonzero(want) > 64
+    assert_bits(y.astype(F32), want, "float64 input")
+    assert y.dtype == (F32 if fn is nvfp4x.rht else np.float64)
+    np.testing.assert_array_equal(y, want.astype(y.dtype))  # (NumPy: exact)
+
+
+@nvfp4_quantisers
+def test_traced_negative_subnormal_amax(fn):
+    # A float `amax < 0` reads a negative subnormal as 0 on XLA:CPU: the sign is read
+    # from the bits (NaN aside).
+    f = jax.jit(lambda x, a: jax.tree_util.tree_leaves(fn(x, amax=a))[0])
+    x = jnp.ones(32)
+    jax.block_until_ready(f(x, jnp.float32(-0.0)))
+    with pytest.raises((ValueError, RuntimeError), match=r"`amax` is negative"):
+        jax.block_until_ready(f(x, jnp.asarray(F32(-1e-40))))
 
 
 def _exact_rht(x: np.ndarray) -> np.ndarray:
@@ -649,6 +687,26 @@ def test_rht_near_float32_max(mode):
     # A column not in the scaled range has the bits it has on its own.
     alone = np.asarray(call(nvfp4x.rht, mode, np.ascontiguousarray(x[:, 8:9])))
     assert_bits(y[:, 8:9].astype(F32), alone, "unscaled column")
+
+
+@MODES
+def test_rht_at_float32_max(mode):
+    # Sums of multiples of FLT_MAX and their neighbours: exact results of exactly ±FLT_MAX
+    # (and others in the top binade) came out ±inf where the float32 einsum's summation
+    # error crossed the overflow threshold. Results from 2^127 up are the exact
+    # transform rounded once to float32 (±inf from the midpoint above FLT_MAX); every
+    # result whose exact value rounds to a finite float32 is finite.
+    rng = np.random.default_rng(12)
+    x = (FLT_MAX * rng.choice([-1, 1, 0.5, -0.5, 0.25, 0, 0.75], SHAPE)).astype(F32)
+    x = np.where(rng.random(SHAPE) < 0.5, np.nextafter(x, F32(0)), x)
+    y = np.asarray(call(nvfp4x.rht, mode, x))
+    exact = _exact_rht(x)  # (exact in float64: the terms' exponents are close)
+    with np.errstate(over="ignore"):
+        want = exact.astype(F32)  # rounded once; beyond the midpoint, ±inf
+    assert np.isfinite(y[np.isfinite(want)]).all()
+    top = np.abs(exact) >= 2.0**127
+    assert top.sum() > 100 and (np.abs(want[top]) == FLT_MAX).sum() > 5
+    assert_bits(y[top], want[top], "results in the top binade")
 
 
 @MODES

@@ -10,6 +10,7 @@ decoding, bit for bit.
 
 import json
 import pathlib
+import re
 import shutil
 import struct
 from typing import Any
@@ -26,6 +27,8 @@ from helpers import assert_same_bits
 
 import nvfp4x
 from nvfp4x._hf import _names
+from nvfp4x._hf._codecs import ALGOS
+from nvfp4x._hf._modelopt import config_json_block
 
 CFG = lm.SMOKE  # d_model 64, 2 blocks, 2 heads, SwiGLU 192
 NAMES = nvfp4x.hf_names.llama
@@ -314,6 +317,16 @@ def test_mixed_policy_round_trip(tmp_path):
     assert raw["model.layers.0.mlp.up_proj.weight"][0] == "F32"
     assert raw["model.layers.1.mlp.up_proj.weight"][0] == "BF16"
     assert_same_bits(nvfp4x.import_hf(tmp_path, like_of(policy), names=NAMES), frozen)
+    # `config.json`'s per-layer map must be the one nvfp4x reads (a serving stack reads it)
+    hq = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    config = {"quantization_config": config_json_block(hq, ALGOS)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    nvfp4x.import_hf(tmp_path, like_of(policy), names=NAMES)  # (as `export_hf` writes it)
+    o_proj = "model.layers.0.self_attn.o_proj"
+    config["quantization_config"]["quantized_layers"][o_proj]["quant_algo"] = "NVFP4"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"`quantized_layers\.{re.escape(o_proj)}: .*disagree"):
+        nvfp4x.import_hf(tmp_path, like_of(policy), names=NAMES)
 
 
 # --- refusals ---
@@ -406,8 +419,10 @@ def test_refuses_dtype_mismatch(bad):
         ({"quant_algo": "FP8"}, r"quant_algo: FP8` \(FP8 checkpoints"),
         ({"group_size": 32}, r"group_size: 32"),
         ({"kv_cache_quant_algo": "FP8"}, r"KV cache quantisation"),
+        # (was "unsupported `group_size: 16`; nvfp4x reads group size 16 only")
+        ({"group_size": "16"}, r'`group_size` is "16" \(a string\), not an integer'),
     ],
-    ids=["mxfp4", "nvfp4_awq", "w4a16_awq", "fp8", "group_size_32", "kv_cache"],
+    ids=["mxfp4", "nvfp4_awq", "w4a16_awq", "fp8", "group_size_32", "kv_cache", "group_size_str"],
 )
 def test_refuses_unsupported_quantisation(bad, changes, message):
     directory, read = bad

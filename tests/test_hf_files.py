@@ -26,6 +26,7 @@ from helpers import assert_same_bits, dead_pid
 
 import nvfp4x
 from nvfp4x import _files
+from nvfp4x._hf import _safetensors
 
 NAMES = {"layers[0]": "model.layers.0.mlp.up_proj", "layers[1]": "model.layers.0.mlp.down_proj"}
 WRITTEN = ("model.safetensors", "hf_quant_config.json", "config.json")
@@ -178,7 +179,9 @@ def test_without_an_atomic_swap_a_kill_between_two_renames_is_undone(
     nvfp4x.export_hf(frozen, target, names=NAMES, input_amax=AMAX["w4a4"])
     assert read_either(target, exports) == "w4a4"
     assert os.listdir(tmp_path) == ["served"]
-    target.rename(tmp_path / f".served.nvfp4x-{_files.HOST}-{dead_pid()}-0123abcd.old")
+    stem = f".served.nvfp4x-{_files.HOST}-{dead_pid()}-0123abcd"
+    target.rename(tmp_path / f"{stem}.old")
+    (tmp_path / f"{stem}.lock").write_text("")  # its writer's lock, released by the kill
     _, _, frozen = exports["w4a16"]
     nvfp4x.export_hf(frozen, target, names=NAMES)
     assert read_either(target, exports) == "w4a16"
@@ -322,6 +325,48 @@ def test_safetensors_header_is_checked_as_strictly_as_safetensors_does(copy, how
         read()
 
 
+_ONE = '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+_EMPTY = '{"a":{"dtype":"F32","shape":[0,%d],"data_offsets":[0,0]}}'
+HEADER_TEXT = {
+    "utf-8 BOM": (b"\xef\xbb\xbf" + _ONE.encode(), b"\0" * 4, r"byte order mark"),
+    "utf-16": (_ONE.encode("utf-16-le"), b"\0" * 4, r"not UTF-8 text"),
+    "offset -0": (_ONE.replace("[0,4]", "[-0,4]").encode(), b"\0" * 4, r"integer `-0`"),
+    "lone surrogate name": (
+        _ONE.replace('"a"', '"\\ud800"').encode(),
+        b"\0" * 4,
+        r"lone surrogate escape",
+    ),
+    "dimension 2^64": ((_EMPTY % 2**64).encode(), b"", r"header entry of tensor `a` is malformed"),
+    "dimension 2^64 - 1": ((_EMPTY % (2**64 - 1)).encode(), b"", r"does not fit in 64 bits"),
+    "size beyond 64 bits": (
+        b'{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}',
+        b"",
+        r"does not fit in 64 bits",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADER_TEXT.values()), ids=list(HEADER_TEXT))
+def test_safetensors_header_text_is_read_as_strictly_as_safetensors_does(case):
+    """Headers the safetensors library refuses (its serde JSON: UTF-8 without a byte
+    order mark, no lone surrogate, unsigned 64-bit integers) loaded here (Python's
+    `json` guesses UTF-16, reads `-0` as 0 and `"\\ud800"` as a string)."""
+    import safetensors.numpy
+
+    def file(text: bytes, payload: bytes) -> bytes:
+        return len(text).to_bytes(8, "little") + text + payload
+
+    text, payload, message = case
+    ok = file(_ONE.encode(), b"\0" * 4)
+    safetensors.numpy.load(ok)
+    _safetensors.read("ok.safetensors", ok)
+    crafted = file(text, payload)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the library's own error types
+        safetensors.numpy.load(crafted)
+    with pytest.raises(ValueError, match=rf"`x\.safetensors`.*{message}"):
+        _safetensors.read("x.safetensors", crafted)
+
+
 def in_thread(function, seconds: float = 20.0):
     """Run `function` in a daemon thread: `(finished, result or exception)`, so that a
     read that would block forever fails the test instead of hanging it."""
@@ -435,6 +480,55 @@ def test_a_file_that_lost_its_checksums_is_refused_where_the_config_names_nvfp4x
     header["__metadata__"] = {"format": "pt", "nvfp4x.hf_quant_config.sha256": digest}
     path.write_bytes(join(header, payload))
     with pytest.raises(ValueError, match=r"one of nvfp4x's two checksum entries"):
+        read()
+
+
+CONFIG_DISAGREEMENTS = {
+    "no quantization_config": (
+        lambda q: None, r"has no `quantization_config` object but .*hf_quant_config\.json"
+    ),
+    "a quantised layer ignored": (
+        lambda q: {**q, "ignore": ["model.layers.0.mlp.up_proj"]},
+        r"says `ignore: \['model\.layers\.0\.mlp\.up_proj'\]` but .* says `exclude_modules: "
+        r"\[\]` \(they differ in \['model\.layers\.0\.mlp\.up_proj'\]\)",
+    ),
+    "group_size": (
+        lambda q: {**q, "config_groups": {"group_0": {
+            **q["config_groups"]["group_0"],
+            "weights": {**q["config_groups"]["group_0"]["weights"], "group_size": 32},
+        }}},
+        r"says `config_groups\.group_0\.weights\.group_size: 32` but .* says .*: 16",
+    ),
+    "top-level group_size": (
+        lambda q: {**q, "group_size": "16"}, r"says `group_size: \"16\" \(a string\)` but"
+    ),
+    "kv_cache_scheme": (
+        lambda q: {**q, "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+        r"says `kv_cache_scheme: \{'num_bits': 8, 'type': 'float'\}` but .*_scheme: None`",
+    ),
+    "quant_method": (
+        lambda q: {**q, "quant_method": "compressed-tensors"},
+        r"says `quant_method: compressed-tensors` but",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case", list(CONFIG_DISAGREEMENTS.values()), ids=list(CONFIG_DISAGREEMENTS)
+)
+def test_config_json_must_say_what_hf_quant_config_says(copy, case):
+    """`import_hf` reads `hf_quant_config.json`; a serving stack reads `config.json`.
+    Before, only `quant_algo` was compared: these loaded silently."""
+    change, message = case
+    target, read = copy
+    config = json.loads((target / "config.json").read_text())
+    block = change(config["quantization_config"])
+    if block is None:
+        del config["quantization_config"]
+    else:
+        config["quantization_config"] = block
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json` " + message + r".*disagree"):
         read()
 
 

@@ -9,6 +9,7 @@ anywhere or a truncated file is refused, naming the file; files of format versio
 """
 
 import errno
+import fcntl
 import io
 import json
 import os
@@ -234,14 +235,23 @@ def test_load_non_checkpoint_raises(tmp_path, kind):
         nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
 
 
-def test_load_other_format_version_raises(tmp_path):
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        (999, r"has checkpoint format version 999; this nvfp4x reads versions 1 to 2"),
+        # (was "has checkpoint format version 2; this nvfp4x reads versions 1 to 2")
+        ("2", r'`format_version` is "2" \(a string\), not an integer'),
+    ],
+    ids=["999", "string"],
+)
+def test_load_other_format_version_raises(tmp_path, version, message):
     path, data = saved(tmp_path)
     magic = data.index(b"\n") + 1
     header, end = header_of(data)
-    header["format_version"] = 999
+    header["format_version"] = version
     raw = json.dumps(header).encode()
     path.write_bytes(data[:magic] + len(raw).to_bytes(8, "little") + raw + data[end:])
-    with pytest.raises(ValueError, match=r"version"):
+    with pytest.raises(ValueError, match=message):
         nvfp4x.load(str(path), frozen_like("nvfp4_inference", "concrete"))
 
 
@@ -384,64 +394,84 @@ def test_save_killed_mid_write_leaves_a_complete_checkpoint(tmp_path):
     i = int(loaded["i"])
     assert i >= 0 and np.all(np.asarray(loaded["w"]) == i), f"killed after {delay:.2f} s"
     assert i >= saves - 1, (i, saves)
-    # At most the killed write's temporary file is left next to it, and the next save
-    # of that path removes it.
+    # At most the killed write's temporary file and its lock file are left next to it,
+    # and the next save of that path removes them (the lock died with its process).
     others = [p for p in os.listdir(tmp_path) if p != "model.nvfp4x"]
-    temporary = rf"\.model\.nvfp4x\.nvfp4x-[0-9a-f]{{8}}-{proc.pid}-[0-9a-f]{{8}}\.tmp"
-    assert len(others) <= 1 and all(re.fullmatch(temporary, p) for p in others), others
+    temporary = rf"\.model\.nvfp4x\.nvfp4x-[0-9a-f]{{8}}-{proc.pid}-[0-9a-f]{{8}}\.(tmp|lock~?)"
+    assert len(others) <= 3 and all(re.fullmatch(temporary, p) for p in others), others
     nvfp4x.save(path, loaded)
     assert os.listdir(tmp_path) == ["model.nvfp4x"]
 
 
+def _locked(path) -> int:
+    """Create `path` and hold its `flock` (a writer that runs): the open descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def test_stale_temporaries_are_removed_but_not_a_live_writers(tmp_path, frozen_pair):
-    """Temporaries named as `nvfp4x.save` names them: one of a process that is gone is
-    removed by the next save or load of that path; one of a live process (a concurrent
-    writer), one of another target and files nvfp4x did not make are kept."""
+    """Temporaries named as `nvfp4x.save` names them, each with its lock file: one whose
+    lock no process holds (its writer killed) is removed, with its lock file, by the next
+    save or load of that path; one whose lock is held (a concurrent writer, here with
+    the id of a process that has ended, as a writer in another container's PID
+    namespace shows: removed before), one of another target and files nvfp4x did not
+    make are kept."""
     old, _ = frozen_pair
     path, _ = saved_file(tmp_path, old)
-    gone = dead_pid()
-    host = _files.HOST
+    gone, host = dead_pid(), _files.HOST
     stale = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{gone}-0123abcd.tmp"
-    live = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{os.getppid()}-0123abcd.tmp"
+    live = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{gone}-4567cdef.tmp"
     other_target = tmp_path / f".other.nvfp4x.nvfp4x-{host}-{gone}-0123abcd.tmp"
     not_ours = tmp_path / ".model.nvfp4x.Xy12ab.tmp"
-    for p in (stale, live, other_target, not_ours):
-        p.write_bytes(b"partial")
-    for use in ("load", "save"):
-        if use == "load":
-            nvfp4x.load(path, old)
-        else:
-            nvfp4x.save(path, old)
-        assert not stale.exists(), use
-        assert live.exists() and other_target.exists() and not_ours.exists(), use
-        stale.write_bytes(b"partial")
+    unlocked = tmp_path / f".model.nvfp4x.nvfp4x-{host}-{gone}-89abcdef.tmp"  # no lock file
+    holder = _locked(tmp_path / f".model.nvfp4x.nvfp4x-{host}-{gone}-4567cdef.lock")
+    try:
+        for use in ("load", "save"):
+            for p in (stale, live, other_target, not_ours, unlocked):
+                p.write_bytes(b"partial")
+            (tmp_path / f".model.nvfp4x.nvfp4x-{host}-{gone}-0123abcd.lock").write_bytes(b"")
+            if use == "load":
+                nvfp4x.load(path, old)
+            else:
+                nvfp4x.save(path, old)
+            assert not stale.exists() and not stale.with_suffix(".lock").exists(), use
+            assert live.exists() and live.with_suffix(".lock").exists(), use
+            assert other_target.exists() and not_ours.exists(), use
+            assert unlocked.exists(), use  # its writer cannot be proven gone: its age
+    finally:
+        os.close(holder)
 
 
 def test_one_rule_says_when_a_writer_is_gone(tmp_path):
     """`_files.writer_gone` decides for temporaries and for the training checkpointer's
-    claims alike: gone when its process of this host has ended, or is this process's
-    id but not held by it (an earlier process with the same id), or when another host's
-    file is untouched for `STALE_AFTER_S`; never for a file this process holds."""
+    claims alike: gone when the file's lock (its lock file's, for a temporary) exists
+    and no process holds it, or when the file is untouched for `STALE_AFTER_S`; never
+    for a file this process holds; process ids are not read."""
     path = tmp_path / "claim"
     path.write_text("x")
-    host, other_host = _files.HOST, "0123abcd" if _files.HOST != "0123abcd" else "4567cdef"
-    assert _files.writer_gone(str(path), host, dead_pid())
-    assert not _files.writer_gone(str(path), host, os.getppid())
-    assert _files.writer_gone(str(path), host, os.getpid())
-    assert not _files.writer_gone(str(path), other_host, dead_pid())
-    _files.hold(str(path))
-    try:
-        assert not _files.writer_gone(str(path), host, os.getpid())
-        day_old = time.time() - _files.STALE_AFTER_S - 60
-        os.utime(path, (day_old, day_old))
-        assert not _files.writer_gone(str(path), other_host, 1)
-    finally:
-        _files.let_go(str(path))
-    assert not path.exists()
-    path.write_text("x")
+    assert _files.writer_gone(str(path))  # its lock not held: its writer died
+    fd = _locked(path)
+    assert not _files.writer_gone(str(path))  # held (by another open file, here)
+    day_old = time.time() - _files.STALE_AFTER_S - 60
     os.utime(path, (day_old, day_old))
-    assert _files.writer_gone(str(path), other_host, os.getppid())
-    assert not _files.writer_gone(str(tmp_path / "missing"), host, dead_pid())
+    assert _files.writer_gone(str(path))  # however held: a day without a change
+    os.close(fd)
+    held = str(tmp_path / "held")
+    _files.create_locked(held, b"me")
+    try:
+        assert not _files.writer_gone(held)
+        os.utime(held, (day_old, day_old))
+        assert not _files.writer_gone(held)  # this process's own: never
+    finally:
+        _files.let_go(held)
+    assert not os.path.exists(held) and os.listdir(tmp_path) == ["claim"]
+    temporary = tmp_path / f".m.nvfp4x-{_files.HOST}-1-0123abcd.tmp"
+    temporary.write_text("x")
+    assert not _files.writer_gone(str(temporary))  # no lock file: wait for its age
+    temporary.with_suffix(".lock").write_text("")
+    assert _files.writer_gone(str(temporary))
+    assert not _files.writer_gone(str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
@@ -458,6 +488,19 @@ def test_load_refuses_what_is_not_a_regular_file(tmp_path, frozen_pair, kind):
         path.mkdir()
     what = {"fifo": "FIFO", "dev-zero": "character device", "folder": "folder"}[kind]
     with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is a {what}.*not a regular"):
+        nvfp4x.load(path, new)
+
+
+@pytest.mark.parametrize("how", ["path", "link"])
+def test_load_refuses_a_kernel_file_by_name(tmp_path, frozen_pair, how):
+    """`/proc/self/mem` is a regular file to `stat` whose every read fails (a bare
+    `OSError: [Errno 5]` before): refused by name, as the kernel's file it is."""
+    _, new = frozen_pair
+    path = pathlib.Path("/proc/self/mem")
+    if how == "link":
+        (tmp_path / "model.nvfp4x").symlink_to(path)
+        path = tmp_path / "model.nvfp4x"
+    with pytest.raises(ValueError, match=rf"`{re.escape(str(path))}` is the kernel's `/proc/"):
         nvfp4x.load(path, new)
 
 

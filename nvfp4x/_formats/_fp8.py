@@ -18,6 +18,7 @@ from .._kernels import _native
 from .._numerics._fp8 import FP8_DTYPES, quantize_fp8
 from .._numerics._ieee import mul_exact
 from .._numerics._nvfp4 import tensor_amax
+from .._numerics._subnormal import from_float32, to_float32
 from .._packed import PackedArray, as_bits
 from ._spec import Format, FormatSpec
 
@@ -79,7 +80,7 @@ class FP8Array(PackedArray):
         """
         scale = self.scale.reshape(self.scale.shape + (1,) * (self.data.ndim - self.scale.ndim))
         out = _dequantize(self.data_bits, scale, self.kind)
-        return out.astype(self.dtype if dtype is None else dtype)
+        return from_float32(out, self.dtype if dtype is None else dtype)
 
 
 # Jitted: called eagerly, it is one dispatch rather than `mul_exact`'s ops one by one.
@@ -113,7 +114,8 @@ def to_fp8(x: ArrayLike, kind: str = "e4m3") -> FP8Array:
     """
     x = check_float(x)
     kind = check_fp8_kind(kind)
-    q, scale = quantize_fp8(x, kind, tensor_amax(x))
+    x32 = to_float32(x)  # (float64: subnormals kept)
+    q, scale = quantize_fp8(x32, kind, tensor_amax(x32))
     return FP8Array(data_bits=as_bits(q, FP8_DTYPES[kind]), scale=scale, kind=kind, dtype=x.dtype)
 
 

@@ -18,6 +18,7 @@ from .._kernels import _native
 from .._numerics._constants import MX_BLOCK
 from .._numerics._fp8 import mx_pad, quantize_mxfp8
 from .._numerics._ieee import mul_exact
+from .._numerics._subnormal import from_float32, to_float32
 from .._packed import PackedArray, as_bits
 from ._spec import Format, FormatSpec
 
@@ -89,7 +90,7 @@ class MXFP8Array(PackedArray):
         in `dtype`.
         """
         v = _dequantize(self.data, self.scales, self.logical_last)
-        return v.astype(self.dtype if dtype is None else dtype)
+        return from_float32(v, self.dtype if dtype is None else dtype)
 
 
 # Jitted: called eagerly, it is one dispatch rather than `mul_exact`'s ops one by one.
@@ -127,7 +128,7 @@ def to_mxfp8(x: ArrayLike) -> MXFP8Array:
     """
     x = check_float(x)
     check_ndim(x, 1, "MXFP8 (blocks of 32 along the last axis)")
-    q, scale = quantize_mxfp8(mx_pad(x))
+    q, scale = quantize_mxfp8(mx_pad(to_float32(x)))  # (float64: subnormals kept)
     return MXFP8Array(
         data_bits=as_bits(q, jnp.float8_e4m3fn),
         scale_bits=as_bits(scale, jnp.float8_e8m0fnu),

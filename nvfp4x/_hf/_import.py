@@ -82,7 +82,6 @@ def _read_checkpoint(directory: str) -> tuple[QuantConfig, Reader]:
         folder = Folder(directory)
         try:
             config = read_quant_config(folder, ALGOS)
-            check_config_json_agrees(folder, config)
             reader = Reader(folder, config)
             if config.file.endswith(HF_QUANT_CONFIG) and reader.config_digests:
                 ours = digest(folder.read(HF_QUANT_CONFIG, MAX_JSON_BYTES))
@@ -91,6 +90,7 @@ def _read_checkpoint(directory: str) -> tuple[QuantConfig, Reader]:
                         f"`{config.file}` fails the sha256 checksum recorded in the weights at "
                         "export: it was changed or corrupted. Export the checkpoint again."
                     )
+            check_config_json_agrees(folder, config, ALGOS)
             return config, reader
         except (OSError, ValueError) as e:
             if not folder.changed():

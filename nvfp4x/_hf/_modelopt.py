@@ -8,6 +8,7 @@ import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
+from .._files import shown
 from ._folder import CONFIG, HF_QUANT_CONFIG, Folder
 
 #: The `quant_algo` of a checkpoint whose layers have different algorithms.
@@ -91,6 +92,11 @@ def _check_group_size(
 ) -> None:
     """`size` must be the group size of `algos` (one algorithm, or any of several)."""
     allowed = {a.group_size for a in ([algos] if isinstance(algos, Algo) else algos.values())}
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+        raise ValueError(
+            f"`{file}`{where}: `group_size` is {shown(size)}, not an integer; write it as a "
+            "number (NVFP4: `group_size: 16`)."
+        )
     if size is not None and size not in allowed:
         sizes = " or ".join(str(g) for g in sorted(g for g in allowed if g is not None))
         raise ValueError(
@@ -176,22 +182,83 @@ def read_quant_config(folder: Folder, known: Mapping[str, Algo]) -> QuantConfig:
     return QuantConfig(file, one.name, exclude, None, producer)
 
 
-def check_config_json_agrees(folder: Folder, config: QuantConfig) -> None:
-    """A serving stack may read `config.json`'s `quantization_config` and nvfp4x reads
-    `hf_quant_config.json`: where both are present they must name one algorithm."""
+def check_config_json_agrees(
+    folder: Folder, config: QuantConfig, known: Mapping[str, Algo]
+) -> None:
+    """A serving stack reads `config.json`'s `quantization_config` and nvfp4x reads
+    `hf_quant_config.json`: where both files are present, `config.json` must hold that
+    block and it must say what `hf_quant_config.json` says, field by field (as Model
+    Optimizer's `convert_hf_quant_config_format` derives it): `quant_method`,
+    `quant_algo`, `kv_cache_scheme`, `ignore` (its `exclude_modules`), the MIXED
+    per-layer map and every group size. A disagreement raises `ValueError` naming both
+    files and the field."""
     if not (config.file.endswith(HF_QUANT_CONFIG) and folder.exists(CONFIG)):
         return
+    cj = folder.path(CONFIG)
     raw = folder.json(CONFIG)
     block = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if block is None:
-        return
-    theirs = block.get("quant_algo") if isinstance(block, dict) else block
-    if str(theirs).upper() != config.algo:
-        raise ValueError(
-            f"`{folder.path(CONFIG)}` says `quant_algo: {theirs}` but `{config.file}` says "
-            f"`quant_algo: {config.algo}`: the two configs of one checkpoint disagree (a "
-            "serving stack reading one would run the wrong algorithm). Export it again."
+    q = folder.json(HF_QUANT_CONFIG)["quantization"]  # (read_quant_config checked it)
+
+    def disagree(field: str, theirs: Any, ours: Any, our_field: str = "", why: str = ""):
+        if str(theirs) == str(ours) or isinstance(theirs, str) != isinstance(ours, str):
+            theirs, ours = shown(theirs), shown(ours)  # `"16"` and 16: say which is which
+        return ValueError(
+            f"`{cj}` says `{field}: {theirs}` but `{config.file}` says "
+            f"`{our_field or field}: {ours}`{why}: "
+            "the two configs of one checkpoint disagree (a serving stack reading "
+            f"`{CONFIG}` would run another quantisation than nvfp4x loads). Export it again."
         )
+
+    if not isinstance(block, dict):
+        raise ValueError(
+            f"`{cj}` has no `quantization_config` object but `{config.file}` says "
+            f"`quant_algo: {config.algo}`: the two configs of one checkpoint disagree (a "
+            f"serving stack reading `{CONFIG}` would run the model unquantised). Export it "
+            "again."
+        )
+    method = block.get("quant_method")
+    if not str(method).lower().startswith("modelopt"):
+        raise disagree("quant_method", method, "modelopt (a Model Optimizer config)")
+    theirs = block.get("quant_algo")
+    if str(theirs).upper() != config.algo:
+        raise disagree("quant_algo", theirs, config.algo)
+    if block.get("kv_cache_scheme") is not None:
+        raise disagree("kv_cache_scheme", block.get("kv_cache_scheme"), None)
+    ignore = block.get("ignore") or []
+    if not isinstance(ignore, list) or set(map(str, ignore)) != set(config.exclude):
+        listed = set(map(str, ignore)) if isinstance(ignore, list) else {str(ignore)}
+        why = f" (they differ in {sorted(listed ^ set(config.exclude))[:3]})"
+        raise disagree("ignore", ignore, config.exclude, "exclude_modules", why)
+    if config.layers is not None and block.get("quantized_layers") != q.get("quantized_layers"):
+        theirs_map = block.get("quantized_layers")
+        theirs_map = theirs_map if isinstance(theirs_map, dict) else {}
+        ours_map = q.get("quantized_layers") or {}
+        name = next(
+            (
+                n
+                for n in sorted(set(theirs_map) | set(ours_map))
+                if theirs_map.get(n) != ours_map.get(n)
+            ),
+            "?",
+        )
+        raise disagree(f"quantized_layers.{name}", theirs_map.get(name), ours_map.get(name))
+    for group_name, group in (block.get("config_groups") or {}).items():
+        if not isinstance(group, dict):
+            continue
+        size = (group.get("weights") or {}).get("group_size")
+        if config.layers is None:
+            want = {known[config.algo].group_size}
+        else:
+            targets = group.get("targets") or []
+            want = {known[config.layers[t]].group_size for t in targets if t in config.layers}
+        if size is not None and want and size not in want:
+            field = f"config_groups.{group_name}.weights.group_size"
+            sizes = sorted(str(g) for g in want)
+            ours = next(iter(want)) if len(want) == 1 else " or ".join(sizes)
+            raise disagree(field, size, ours)
+    size = block.get("group_size")
+    if size is not None and config.layers is None and size != known[config.algo].group_size:
+        raise disagree("group_size", size, known[config.algo].group_size)
 
 
 def hf_quant_config(layers: Mapping[str, Algo], exclude: set[str]) -> dict:

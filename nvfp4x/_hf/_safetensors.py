@@ -79,7 +79,7 @@ def read(path: str, raw: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
             f"`{path}` is truncated: its header claims {n} bytes but the file has {size} in "
             "all. Copy or export the checkpoint again."
         )
-    header = load_json(bytes(data[8 : 8 + n]), f"`{path}`: the safetensors header")
+    header = load_json(bytes(data[8 : 8 + n]), f"`{path}`: the safetensors header", unsigned=True)
     if not isinstance(header, dict):
         raise ValueError(f"`{path}`: the safetensors header is not a JSON object (corrupted).")
     metadata = header.pop("__metadata__", None)
@@ -98,8 +98,16 @@ def read(path: str, raw: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
             raise ValueError(malformed)
-        if not all(type(d) is int and d >= 0 for d in (*shape, *offsets)):
-            raise ValueError(malformed)
+        if not all(type(d) is int and 0 <= d < 2**64 for d in (*shape, *offsets)):
+            raise ValueError(malformed)  # (each an unsigned 64-bit integer, as the library's)
+        elements = 1
+        for d in shape:  # the library's product, checked in 64 bits from the left
+            elements *= d
+            if elements >= 2**64 or d >= 2**63:  # (numpy holds no axis of 2^63 or more)
+                raise ValueError(
+                    f"`{path}`: tensor `{name}` has shape {shape}, whose size does not fit in "
+                    "64 bits or whose axes numpy cannot hold (corrupted or crafted header)."
+                )
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(
                 f"`{path}`: tensor `{name}` has dtype `{dtype}`, which nvfp4x does not read "

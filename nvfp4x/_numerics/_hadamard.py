@@ -2,13 +2,14 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
 from ._constants import BLOCK, RHT_SIGNS
-from ._ieee import abs_bits
-from ._subnormal import tiny_down, tiny_up
+from ._ieee import INF_BITS, abs_bits
+from ._subnormal import tiny_down, tiny_up, to_float32
 
 #: Chunk columns whose largest magnitude reaches this (2^124) are transformed scaled by
 #: `_RANGE_SHIFT`: otherwise a float32 partial sum of 16 terms of up to `max/4` each may
@@ -20,6 +21,8 @@ _RANGE_SHIFT = 2.0**-4
 #: by 2^`TINY_SHIFT` (`_subnormal`): otherwise a device that flushes subnormals
 #: (XLA:CPU) reads them, and the results below 2^-126, as zero.
 _TINY_BITS = (127 - 100) << 23
+#: Scaled results of big columns from this magnitude (2^123) are computed again exactly.
+_NEAR_MAX_BITS = (127 + 123) << 23
 
 
 def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
@@ -54,7 +57,7 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     `nvfp4x.rht`, which checks them, and the GEMMs, whose operands are checked already);
     see `nvfp4x.rht` (`_rht.py`) for what it computes."""
     axis = axis % x.ndim
-    x = jnp.moveaxis(x.astype(jnp.float32), axis, 0)
+    x = jnp.moveaxis(to_float32(x), axis, 0)
     pad = -x.shape[0] % BLOCK
     if pad:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
@@ -63,8 +66,54 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     chunks, masks = _scaled_into_range(chunks)
     h = jnp.asarray(hadamard_matrix())
     y = jnp.einsum("ij,cjm->cim", h, chunks, precision="highest")
+    # Scaled results in the top binades (|y| >= 2^123, the result >= 2^127) of finite
+    # big columns: there the einsum's summation error could decide whether scaling back
+    # overflows; they are computed again, to float32's nearest (`_accurate`).
+    near_max = masks[0] & (abs_bits(y) >= _NEAR_MAX_BITS) & (abs_bits(y) < INF_BITS)
+    y = jax.lax.cond(jnp.any(near_max), _accurate, _as_is, chunks, y, near_max)
     y = _scaled_back(y, masks).reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
+
+
+# Branches of `lax.cond`: module-level functions (`cond` caches traced branches by identity).
+
+
+def _as_is(chunks: Array, y: Array, near_max: Array) -> Array:
+    del chunks, near_max
+    return y
+
+
+def _accurate(chunks: Array, y: Array, near_max: Array) -> Array:
+    """`y` where `near_max` is false; elsewhere the transform of the scaled `chunks`
+    rounded once to float32 (to within 2^-40 of it: a tie closer than that may round
+    either way): the 16-point fast Walsh-Hadamard transform carried as unevaluated sums
+    `hi + lo` (each butterfly `a ± b` by Knuth's TwoSum, exact, its error added into
+    `lo`), then times the signs and 1/4 (exact)."""
+    hi, lo = chunks, jnp.zeros_like(chunks)
+    half = 1
+    while half < BLOCK:
+        shape = (chunks.shape[0], BLOCK // (2 * half), 2, half, chunks.shape[-1])
+        ah, bh = jnp.moveaxis(hi.reshape(shape), 2, 0)
+        al, bl = jnp.moveaxis(lo.reshape(shape), 2, 0)
+        sh, sl = _sum_of_sums(ah, al, bh, bl)
+        dh, dl = _sum_of_sums(ah, al, -bh, -bl)
+        hi = jnp.stack([sh, dh], axis=2).reshape(chunks.shape)
+        lo = jnp.stack([sl, dl], axis=2).reshape(chunks.shape)
+        half *= 2
+    signs = jnp.asarray(np.asarray(RHT_SIGNS, np.float32) / 4)[None, :, None]
+    return jnp.where(near_max, hi * signs, y)
+
+
+def _sum_of_sums(ah: Array, al: Array, bh: Array, bl: Array) -> tuple[Array, Array]:
+    """`(ah + al) + (bh + bl)` as `hi + lo` with `hi` its float32 rounding (`al`, `bl`
+    below an ulp of `ah`, `bh`): TwoSum of the high parts (exact), the low parts and its
+    error summed, renormalised by Fast2Sum."""
+    s = ah + bh
+    bv = s - ah
+    err = (ah - (s - bv)) + (bh - bv)
+    t = (al + bl) + err
+    hi = s + t
+    return hi, t - (hi - s)
 
 
 def _scaled_into_range(

@@ -27,6 +27,36 @@ TINY_SHIFT = 64
 _SIGN = -(2**31)  # the sign bit, as an int32
 
 
+def to_float32(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """`x` rounded once to float32 (to nearest, ties to even), subnormal results kept on
+    every device. Only a float64 `x` needs care: XLA:CPU's conversion flushes results
+    below 2^-126 to zero; those are built from their bits (the 23-bit field is `|x| *
+    2^149` rounded to an integer in float64, where it is normal). Narrower floats
+    convert exactly."""
+    if x.dtype != jnp.float64:
+        return x.astype(jnp.float32)
+    a = jnp.abs(x)
+    tiny = a < np.float64(2.0**-126)  # (NaN: not tiny)
+    field = jnp.round(jnp.where(tiny, a, 0.0) * np.float64(2.0**149))  # half to even
+    mag = field.astype(jnp.int32)  # at most 2^23: the bits of 2^-126
+    sign = jnp.where(jnp.signbit(x), jnp.int32(_SIGN), jnp.int32(0))
+    sub = from_bits(mag | sign)
+    return jnp.where(tiny, sub, x.astype(jnp.float32))
+
+
+def from_float32(y: Float[Array, "*s"], dtype) -> Array:
+    """The float32 `y` in `dtype`: for float64, exactly, subnormals included (XLA:CPU's
+    conversion reads a float32 subnormal as zero; it is built from its 23-bit field,
+    `field * 2^-149`, a normal float64). Other dtypes convert as `astype` does."""
+    if jnp.dtype(dtype) != jnp.float64:
+        return y.astype(dtype)
+    bits = jax.lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32)
+    mag = bits & 0x7FFFFFFF
+    sub = mag.astype(jnp.float64) * np.float64(2.0**-149)
+    sub = jnp.where(bits < 0, -sub, sub)
+    return jnp.where(mag < MIN_NORMAL_BITS, sub, y.astype(jnp.float64))
+
+
 def tiny_up(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
     """`x * 2^64` exactly, for finite `|x| < 2^64`: a subnormal `x = m * 2^-149` is read
     from its bits (as `m * 2^-85`), a normal one has 64 added to its exponent. (Any other
