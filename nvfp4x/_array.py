@@ -21,6 +21,7 @@ from ._checks import (
     check_scale_rounding,
 )
 from ._numerics import _e2m1
+from ._numerics._bits import fp8_bits, narrow
 from ._numerics._constants import BLOCK, is_tile
 from ._numerics._ieee import is_tiny_scale, mul_exact
 from ._numerics._nvfp4 import (
@@ -31,7 +32,7 @@ from ._numerics._nvfp4 import (
     scale_blocks,
     to_blocks,
 )
-from ._numerics._pack import pack, unpack
+from ._numerics._pack import decode_e4m3, pack, unpack
 from ._packed import PackedArray, as_bits
 
 
@@ -126,7 +127,7 @@ class NVFP4Array(PackedArray):
         # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
         tiny = jnp.any(is_tiny_scale(ts))
         x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
-        return x.astype(self.dtype if dtype is None else dtype)
+        return narrow(x, self.dtype if dtype is None else dtype)
 
     @follows_input_sharding(like=lambda self: self.codes)
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
@@ -142,7 +143,7 @@ class NVFP4Array(PackedArray):
         ```
         """
         q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
-        scale = self.scales.astype(jnp.float32)
+        scale = decode_e4m3(self.scale_bits)  # on the bits: E4M3 subnormals kept
         expanded = scale[..., :, None, :, None] if is_tile(self.block) else scale[..., None]
         vals = (q * expanded).reshape(self.codes.shape[:-1] + (2 * self.codes.shape[-1],))
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
@@ -226,7 +227,8 @@ def to_nvfp4(
             codes = _e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape)))
         else:
             codes = _e2m1.encode_nearest(v)
-        packed, scales = pack(codes.reshape(xp.shape)), scale_b.astype(jnp.float8_e4m3fn)
+        packed = pack(codes.reshape(xp.shape))
+        scales = fp8_bits(scale_b, jnp.float8_e4m3fn)  # on the bits: subnormals kept
     tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
     return NVFP4Array(
         codes=packed,
@@ -307,7 +309,7 @@ def _straight_through(
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-2:] if is_tile(block) else x.shape[-1:]))
-    return y[index].astype(x.dtype)
+    return narrow(y[index], x.dtype)
 
 
 @_straight_through.defjvp

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._bits import widen
 from ._constants import BLOCK, RHT_SIGNS
 from ._ieee import abs_bits
 from ._subnormal import tiny_down, tiny_up
@@ -54,7 +55,7 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     `nvfp4x.rht`, which checks them, and the GEMMs, whose operands are checked already);
     see `nvfp4x.rht` (`_rht.py`) for what it computes."""
     axis = axis % x.ndim
-    x = jnp.moveaxis(x.astype(jnp.float32), axis, 0)
+    x = jnp.moveaxis(widen(x), axis, 0)
     pad = -x.shape[0] % BLOCK
     if pad:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
