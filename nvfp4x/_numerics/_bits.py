@@ -13,8 +13,6 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, UInt8
 
-from ._pack import decode_e4m3
-
 #: Per FP8 element kind: `(mantissa bits, exponent bias, the code of +NaN, the code of
 #: +inf or None)`.
 _FP8 = {
@@ -78,6 +76,22 @@ def fp8_bits(v: Float[Array, "*s"], dtype) -> UInt8[Array, "*s"]:
     code = jnp.where(inf, nan_code if inf_code is None else inf_code, code)
     code = jnp.where(nan, nan_code, code)
     return (code | ((bits >> 24) & 0x80)).astype(jnp.uint8)
+
+
+def decode_e4m3(bits: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
+    """The float32 values of `float8_e4m3fn` bit patterns, equal to XLA's conversion
+    (NaN for `0x7F`/`0xFF`), in integer arithmetic that fuses and vectorises.
+
+    Normal (exponent field `e > 0`): the float32 with exponent `e + 120` and the three
+    mantissa bits on top; subnormal: `m * 2^-9`.
+    """
+    u = bits.astype(jnp.uint32)
+    mag = u & 0x7F
+    normal = (mag << 20) + (120 << 23)
+    sub = lax.bitcast_convert_type((mag & 7).astype(jnp.float32) * (2.0**-9), jnp.uint32)
+    out = jnp.where(mag < 8, sub, normal)
+    out = jnp.where(mag == 0x7F, jnp.uint32(0x7FC00000), out)
+    return lax.bitcast_convert_type(out | ((u & 0x80) << 24), jnp.float32)
 
 
 def fp8_values(b: UInt8[Array, "*s"], dtype) -> Float[Array, "*s"]:
