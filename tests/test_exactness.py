@@ -9,10 +9,12 @@ leans on either. Three guards keep it from coming back:
 - the programs XLA gets for every public quantiser, `qdot`'s three GEMMs (forward and
   gradients, every recipe, both paths) and the frozen forward hold no float division
   outside `divide` and no float32 dot below `precision=HIGHEST`;
-- the format and GEMM tests below (`UNDER_INEXACT_ARITHMETIC`) run again in a subprocess
-  with `tests/inexact_arithmetic.py`, which gives XLA:CPU a GPU's inexact division,
-  bfloat16-precision default dots and removal of cast pairs (`f32 -> bf16 -> f32`):
-  their bits must not change.
+- the format and GEMM tests below (`UNDER_INEXACT_ARITHMETIC`, `UNDER_FLUSHED_SUBNORMALS`)
+  run again in a subprocess with `tests/inexact_arithmetic.py`, which gives XLA:CPU a
+  GPU's inexact division, bfloat16-precision default dots (a TPU's too) and removal of
+  cast pairs (`f32 -> bf16 -> f32`), and `tests/flush_subnormals.py`, which gives it a
+  TPU's flushing of subnormals in casts, `reduce_precision`, `abs` and `neg` (its
+  arithmetic flushes them already): their bits must not change.
 """
 
 import functools
@@ -38,6 +40,8 @@ from nvfp4x._numerics._ieee import EXACT_DIVISION, divide, reciprocal
 TESTS = Path(__file__).parent
 PLUGIN = "inexact_arithmetic"
 UNDER_PLUGIN = PLUGIN in sys.modules
+#: The plugin that gives XLA:CPU a TPU's flushing of subnormals (`flush_subnormals.py`).
+FLUSH = "flush_subnormals"
 
 # ---------------------------------------------------------------------------------------
 # `divide` against IEEE.
@@ -318,14 +322,34 @@ UNDER_INEXACT_ARITHMETIC = [
 ]
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the plugin changes XLA:CPU only")
+#: Tests that move values between float types or meet subnormals, run again with
+#: `tests/flush_subnormals.py` too (a TPU's flushing of subnormals in casts,
+#: `reduce_precision`, `abs`, `neg`; XLA:CPU flushes them in arithmetic already).
+UNDER_FLUSHED_SUBNORMALS = [
+    "tests/test_exactness.py::test_round_to_is_the_cast",
+    "tests/test_exactness.py::test_widen_is_the_cast",
+    "tests/test_exactness.py::test_subnormal_probe_keeps_ieee_bits",
+    "tests/test_fp8_tables.py::test_bits_and_values_follow_the_table",
+    "tests/test_format_inputs.py::test_tiny_bfloat16",
+]
+
+
+def test_subnormal_probe_keeps_ieee_bits():
+    """`benchmarks/subnormals.py` (run on a device to see what its backend flushes)
+    finds nvfp4x's bit-level conversions giving IEEE's bits here."""
+    from benchmarks.subnormals import main
+
+    assert main() == 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the plugins change XLA:CPU only")
 def test_format_and_gemm_tests_under_inexact_arithmetic():
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-n", "0", "-q", "-x"]
+    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", FLUSH, "-n", "0", "-q", "-x"]
     command += ["-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
     result = subprocess.run(
-        command + UNDER_INEXACT_ARITHMETIC,
+        command + UNDER_INEXACT_ARITHMETIC + UNDER_FLUSHED_SUBNORMALS,
         cwd=TESTS.parent,
         env=env,
         capture_output=True,
