@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import RECIPES
+from helpers import RECIPES, only_on
 from reference import F32, FLT_MAX, assert_bits, ref_nvfp4, unpack
 
 import nvfp4x
@@ -323,7 +323,7 @@ UNDER_INEXACT_ARITHMETIC = [
 
 
 #: Tests that move values between float types or meet subnormals, run again with
-#: `tests/flush_subnormals.py` too (a TPU's flushing of subnormals in casts,
+#: `tests/flush_subnormals.py` (a TPU's flushing of subnormals in casts,
 #: `reduce_precision`, `abs`, `neg`; XLA:CPU flushes them in arithmetic already).
 UNDER_FLUSHED_SUBNORMALS = [
     "tests/test_exactness.py::test_round_to_is_the_cast",
@@ -342,14 +342,21 @@ def test_subnormal_probe_keeps_ieee_bits():
     assert main() == 0
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the plugins change XLA:CPU only")
-def test_format_and_gemm_tests_under_inexact_arithmetic():
+#: Each plugin with the tests run under it (one subprocess each: the cast-pair removal
+#: of `inexact_arithmetic` looks for casts that feed casts, which the flushes between
+#: them would hide).
+UNDER_PLUGINS = {PLUGIN: UNDER_INEXACT_ARITHMETIC, FLUSH: UNDER_FLUSHED_SUBNORMALS}
+
+
+@only_on("cpu", reason="the plugins change XLA:CPU's lowering")
+@pytest.mark.parametrize("plugin", sorted(UNDER_PLUGINS))
+def test_format_and_gemm_tests_under_inexact_arithmetic(plugin):
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", FLUSH, "-n", "0", "-q", "-x"]
+    command = [sys.executable, "-m", "pytest", "-p", plugin, "-n", "0", "-q", "-x"]
     command += ["-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
     result = subprocess.run(
-        command + UNDER_INEXACT_ARITHMETIC + UNDER_FLUSHED_SUBNORMALS,
+        command + UNDER_PLUGINS[plugin],
         cwd=TESTS.parent,
         env=env,
         capture_output=True,
