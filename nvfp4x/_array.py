@@ -21,6 +21,7 @@ from ._checks import (
     check_scale_rounding,
 )
 from ._numerics import _e2m1
+from ._numerics._bits import fp8_bits
 from ._numerics._constants import BLOCK, is_tile
 from ._numerics._ieee import is_tiny_scale, mul_exact
 from ._numerics._nvfp4 import (
@@ -31,8 +32,8 @@ from ._numerics._nvfp4 import (
     scale_blocks,
     to_blocks,
 )
-from ._numerics._pack import pack, unpack
-from ._numerics._subnormal import from_float32, to_float32
+from ._numerics._pack import decode_e4m3, pack, unpack
+from ._numerics._subnormal import float64_to_float32, from_float32
 from ._packed import PackedArray, as_bits
 
 
@@ -143,7 +144,7 @@ class NVFP4Array(PackedArray):
         ```
         """
         q = to_blocks(_e2m1.decode(unpack(self.codes)), self.block)
-        scale = self.scales.astype(jnp.float32)
+        scale = decode_e4m3(self.scale_bits)  # on the bits: E4M3 subnormals kept
         expanded = scale[..., :, None, :, None] if is_tile(self.block) else scale[..., None]
         vals = (q * expanded).reshape(self.codes.shape[:-1] + (2 * self.codes.shape[-1],))
         index = (...,) + tuple(slice(0, n) for n in self.logical_tail)
@@ -216,7 +217,7 @@ def to_nvfp4(
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
-    xp = pad_to_blocks(to_float32(x), block)  # (float64: subnormals kept)
+    xp = pad_to_blocks(float64_to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
         packed, scales, s_dec, _ = kernel("codes")
@@ -227,7 +228,8 @@ def to_nvfp4(
             codes = _e2m1.encode(_e2m1.round_stochastic(v, _e2m1.uniform(key, v.shape)))
         else:
             codes = _e2m1.encode_nearest(v)
-        packed, scales = pack(codes.reshape(xp.shape)), scale_b.astype(jnp.float8_e4m3fn)
+        packed = pack(codes.reshape(xp.shape))
+        scales = fp8_bits(scale_b, jnp.float8_e4m3fn)  # on the bits: subnormals kept
     tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
     return NVFP4Array(
         codes=packed,
@@ -301,7 +303,7 @@ def _straight_through(
     amax: Array | None,
 ) -> Array:
     """`fake_quantize` of checked arguments, with the straight-through derivative."""
-    xp = pad_to_blocks(to_float32(x), block)  # (float64: subnormals kept)
+    xp = pad_to_blocks(float64_to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
         y = cast(Array, kernel("dequantized").values)  # asked for: not None

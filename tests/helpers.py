@@ -155,6 +155,15 @@ def assert_trees_same(a, b, what: str) -> None:
 SAME_SUMS_ACROSS_PROGRAMS = jax.default_backend() == "cpu"
 
 
+def only_on(*backends: str, reason: str):
+    """A `pytest` mark that skips a test, saying why, unless `jax.default_backend()` is
+    one of `backends`: for a test of one backend's property (an XLA:CPU flag, a plugin
+    that changes XLA:CPU's lowering), so that on a TPU or a GPU it skips only itself."""
+    return pytest.mark.skipif(
+        jax.default_backend() not in backends, reason=f"{'/'.join(backends)} only: {reason}"
+    )
+
+
 def assert_same_sums(a: Any, b: Any, what: str) -> None:
     """Two programs' results, leaf by leaf: bit for bit where
     `SAME_SUMS_ACROSS_PROGRAMS`, else up to float32 summation order (`RTOL`: a code or

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TRAIN, normal
+from helpers import TRAIN, normal, only_on
 from jax import lax
 
 import nvfp4x
@@ -482,10 +482,7 @@ def test_second_derivatives_raise_one_clear_error(spelling):
     jax.jvp(f, (qlayer.weight.array,), (qlayer.weight.array,))
 
 
-@pytest.mark.skipif(
-    jax.default_backend() != "cpu",
-    reason="a CPU property: XLA:CPU has no batched bfloat16 dot (other backends multiply it)",
-)
+@only_on("cpu", reason="XLA:CPU has no batched bfloat16 dot (other backends multiply it)")
 def test_vmap_of_grad_never_gives_cpu_a_batched_bfloat16_dot(monkeypatch):
     monkeypatch.setenv("NVFP4X_GEMM_DTYPE", "bfloat16")
     qlayer = nvfp4x.quantize(eqx.nn.Linear(D, 16, key=jax.random.key(0)), TRAIN)

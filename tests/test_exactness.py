@@ -9,10 +9,12 @@ leans on either. Three guards keep it from coming back:
 - the programs XLA gets for every public quantiser, `qdot`'s three GEMMs (forward and
   gradients, every recipe, both paths) and the frozen forward hold no float division
   outside `divide` and no float32 dot below `precision=HIGHEST`;
-- the format and GEMM tests below (`UNDER_INEXACT_ARITHMETIC`) run again in a subprocess
-  with `tests/inexact_arithmetic.py`, which gives XLA:CPU a GPU's inexact division,
-  bfloat16-precision default dots and removal of cast pairs (`f32 -> bf16 -> f32`):
-  their bits must not change.
+- the format and GEMM tests below (`UNDER_INEXACT_ARITHMETIC`, `UNDER_FLUSHED_SUBNORMALS`)
+  run again in a subprocess with `tests/inexact_arithmetic.py`, which gives XLA:CPU a
+  GPU's inexact division, bfloat16-precision default dots (a TPU's too) and removal of
+  cast pairs (`f32 -> bf16 -> f32`), and `tests/flush_subnormals.py`, which gives it a
+  TPU's flushing of subnormals in casts, `reduce_precision`, `abs` and `neg` (its
+  arithmetic flushes them already): their bits must not change.
 """
 
 import functools
@@ -27,16 +29,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import RECIPES
+from helpers import RECIPES, only_on
 from reference import F32, FLT_MAX, assert_bits, ref_nvfp4, unpack
 
 import nvfp4x
 from nvfp4x._formats._plain import round_to
+from nvfp4x._numerics._bits import widen
 from nvfp4x._numerics._ieee import EXACT_DIVISION, divide, reciprocal
 
 TESTS = Path(__file__).parent
 PLUGIN = "inexact_arithmetic"
 UNDER_PLUGIN = PLUGIN in sys.modules
+#: The plugin that gives XLA:CPU a TPU's flushing of subnormals (`flush_subnormals.py`).
+FLUSH = "flush_subnormals"
 
 # ---------------------------------------------------------------------------------------
 # `divide` against IEEE.
@@ -128,8 +133,11 @@ def test_divide_eagerly_and_broadcast():
 
 
 def test_round_to_is_the_cast():
-    """`round_to` (the `bf16` format's rounding, kept by XLA:GPU) gives the cast's bits:
-    every sign and exponent (subnormals, inf, NaN) with random and tie mantissas."""
+    """`round_to` (the `bf16` format's rounding, kept by XLA:GPU) gives the IEEE cast's
+    bits (ml_dtypes', in NumPy: the spec's, not the backend's `convert`, which may flush
+    subnormals on a TPU): every sign and exponent (subnormals, inf, NaN) with random and
+    tie mantissas. (On a TPU, 762 of these values gave ±0 where the cast gives a
+    subnormal, before `round_to` rounded on the bits.)"""
     rng = np.random.default_rng(1)
     bits = rng.integers(0, 2**32, 2**16, dtype=np.uint32)
     ties = (bits & ~np.uint32(0xFFFF)) | np.uint32(0x8000)  # exact halves of a bf16 step
@@ -140,6 +148,18 @@ def test_round_to_is_the_cast():
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
     assert_bits(got[~nan], want[~nan], "round_to vs the cast")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_widen_is_the_cast(dtype):
+    """`widen` (how the quantisers read bfloat16 and float16 inputs) gives NumPy's exact
+    float32 value of every bit pattern, subnormals included, NaN kept NaN."""
+    a = np.arange(2**16, dtype=np.uint16).view(jnp.dtype(dtype))
+    got = np.asarray(jax.jit(widen)(a))
+    want = a.astype(F32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    assert_bits(got[~nan], want[~nan], f"widen({jnp.dtype(dtype).name})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,14 +322,41 @@ UNDER_INEXACT_ARITHMETIC = [
 ]
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the plugin changes XLA:CPU only")
-def test_format_and_gemm_tests_under_inexact_arithmetic():
+#: Tests that move values between float types or meet subnormals, run again with
+#: `tests/flush_subnormals.py` (a TPU's flushing of subnormals in casts,
+#: `reduce_precision`, `abs`, `neg`; XLA:CPU flushes them in arithmetic already).
+UNDER_FLUSHED_SUBNORMALS = [
+    "tests/test_exactness.py::test_round_to_is_the_cast",
+    "tests/test_exactness.py::test_widen_is_the_cast",
+    "tests/test_exactness.py::test_subnormal_probe_keeps_ieee_bits",
+    "tests/test_fp8_tables.py::test_bits_and_values_follow_the_table",
+    "tests/test_format_inputs.py::test_tiny_bfloat16",
+]
+
+
+def test_subnormal_probe_keeps_ieee_bits():
+    """`benchmarks/subnormals.py` (run on a device to see what its backend flushes)
+    finds nvfp4x's bit-level conversions giving IEEE's bits here."""
+    from benchmarks.subnormals import main
+
+    assert main() == 0
+
+
+#: Each plugin with the tests run under it (one subprocess each: the cast-pair removal
+#: of `inexact_arithmetic` looks for casts that feed casts, which the flushes between
+#: them would hide).
+UNDER_PLUGINS = {PLUGIN: UNDER_INEXACT_ARITHMETIC, FLUSH: UNDER_FLUSHED_SUBNORMALS}
+
+
+@only_on("cpu", reason="the plugins change XLA:CPU's lowering")
+@pytest.mark.parametrize("plugin", sorted(UNDER_PLUGINS))
+def test_format_and_gemm_tests_under_inexact_arithmetic(plugin):
     path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-n", "0", "-q", "-x"]
+    command = [sys.executable, "-m", "pytest", "-p", plugin, "-n", "0", "-q", "-x"]
     command += ["-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
     result = subprocess.run(
-        command + UNDER_INEXACT_ARITHMETIC,
+        command + UNDER_PLUGINS[plugin],
         cwd=TESTS.parent,
         env=env,
         capture_output=True,

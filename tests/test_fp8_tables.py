@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nvfp4x._numerics._bits import fp8_bits, fp8_values
 from nvfp4x._numerics._e4m3 import round_e4m3, round_e5m2
 from nvfp4x._numerics._fp8 import quantize_fp8, quantize_mxfp8
 
@@ -53,6 +54,34 @@ def test_tables_agree_with_ml_dtypes():
     ):
         got = CODES.astype(np.uint8).view(dtype).astype(np.float64)
         np.testing.assert_array_equal(got, table, err_msg=str(dtype))
+
+
+TABLES = {
+    "e4m3": (e4m3_table, jnp.float8_e4m3fn),
+    "e5m2": (e5m2_table, jnp.float8_e5m2),
+    "e8m0": (e8m0_table, jnp.float8_e8m0fnu),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_bits_and_values_follow_the_table(name):
+    """`fp8_values` decodes every code to the table's float32 value (E8M0's 2^-127 the
+    float32 subnormal), and `fp8_bits` encodes every value back to its code (NaN to the
+    type's NaN), in integer arithmetic: the same bits under `-p flush_subnormals`, where
+    a `convert` flushes every subnormal it reads or writes."""
+    table, dtype = TABLES[name]
+    want = table().astype(np.float32)
+    codes = jnp.asarray(CODES.astype(np.uint8))
+    got = np.asarray(jax.jit(fp8_values, static_argnums=1)(codes, dtype))
+    np.testing.assert_array_equal(
+        got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)]
+    )
+    assert np.isnan(got[np.isnan(want)]).all()
+    back = np.asarray(jax.jit(fp8_bits, static_argnums=1)(jnp.asarray(want), dtype))
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(back[finite], CODES[finite])
+    nan = CODES.astype(np.uint8).view(dtype)[~finite].astype(np.float32)
+    assert np.isnan(back.view(dtype).astype(np.float32)[~finite]).all(), nan
 
 
 def test_table_landmarks():

@@ -15,11 +15,12 @@ from jaxtyping import Array, Float, Shaped, UInt8
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_fp8_kind
 from .._kernels import _native
+from .._numerics._bits import fp8_bits, fp8_values
 from .._numerics._fp8 import FP8_DTYPES, quantize_fp8
 from .._numerics._ieee import mul_exact
 from .._numerics._nvfp4 import tensor_amax
 from .._numerics._subnormal import from_float32, to_float32
-from .._packed import PackedArray, as_bits
+from .._packed import PackedArray
 from ._spec import Format, FormatSpec
 
 
@@ -67,7 +68,7 @@ class FP8Array(PackedArray):
         **Returns:** `(values, scale)`: the FP8 elements in bfloat16 (exact) and the
         float32 tensor decode scale; the array is `values * scale`.
         """
-        return self.data.astype(jnp.bfloat16), self.scale
+        return fp8_values(self.data_bits, FP8_DTYPES[self.kind]).astype(jnp.bfloat16), self.scale
 
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
         """The array's values, `data * scale`, computed in float32.
@@ -88,7 +89,7 @@ class FP8Array(PackedArray):
 def _dequantize(data_bits: Array, scale: Array, kind: str) -> Float[Array, "..."]:
     """`data * scale`, the IEEE float32 products (subnormal ones of tiny tensors
     included, `mul_exact`)."""
-    data = jax.lax.bitcast_convert_type(data_bits, FP8_DTYPES[kind]).astype(jnp.float32)
+    data = fp8_values(data_bits, FP8_DTYPES[kind])  # on the bits: FP8 subnormals kept
     return mul_exact(data, scale)
 
 
@@ -116,7 +117,8 @@ def to_fp8(x: ArrayLike, kind: str = "e4m3") -> FP8Array:
     kind = check_fp8_kind(kind)
     x32 = to_float32(x)  # (float64: subnormals kept)
     q, scale = quantize_fp8(x32, kind, tensor_amax(x32))
-    return FP8Array(data_bits=as_bits(q, FP8_DTYPES[kind]), scale=scale, kind=kind, dtype=x.dtype)
+    bits = fp8_bits(q, FP8_DTYPES[kind])  # on the bits: FP8 subnormals kept
+    return FP8Array(data_bits=bits, scale=scale, kind=kind, dtype=x.dtype)
 
 
 class FP8Spec(FormatSpec):

@@ -15,11 +15,12 @@ from jaxtyping import Array, Float, Shaped, UInt8
 from .._axes import follows_input_sharding
 from .._checks import check_float, check_ndim
 from .._kernels import _native
+from .._numerics._bits import fp8_bits, fp8_values
 from .._numerics._constants import MX_BLOCK
 from .._numerics._fp8 import mx_pad, quantize_mxfp8
 from .._numerics._ieee import mul_exact
 from .._numerics._subnormal import from_float32, to_float32
-from .._packed import PackedArray, as_bits
+from .._packed import PackedArray
 from ._spec import Format, FormatSpec
 
 
@@ -73,9 +74,10 @@ class MXFP8Array(PackedArray):
         **Returns:** `(values, None)`: element × block scale in bfloat16 (exact), in the
         logical shape; MXFP8 has no tensor scale.
         """
-        d = self.data.astype(jnp.float32)
+        d = fp8_values(self.data_bits, jnp.float8_e4m3fn)
         d = d.reshape(*d.shape[:-1], d.shape[-1] // MX_BLOCK, MX_BLOCK)
-        v = (d * self.scales.astype(jnp.float32)[..., None]).reshape(self.data.shape)
+        scales = fp8_values(self.scale_bits, jnp.float8_e8m0fnu)
+        v = (d * scales[..., None]).reshape(d.shape[:-2] + (-1,))
         return v[..., : self.logical_last].astype(jnp.bfloat16), None
 
     def dequantize(self, dtype=None) -> Shaped[Array, "..."]:
@@ -89,18 +91,19 @@ class MXFP8Array(PackedArray):
         ones included (`mul_exact`: the same bits on a device that flushes subnormals),
         in `dtype`.
         """
-        v = _dequantize(self.data, self.scales, self.logical_last)
+        v = _dequantize(self.data_bits, self.scale_bits, self.logical_last)
         return from_float32(v, self.dtype if dtype is None else dtype)
 
 
 # Jitted: called eagerly, it is one dispatch rather than `mul_exact`'s ops one by one.
 @functools.partial(jax.jit, static_argnames="last")
-def _dequantize(data: Array, scales: Array, last: int) -> Float[Array, "..."]:
+def _dequantize(data_bits: Array, scale_bits: Array, last: int) -> Float[Array, "..."]:
     """Element times block scale in float32 (IEEE, subnormal products included), the
-    padding of the last axis cut off."""
-    d = data.astype(jnp.float32)
+    padding of the last axis cut off; both decoded from their bits (`fp8_values`)."""
+    d = fp8_values(data_bits, jnp.float8_e4m3fn)
     blocks = d.reshape(*d.shape[:-1], d.shape[-1] // MX_BLOCK, MX_BLOCK)
-    v = mul_exact(blocks, scales.astype(jnp.float32)[..., None]).reshape(d.shape)
+    scales = fp8_values(scale_bits, jnp.float8_e8m0fnu)
+    v = mul_exact(blocks, scales[..., None]).reshape(d.shape)
     return v[..., :last]
 
 
@@ -130,8 +133,8 @@ def to_mxfp8(x: ArrayLike) -> MXFP8Array:
     check_ndim(x, 1, "MXFP8 (blocks of 32 along the last axis)")
     q, scale = quantize_mxfp8(mx_pad(to_float32(x)))  # (float64: subnormals kept)
     return MXFP8Array(
-        data_bits=as_bits(q, jnp.float8_e4m3fn),
-        scale_bits=as_bits(scale, jnp.float8_e8m0fnu),
+        data_bits=fp8_bits(q, jnp.float8_e4m3fn),  # on the bits: FP8 subnormals kept
+        scale_bits=fp8_bits(scale, jnp.float8_e8m0fnu),
         logical_last=x.shape[-1],
         dtype=x.dtype,
     )

@@ -5,20 +5,29 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from .._numerics._bits import bfloat16_bits
 from ._spec import Format, FormatSpec
 
 
 def round_to(a: Array, dtype) -> Array:
     """`a` cast to the float `dtype`, rounded to it on every backend.
 
-    A bare narrowing cast is not enough: XLA:GPU removes a pair of casts that returns to
-    the type it started from (`f32 -> bf16 -> f32`, its `simplify-fp-conversions` pass,
-    on by default with `xla_allow_excess_precision`), so a reference GEMM that promotes
-    the cast operand back to float32 would multiply the unrounded values. XLA keeps a
-    `reduce_precision` (it exists to round), and the cast after it is exact. (Where the
-    two types have the same exponent range, as float32 and bfloat16: there
-    `reduce_precision` rounds exactly as the cast does, subnormals included.)"""
+    float32 (and float16, widened first) to bfloat16, the `bf16` format's rounding, is done
+    on the bits:
+    round to nearest, ties to even, on the uint32 pattern (`bfloat16_bits`), so that the
+    result is IEEE's, subnormals included, whatever the backend does with float
+    subnormals (a TPU flushes them: there `lax.reduce_precision` and float arithmetic
+    read and write a subnormal as 0; XLA:CPU's `reduce_precision` keeps them). The
+    bfloat16 result is a bitcast, so no cast pair (`f32 -> bf16 -> f32`) can be removed
+    by XLA:GPU's `simplify-fp-conversions` (on by default with
+    `xla_allow_excess_precision`), which would leave a reference GEMM multiplying
+    unrounded values.
+
+    Other narrowings keep a `reduce_precision` (which XLA keeps: it exists to round)
+    where the two types share an exponent range, then the cast."""
     dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and a.dtype in (jnp.float32, jnp.float16):
+        return bfloat16_bits(a)
     narrow, wide = jnp.finfo(dtype), jnp.finfo(a.dtype)
     if narrow.nmant < wide.nmant and narrow.nexp == wide.nexp:
         a = lax.reduce_precision(a, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)

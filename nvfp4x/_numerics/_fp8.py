@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._bits import widen
 from ._constants import E4M3_MAX, E5M2_MAX, FLT_MAX, MX_BLOCK
 from ._e4m3 import round_e4m3, round_e5m2
 from ._ieee import INF_BITS, abs_bits, divide, from_bits, is_zero, mul_normal
@@ -40,7 +41,7 @@ def quantize_mxfp8(
     - Block maxima and elements are read through their bits (`_ieee`), so subnormal
       inputs are quantised the same on every device.
     """
-    xb = xp.astype(jnp.float32).reshape(*xp.shape[:-1], xp.shape[-1] // MX_BLOCK, MX_BLOCK)
+    xb = widen(xp).reshape(*xp.shape[:-1], xp.shape[-1] // MX_BLOCK, MX_BLOCK)
     bits = jnp.max(abs_bits(xb), axis=-1)  # NaN (above inf) propagates
     finite = bits < INF_BITS
     # bamax = 1.m * 2^(E - 127) and 448 = 1.75 * 2^8, so
@@ -89,7 +90,7 @@ def quantize_fp8(
     rounded on every backend (`divide`)."""
     _, rnd = FP8_KINDS[kind]
     scale = fp8_scale(amax, kind)
-    x = x.astype(jnp.float32)
+    x = widen(x)
     tiny = abs_bits(jnp.asarray(amax, jnp.float32)) < _TINY_AMAX_BITS
     num = jnp.where(tiny, tiny_up(jnp.where(tiny & jnp.isfinite(x), x, 0.0)), x)
     den = jnp.where(tiny, tiny_up(scale), scale)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._bits import widen
 from ._constants import FLT_MAX
 
 #: Bits of the smallest normal float32, 2^-126: `|x|` bits below it are zero or subnormal.
@@ -45,7 +46,7 @@ _BITS_2_23 = 0x4B000000
 
 def abs_bits(x: Float[Array, "*s"]) -> Int[Array, "*s"]:
     """The bits of `|x|` as int32: ordered as the magnitudes, NaN above +inf."""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+    return jax.lax.bitcast_convert_type(widen(x), jnp.int32) & 0x7FFFFFFF
 
 
 def from_bits(b: Int[Array, "*s"]) -> Float[Array, "*s"]:
@@ -58,7 +59,7 @@ def is_zero(x: Float[Array, "*s"]) -> Bool[Array, "*s"]:
     to 0. (Deliberately not `(bits & 0x7FFFFFFF) == 0`: LLVM rewrites that test as the
     float comparison `x == 0.0`, assuming IEEE subnormals, and XLA:CPU then runs it with
     DAZ on; measured with jax 0.10. A test of `+0.0` alone has no float equivalent.)"""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) == 0
+    return jax.lax.bitcast_convert_type(widen(x), jnp.int32) == 0
 
 
 def ldexp_normal(x: Float[Array, "*s"], k: int | Int[Array, "*s"]) -> Float[Array, "*s"]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from . import _e2m1
+from ._bits import widen
 from ._constants import (
     BLOCK,
     E2M1_MAX,
@@ -58,7 +59,7 @@ def tensor_amax(x: Float[Array, "..."]) -> Float[Array, ""]:
     the maximum is normal; only when it comes out below 2^-126 is the maximum taken
     again over the bits (an int32 max over a whole array is ~15x slower on XLA:CPU).
     """
-    a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.abs(widen(x))
     m = jnp.max(jnp.where(jnp.isnan(a), 0.0, a), initial=0.0)
     return jax.lax.cond(abs_bits(m) < MIN_NORMAL_BITS, _amax_of_bits, _second, x, m)
 
@@ -365,7 +366,7 @@ def _prepare(
     # It holds the input as given: the float32 cast after it fuses into each reader, so
     # a bfloat16 input is never copied to a float32 array in memory.
     xp = jax.lax.optimization_barrier(xp)
-    xf = xp.astype(jnp.float32)
+    xf = widen(xp)  # on the bits: bfloat16 and float16 subnormals kept
     if amax is None:
         bamax, ignoring_nan = block_maxima(xf, block)
         amax = _amax_of_block_maxima(ignoring_nan)

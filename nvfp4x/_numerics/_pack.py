@@ -4,6 +4,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, UInt8
 
+from ._bits import (
+    decode_e4m3 as decode_e4m3,  # (its home; the kernels read it here)
+    widen,
+)
+
 
 def pack(codes: UInt8[Array, "*lead k"]) -> UInt8[Array, "*lead k//2"]:
     """Pack 4-bit codes (even last axis) two per byte.
@@ -33,29 +38,14 @@ def nibble_values(packed: UInt8[Array, "*s"]) -> tuple[Float[Array, "*s"], Float
     times `NIBBLE_SCALE` (`2^-14`, exactly), as float32, for callers that fold `2^14`
     into a scale of their own (the frozen GEMM folds it into the block scales).
 
-    Without a table or selects, so that it vectorises: E2M1 is a float16 with two
+    Without a table (a gather), so that it vectorises: E2M1 is a float16 with two
     exponent bits, so a code's bits placed in a float16 (`s e1 e0 m` as the sign, the
     exponent's two low bits and the mantissa's top bit) are its value times `2^-14`,
-    subnormals (code 1: 0.5) included, and the hardware converts float16 to float32.
+    subnormals (code 1: 0.5, the float16 2^-15) included, widened to float32 on the
+    bits (`widen`: a TPU's `convert` may read a float16 subnormal as 0).
     """
     b = packed.astype(jnp.uint16)
     lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
     hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
-    value = lambda bits: lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+    value = lambda bits: widen(lax.bitcast_convert_type(bits, jnp.float16))
     return value(lo), value(hi)
-
-
-def decode_e4m3(bits: UInt8[Array, "*s"]) -> Float[Array, "*s"]:
-    """The float32 values of `float8_e4m3fn` bit patterns, equal to XLA's conversion
-    (NaN for `0x7F`/`0xFF`), in integer arithmetic that fuses and vectorises.
-
-    Normal (exponent field `e > 0`): the float32 with exponent `e + 120` and the three
-    mantissa bits on top; subnormal: `m * 2^-9`.
-    """
-    u = bits.astype(jnp.uint32)
-    mag = u & 0x7F
-    normal = (mag << 20) + (120 << 23)
-    sub = lax.bitcast_convert_type((mag & 7).astype(jnp.float32) * (2.0**-9), jnp.uint32)
-    out = jnp.where(mag < 8, sub, normal)
-    out = jnp.where(mag == 0x7F, jnp.uint32(0x7FC00000), out)
-    return lax.bitcast_convert_type(out | ((u & 0x80) << 24), jnp.float32)

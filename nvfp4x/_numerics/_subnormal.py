@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._bits import narrow, widen
 from ._ieee import (
     MIN_NORMAL_BITS,
     abs_bits,
@@ -32,9 +33,9 @@ def to_float32(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
     every device. Only a float64 `x` needs care: XLA:CPU's conversion flushes results
     below 2^-126 to zero; those are built from their bits (the 23-bit field is `|x| *
     2^149` rounded to an integer in float64, where it is normal). Narrower floats
-    convert exactly."""
+    convert exactly, on the bits (`_bits.widen`: a TPU's convert may flush them)."""
     if x.dtype != jnp.float64:
-        return x.astype(jnp.float32)
+        return widen(x)
     a = jnp.abs(x)
     tiny = a < np.float64(2.0**-126)  # (NaN: not tiny)
     field = jnp.round(jnp.where(tiny, a, 0.0) * np.float64(2.0**149))  # half to even
@@ -44,12 +45,19 @@ def to_float32(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
     return jnp.where(tiny, sub, x.astype(jnp.float32))
 
 
+def float64_to_float32(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """A float64 `x` as float32 (`to_float32`: subnormals kept); any other `x` as it is
+    (the quantisers and their kernels take bfloat16 and float16 as they are)."""
+    return to_float32(x) if x.dtype == jnp.float64 else x
+
+
 def from_float32(y: Float[Array, "*s"], dtype) -> Array:
     """The float32 `y` in `dtype`: for float64, exactly, subnormals included (XLA:CPU's
     conversion reads a float32 subnormal as zero; it is built from its 23-bit field,
-    `field * 2^-149`, a normal float64). Other dtypes convert as `astype` does."""
+    `field * 2^-149`, a normal float64). Other dtypes as `_bits.narrow` gives them
+    (bfloat16 on the bits)."""
     if jnp.dtype(dtype) != jnp.float64:
-        return y.astype(dtype)
+        return narrow(y.astype(jnp.float32), dtype)
     bits = jax.lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32)
     mag = bits & 0x7FFFFFFF
     sub = mag.astype(jnp.float64) * np.float64(2.0**-149)
