@@ -222,7 +222,7 @@ def ms(t: float) -> str:
 
 
 def mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**24 else f"{n / 2**10:,.0f} KiB"
 
 
 def traced_with(fn: Callable, **picks: str) -> Callable:
