@@ -442,6 +442,8 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
         qwix_t = t.get("qwix's nvfp4 quantiser 1x16")
         for k, secs in t.items():
             note = [f"{secs / floor:.2f}x floor"]
+            if k in others:  # (their own output layouts, no tensor scale)
+                note.append("no tensor scale")
             if floors.get(k):
                 note.append(f"{secs / floors[k]:.2f}x its own output's floor")
             for other, ot in (("JAX's", jax_t), ("qwix's", qwix_t)):
@@ -670,6 +672,7 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         f"nvfp4 ({best}) step": steps.get(f"nvfp4 ({best})"),
     }
     t = interleaved(dict(steps), s.repeats, table, "train")
+    _zeros.clear()  # (the steps hold theirs until they go)
     base = t.get("mixed bf16")
     base_mem = steps["mixed bf16"].memory if "mixed bf16" in steps else None
     weights = 2 * s.blocks * s.d * s.hidden
@@ -1104,7 +1107,7 @@ def perfetto_op_times(trace_dir: str, ops: dict[str, Any]) -> dict[str, float]:
 
 
 def profile(s: Sizes, table: Table, state: dict) -> None:
-    steps = {k: v for k, v in state.get("profile_steps", {}).items() if v is not None}
+    steps = {k: v for k, v in (state.get("profile_steps") or {}).items() if v is not None}
     best = fastest("nvfp4_quantize")
     if not steps:  # `train` did not run: compile the two steps here
         x, y, km = _train_data(s)
