@@ -57,17 +57,52 @@ def test_convergence_smoke(tmp_path, subprocess_env):
     assert "| nvfp4 |" in (out / "results.md").read_text()
 
 
-def test_bench_gpu_skips_without_a_gpu_and_writes_its_table(tmp_path):
-    from benchmarks import bench_gpu
+def test_bench_accel_skips_without_an_accelerator_and_writes_its_table(tmp_path):
+    from benchmarks import bench_accel, bench_gpu
 
-    if jax.default_backend() == "gpu":
-        pytest.skip("a GPU is at hand: the benchmark would run in full")
-    assert bench_gpu.main([]) == {"skipped": "no GPU"}
-    out = tmp_path / "gpu.md"
+    if jax.default_backend() != "cpu":
+        pytest.skip("an accelerator is at hand: the benchmark would run in full")
+    assert bench_accel.main([]) == {"skipped": "no accelerator"}
+    assert bench_gpu.main([]) == {"skipped": "no accelerator"}  # the former name
+    out = tmp_path / "accel.md"
     bench_gpu.main(["--cpu-smoke", "--only", "bandwidth", "--out", str(out)])
     lines = out.read_text().splitlines()
-    assert lines[0].startswith("## bench_gpu (cpu smoke) on ")
+    assert lines[0].startswith("## bench_gpu (smoke) on cpu ")
     assert any(line.startswith("| bandwidth | copy (x + 1, float32) | ") for line in lines)
+    assert any(line.startswith("| bandwidth | section wall time | ") for line in lines)
+
+
+def test_bench_accel_times_only_implementations_compiled_on_the_backend(monkeypatch):
+    from benchmarks import bench_accel
+    from nvfp4x import _kernels
+
+    impls = {"nvfp4_quantize": ("xla", "pallas", "mosaic"), "frozen_gemm": ("xla", "pallas")}
+    monkeypatch.setattr(_kernels, "IMPLEMENTATIONS", impls)
+    for backend, want in (
+        ("tpu", ("xla", "mosaic")),
+        ("gpu", ("xla", "pallas")),
+        ("cpu", ("xla", "pallas", "mosaic")),  # --smoke: the kernels interpreted
+    ):
+        monkeypatch.setattr(_kernels, "backend", lambda b=backend: b)
+        assert bench_accel.implementations("nvfp4_quantize") == want, backend
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    assert bench_accel.implementations("frozen_gemm") == ("xla",)
+    assert bench_accel.fastest("nvfp4_quantize") == "mosaic"
+    assert bench_accel.fastest("frozen_gemm") == "xla"
+
+
+def test_bench_accel_same_bits_tells_zero_signs_and_nan_payloads_apart():
+    import jax.numpy as jnp
+
+    from benchmarks.bench_accel import same_bits
+
+    a = jnp.array([0.0, 1.0, jnp.nan], jnp.float32)
+    assert same_bits((a, jnp.arange(3, dtype=jnp.uint8)), (a, jnp.arange(3, dtype=jnp.uint8)))
+    assert not same_bits(a, a.at[0].set(-0.0))
+    other_nan = jax.lax.bitcast_convert_type(jnp.uint32(0x7FC00001), jnp.float32)
+    assert not same_bits(a, a.at[2].set(other_nan))
+    assert not same_bits(a, a.astype(jnp.bfloat16))
+    assert not same_bits(a, a[:2])
 
 
 def test_bench_gpu_profile_sums_each_compiled_op_and_names_its_kind(tmp_path):
@@ -93,6 +128,52 @@ def test_bench_gpu_profile_sums_each_compiled_op_and_names_its_kind(tmp_path):
         "f.1": ("fusion", "(f32[16]{0}, s32[16]{0})"),
         "cc": ("gemm", "(bf16[8,8]{1,0}, s8[0]{0})"),
     }
+
+
+def test_bench_accel_profile_names_tpu_kinds_and_reads_a_perfetto_trace(tmp_path):
+    import gzip
+    import json
+
+    from benchmarks.bench_accel import hlo_ops, perfetto_op_times
+
+    # XLA:TPU's GEMMs are fusions whose computation holds a convolution; Pallas TPU
+    # kernels are `tpu_custom_call`s.
+    text = """HloModule jit_f, entry_computation_layout={(bf16[8,8]{1,0})->f32[8,8]{1,0}}
+
+%fused_computation.1 (param_0: bf16[8,8]) -> f32[8,8] {
+  %param_0 = bf16[8,8]{1,0} parameter(0)
+  ROOT %convolution.1 = f32[8,8]{1,0} convolution(%param_0, %param_0), dim_labels=bf_io->bf
+}
+
+%fused_computation.2 (param_0.1: f32[8,8]) -> f32[8,8] {
+  %param_0.1 = f32[8,8]{1,0} parameter(0)
+  ROOT %tanh.1 = f32[8,8]{1,0} tanh(%param_0.1)
+}
+
+ENTRY %main.9 (Arg_0.1: bf16[8,8]) -> f32[8,8] {
+  %Arg_0.1 = bf16[8,8]{1,0} parameter(0)
+  %fusion.1 = f32[8,8]{1,0} fusion(%Arg_0.1), kind=kOutput, calls=%fused_computation.1
+  %fusion.2 = f32[8,8]{1,0} fusion(%fusion.1), kind=kLoop, calls=%fused_computation.2
+  %cc.3 = u8[8,4]{1,0} custom-call(%fusion.2), custom_call_target="tpu_custom_call"
+  ROOT %copy.4 = f32[8,8]{0,1} copy(%fusion.2)
+}
+"""
+    kinds = {name: kind for name, (kind, _) in hlo_ops(text).items()}
+    assert kinds["fusion.1"] == "gemm"
+    assert kinds["fusion.2"] == "fusion"
+    assert kinds["cc.3"] == "kernel"
+    assert kinds["copy.4"] == "copy"
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:TPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "fusion.1", "dur": 2.5},
+        {"ph": "X", "pid": 1, "name": "fusion.1", "dur": 1.5},
+        {"ph": "X", "pid": 1, "name": "not-an-op", "dur": 9.0},
+        {"ph": "X", "pid": 2, "name": "fusion.2", "dur": 7.0},  # a host event
+    ]
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert perfetto_op_times(str(tmp_path), hlo_ops(text)) == {"fusion.1": 4000.0}
 
 
 def test_bench_compile_counts_instructions_per_region():
