@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Stack
+from test_frozen_kernel import activations, check_close, reference, weight
 
 import nvfp4x
 from nvfp4x import _kernels
@@ -32,9 +34,6 @@ from nvfp4x._kernels import _tpu_frozen_gemm
 from nvfp4x._kernels._tpu_frozen_gemm import Tiles
 from nvfp4x._numerics._constants import E2M1_VALUES
 from nvfp4x._numerics._pack import decode_e4m3
-
-from helpers import Stack
-from test_frozen_kernel import activations, check_close, reference, weight
 
 INTERPRET = jax.default_backend() != "tpu"
 
@@ -58,7 +57,14 @@ def test_decoders_equal_the_reference_for_every_pattern():
 CASES = {
     # name: (block, tokens, out, in, operand, tiles)
     "1x16_1_token_float32_small_weight": ((1, 16), 1, 40, 100, "float32", None),
-    "16x16_17_tokens_bfloat16_overhangs": ((16, 16), 17, 600, 2100, "bfloat16", Tiles(16, 512, 2048)),
+    "16x16_17_tokens_bfloat16_overhangs": (
+        (16, 16),
+        17,
+        600,
+        2100,
+        "bfloat16",
+        Tiles(16, 512, 2048),
+    ),
 }
 
 
@@ -69,7 +75,14 @@ def test_kernel_equals_reference(case):
     dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
     x = activations(m, k, dtype, inf=True)
     got = _tpu_frozen_gemm.frozen_matmul(
-        x, q.codes, q.scale_bits, block=block, n=n, operand=operand, tiles=tiles, interpret=INTERPRET
+        x,
+        q.codes,
+        q.scale_bits,
+        block=block,
+        n=n,
+        operand=operand,
+        tiles=tiles,
+        interpret=INTERPRET,
     )
     assert got.shape == (m, n) and got.dtype == jnp.float32
     check_close(got, reference(x, q, operand), x, q.operand()[0], k)

@@ -381,11 +381,13 @@ def frozen_gemm(
     if implementation == "mosaic":
         from . import _tpu_frozen_gemm  # Pallas is imported only where a kernel is picked
 
-        matmul, native = _tpu_frozen_gemm.frozen_matmul, "tpu"
+        # (off a TPU: Pallas's generic interpreter, which runs inside the frozen
+        # layer's primitive under `lax.scan`; the tests run the TPU interpreter directly)
+        matmul, interpret = _tpu_frozen_gemm.frozen_matmul, backend() != "tpu" and "plain"
     else:
         from . import _pallas_gemm
 
-        matmul, native = _pallas_gemm.frozen_matmul, "gpu"
+        matmul, interpret = _pallas_gemm.frozen_matmul, backend() != "gpu"
     out = matmul(
         x.reshape(-1, k),
         codes,
@@ -393,6 +395,6 @@ def frozen_gemm(
         block=block,
         n=n,
         operand=operand,
-        interpret=backend() != native,
+        interpret=interpret,
     )
     return out.reshape(*x.shape[:-1], n)

@@ -119,6 +119,13 @@ _TABLE = sum(int(2 * v) << (4 * c) for c, v in enumerate(E2M1_VALUES))
 _TABLE_I32 = _TABLE - (1 << 32) if _TABLE >= 1 << 31 else _TABLE
 _SIGN = -(1 << 31)  # int32 with only bit 31 set
 
+#: `frozen_matmul`'s `interpret` values: what `pallas_call` is given for each.
+_INTERPRETERS = {
+    False: False,
+    True: pltpu.InterpretParams(out_of_bounds_reads="uninitialized"),
+    "plain": True,
+}
+
 
 def default_tiles(tokens: int) -> Tiles:
     """The default tiles for `tokens` rows of activations."""
@@ -207,6 +214,26 @@ def _vmem_bytes(parts: int, tiles: Tiles) -> int:
     return blocks + temps
 
 
+def _one_problem_at_a_time(call):
+    """`call` with a batching rule that runs the problems of a vmapped call one after
+    another (`lax.map`; a vmapped frozen GEMM is a stack of layers or experts, each its
+    own weight), instead of Pallas's rule, which adds a grid axis that the TPU
+    interpreter does not take with the kernel's `dimension_semantics`."""
+    fn = jax.custom_batching.custom_vmap(call)
+
+    @fn.def_vmap
+    def _(axis_size, in_batched, *args):
+        del axis_size
+
+        def one(sliced):
+            it = iter(sliced)
+            return fn(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
+
+        return lax.map(one, [a for a, b in zip(args, in_batched, strict=True) if b]), True
+
+    return fn
+
+
 @functools.partial(jax.jit, static_argnames=("block", "n", "operand", "tiles", "interpret"))
 def frozen_matmul(
     x: Float[Array, "m k"],
@@ -217,7 +244,7 @@ def frozen_matmul(
     n: int,
     operand: str,
     tiles: Tiles | None = None,
-    interpret: bool = False,
+    interpret: bool | str = False,
 ) -> Float[Array, "m n"]:
     """`x @ W.T` in float32 for the NVFP4 weight `W` `(n, k)` held as `codes` and
     `scale_bits` (an `NVFP4Array`'s fields, padded layout), without its tensor scale.
@@ -231,8 +258,10 @@ def frozen_matmul(
     - `block`: `(1, 16)` or `(16, 16)`; `n`: the weight's rows.
     - `operand`: `"bfloat16"` or `"float32"` (see the module docstring).
     - `tiles`: a `Tiles`, by default `default_tiles(m)`.
-    - `interpret`: run in Pallas's TPU interpreter (a CPU; reads past an array's end
-      give NaN there, as garbage would on a TPU).
+    - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
+      array's end give NaN there, as garbage would on a TPU); `"plain"`: in Pallas's
+      generic interpreter, which runs inside nvfp4x's primitives under `lax.scan` (their
+      lowering has no token for the TPU interpreter's ordered callbacks).
 
     **Returns:** `(m, n)` float32, `scaled_dot`'s product before its scales, up to
     float32 summation order.
@@ -270,7 +299,7 @@ def frozen_matmul(
     x_spec = pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))
     kernel = functools.partial(_kernel, parts=parts, tail=tail)
     limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk))), 100 << 20)
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, n_tiles * bn // 4), jnp.float32),
         grid=(m_tiles, n_tiles, k_tiles),
@@ -285,11 +314,10 @@ def frozen_matmul(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=limit,
         ),
-        interpret=pltpu.InterpretParams(out_of_bounds_reads="uninitialized")
-        if interpret
-        else False,
+        interpret=_INTERPRETERS[interpret],
         name="nvfp4_frozen_matmul_tpu",
-    )(xe, xo, codes, scale_bits)
+    )
+    out = _one_problem_at_a_time(call)(xe, xo, codes, scale_bits)
     # out[q, t, r] is column 4r + q of the tile's rows.
     out = jnp.transpose(out, (1, 2, 0)).reshape(m_tiles * bm, n_tiles * bn)
     return out[:m, :n]
