@@ -209,3 +209,17 @@ def test_kernel_lowers_for_tpu():
         )
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
         assert "nvfp4_frozen_matmul_tpu" in text, (tiles, block, operand)
+
+
+@pytest.mark.slow
+def test_device_check_smoke(tmp_path):
+    """`benchmarks/tpu_frozen_check.py --smoke` (tiny shapes, interpreted off a TPU):
+    its check passes and it writes its table."""
+    from benchmarks import tpu_frozen_check
+
+    out = tmp_path / "tpu_frozen.md"
+    rows = tpu_frozen_check.main(["--smoke", "--out", str(out)])
+    values = {what: value for what, value, _ in rows.rows}
+    assert values["check W4A4 float32 activations, 1 tokens"] == "ok"
+    assert "**error**" not in values.values()
+    assert "| W4A4 float32 activations (mosaic), 1 tokens |" in out.read_text()
