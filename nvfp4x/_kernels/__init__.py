@@ -26,16 +26,21 @@ Operations:
 - `"frozen_gemm"`: a frozen layer's GEMM `x @ W.T` on its packed 2-D NVFP4 weight
   (`FrozenLinear`, `FrozenWeight` in its stored layout): `"xla"` decodes the weight
   and calls `scaled_dot` (on a CPU, a few tokens run `chunked_dot` on the packed
-  codes); `"pallas"` (`_pallas_gemm`) decodes each tile of the weight in registers
-  inside the GEMM, equal up to float32 summation order. Callers ask `frozen_gemm(...)`.
-  Opt-in (`use("frozen_gemm", "pallas")`): on an H200 it matched the reference in
-  every test case, but its speed against the XLA path is not established yet (the one
-  benchmark run timed both rows alike), so every backend defaults to `"xla"`.
+  codes); `"pallas"` (`_pallas_gemm`, Triton, for GPUs) decodes each tile of the
+  weight in registers inside the GEMM; `"mosaic"` (`_tpu_frozen_gemm`, Pallas TPU)
+  decodes tiles of the packed codes and scales in VMEM and multiplies them on the MXU;
+  both equal the reference up to float32 summation order. Callers ask
+  `frozen_gemm(...)`. `"mosaic"` is the default on TPUs (a frozen forward, W4A16 and
+  W4A4, reads only the packed weight; `benchmarks/tpu_frozen_check.py` measures it
+  there). `"pallas"` is opt-in (`use("frozen_gemm", "pallas")`): on an H200 it matched
+  the reference in every test case, but its speed against the XLA path is not
+  established yet (the one benchmark run timed both rows alike), so GPUs and CPUs
+  default to `"xla"`. Off their devices both kernels run interpreted (tests).
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
-CPU, and it lowers for a TPU there; not yet compiled on a TPU
-(`benchmarks/tpu_quantize_check.py` checks and times it there). Its tile shapes are one
+CPU, and compiled on a TPU v5e (2026-12-05) bit for bit the XLA path on every case of
+`benchmarks/tpu_quantize_check.py`, 2.2-5x faster than it there. Its tile shapes are one
 table, `_tpu_quantize.TILINGS`.
 
 The Pallas quantiser is the default on GPUs (`DEFAULTS`): bit for bit the reference under
@@ -97,12 +102,13 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "gemm_operands": ("float32", "bfloat16"),
     "fp8_gemm": ("xla", "native"),
     "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
-    "frozen_gemm": ("xla", "pallas"),
+    "frozen_gemm": ("xla", "pallas", "mosaic"),
 }
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "gpu"): "pallas",
     ("nvfp4_quantize", "tpu"): "mosaic",
+    ("frozen_gemm", "tpu"): "mosaic",
 }
 #: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
 #: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas
@@ -387,22 +393,32 @@ def frozen_gemm(
     The kernel's products are exact for any GEMM dtype (`gemm_dtype`): bfloat16
     activations multiply as they are, wider ones as three exact bfloat16 parts; only
     the float32 summation order differs from `scaled_dot`'s."""
-    if (implementation or pick("frozen_gemm")) != "pallas":
+    implementation = implementation or pick("frozen_gemm")
+    if implementation not in ("pallas", "mosaic"):
         return None
     block = tuple(block)
     n, k = shape
     wide = jnp.dtype(x.dtype).itemsize > 4 or not jnp.issubdtype(x.dtype, jnp.floating)
     if block not in (ROW_BLOCK, TILE) or codes.ndim != 2 or wide or x.size == 0 or n == 0:
         return None
-    from . import _pallas_gemm  # Pallas is imported only where a kernel is picked
+    operand = "bfloat16" if x.dtype == jnp.bfloat16 else "float32"
+    if implementation == "mosaic":
+        from . import _tpu_frozen_gemm  # Pallas is imported only where a kernel is picked
 
-    out = _pallas_gemm.frozen_matmul(
+        # (off a TPU: Pallas's generic interpreter, which runs inside the frozen
+        # layer's primitive under `lax.scan`; the tests run the TPU interpreter directly)
+        matmul, interpret = _tpu_frozen_gemm.frozen_matmul, backend() != "tpu" and "plain"
+    else:
+        from . import _pallas_gemm
+
+        matmul, interpret = _pallas_gemm.frozen_matmul, backend() != "gpu"
+    out = matmul(
         x.reshape(-1, k),
         codes,
         scale_bits,
         block=block,
         n=n,
-        operand="bfloat16" if x.dtype == jnp.bfloat16 else "float32",
-        interpret=backend() != "gpu",
+        operand=operand,
+        interpret=interpret,
     )
     return out.reshape(*x.shape[:-1], n)

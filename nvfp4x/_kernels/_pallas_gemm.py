@@ -118,6 +118,29 @@ def check_tiles(tiles: Tiles, block: tuple[int, int]) -> None:
         raise ValueError(f"`tiles.features` ({bn}) must be a multiple of the block {block}.")
 
 
+def check_packed(
+    codes: Array, scale_bits: Array, *, block: tuple[int, int], n: int, k: int, operand: str
+) -> None:
+    """Raise unless `block` and `operand` are ones the frozen GEMM kernels take and `codes`
+    and `scale_bits` are the packed layout of a `block` NVFP4 weight `(n, k)`: codes
+    `(rows, k_pad / 2)` (`rows`: `n`, or `n` padded to 16 for 16x16 tiles), scale bits
+    `(rows / block[0], k_pad / 16)`."""
+    kp = -(-k // BLOCK) * BLOCK
+    rows = n if block == ROW_BLOCK else -(-n // BLOCK) * BLOCK
+    if block not in WEIGHT_BLOCKS or operand not in OPERANDS:
+        raise ValueError(
+            f"`frozen_matmul` takes blocks {WEIGHT_BLOCKS} and operands {OPERANDS}, got "
+            f"`block={block}`, `operand={operand!r}`."
+        )
+    srows = rows // block[0]
+    if codes.shape != (rows, kp // 2) or scale_bits.shape != (srows, kp // BLOCK):
+        raise ValueError(
+            f"`codes` {codes.shape} and `scale_bits` {scale_bits.shape} are not the packed "
+            f"layout of a {block} NVFP4 weight ({n}, {k}): expected {(rows, kp // 2)} and "
+            f"{(srows, kp // BLOCK)}."
+        )
+
+
 def _split3(x: Float[Array, "*s"]) -> tuple[Array, Array, Array]:
     """Three bfloat16 arrays whose float32 sum is exactly `x` (finite `x`; for inf and
     NaN the first part is `x`'s class and the others 0): its top 8 significant bits
@@ -259,20 +282,7 @@ def frozen_matmul(
     """
     m, k = x.shape
     block = (block[0], block[1])
-    kp = -(-k // BLOCK) * BLOCK
-    rows = n if block == ROW_BLOCK else -(-n // BLOCK) * BLOCK
-    if block not in WEIGHT_BLOCKS or operand not in OPERANDS:
-        raise ValueError(
-            f"`frozen_matmul` takes blocks {WEIGHT_BLOCKS} and operands {OPERANDS}, got "
-            f"`block={block}`, `operand={operand!r}`."
-        )
-    srows = rows // block[0]
-    if codes.shape != (rows, kp // 2) or scale_bits.shape != (srows, kp // BLOCK):
-        raise ValueError(
-            f"`codes` {codes.shape} and `scale_bits` {scale_bits.shape} are not the packed "
-            f"layout of a {block} NVFP4 weight ({n}, {k}): expected {(rows, kp // 2)} and "
-            f"{(srows, kp // BLOCK)}."
-        )
+    check_packed(codes, scale_bits, block=block, n=n, k=k, operand=operand)
     tiles = default_tiles(m) if tiles is None else tiles
     check_tiles(tiles, block)
     kernel = functools.partial(_kernel, m=m, k=k, block=block, operand=operand, tiles=tiles)

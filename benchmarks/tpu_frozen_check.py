@@ -1,0 +1,281 @@
+"""Check and time the TPU frozen GEMM kernel (`nvfp4x._kernels._tpu_frozen_gemm`) on a TPU.
+
+A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run by
+`jax.lax.scan` over the stacked layers, for W4A16 (`nvfp4_weight_only`) and W4A4
+(`nvfp4_inference`), float32 and bfloat16 activations, 1, 16 and 4096 tokens:
+
+- check: the first layer's GEMM by the kernel (`frozen_gemm` `"mosaic"`) against the
+  reference path (`"xla"`: the decoded weight, `scaled_dot`), within the tolerance of
+  `tests/test_frozen_kernel.py` (exact products, float32 summation order), on up to 16
+  tokens;
+- time: the stack's forward with the kernel, with the reference path and with bf16
+  weights (bfloat16 activations), medians of interleaved runs in this process; the
+  ratio to bf16 and the GB/s at which the packed weights are read;
+- memory: argument, output and temporary bytes of each compiled forward
+  (`memory_analysis`);
+- `--sweep`: the kernel alone over the stack, each tile of `SWEEP_TILES` per token
+  bucket, printing the best (to fill `DEFAULT_TILES`).
+
+Every configuration runs in its own `try` (a Mosaic compile failure is printed in full
+and the rest goes on). `--out PATH` writes the markdown table. `--smoke` runs tiny
+shapes on the CPU in Pallas's interpreter (the test suite runs it).
+
+    python benchmarks/tpu_frozen_check.py --sweep --out benchmarks/results/tpu_frozen.md
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import nvfp4x  # noqa: E402
+from nvfp4x import _kernels  # noqa: E402
+from nvfp4x._formats import quantize_operand  # noqa: E402
+from nvfp4x._kernels import _tpu_frozen_gemm  # noqa: E402
+
+RECIPES = {"W4A16": nvfp4x.recipes.nvfp4_weight_only, "W4A4": nvfp4x.recipes.nvfp4_inference}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+#: Of `k * 2^-24 * (|x| @ |W|.T)` (as `tests/test_frozen_kernel.py`).
+TOLERANCE = 4
+
+
+class Rows:
+    """The markdown table's rows, printed as they come."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, what: str, value: str, note: str = "") -> None:
+        self.rows.append((what, value, note))
+        print(f"{what:<72} {value:>12}  {note}", flush=True)
+
+    def markdown(self, title: str) -> str:
+        lines = [f"# {title}", "", "| case | value | notes |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+def error(rows: Rows, what: str, e: BaseException) -> None:
+    traceback.print_exc()
+    rows.add(what, "**error**", f"{type(e).__name__}: {str(e)[:300]}".replace("|", "/"))
+
+
+def stack_of(layers: int, d: int, key) -> eqx.nn.Linear:
+    """`layers` stacked `eqx.nn.Linear(d, d)` without bias, bfloat16 weights (the bf16
+    baseline, and what the recipes quantise)."""
+    keys = jax.random.split(key, layers)
+    make = lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k, dtype=jnp.bfloat16)
+    return eqx.filter_vmap(make)(keys)
+
+
+def forward(stack, x):
+    """The stack on `x` (`(tokens, d)`), one layer after another by `jax.lax.scan`."""
+    params, static = eqx.partition(stack, eqx.is_array)
+
+    def body(h, p):
+        return jax.vmap(eqx.combine(p, static))(h).astype(h.dtype), None
+
+    return jax.lax.scan(body, x, params)[0]
+
+
+def thunk(impl: str | None, fn: Callable, *args) -> tuple[Callable[[], Any], Any]:
+    """`fn(*args)` jitted afresh (traced with the frozen GEMM `impl`, None: untouched),
+    run once; the thunk and the compiled program's memory analysis."""
+    jitted = jax.jit(lambda *a: fn(*a))  # (the models' static fields are in their treedefs)
+    with _kernels.use("frozen_gemm", impl) if impl else _nullcontext():
+        memory = jitted.lower(*args).compile().memory_analysis()
+        jax.block_until_ready(jitted(*args))
+    return functools.partial(jitted, *args), memory
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each thunk, the thunks run in turn `repeats` times."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def mb(n) -> str:
+    return "?" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def memory_note(memory) -> str:
+    if memory is None:
+        return "memory: n/a"
+    get = lambda name: getattr(memory, name, None)
+    return (
+        f"args {mb(get('argument_size_in_bytes'))}, out {mb(get('output_size_in_bytes'))}, "
+        f"temp {mb(get('temp_size_in_bytes'))}"
+    )
+
+
+def packed_bytes(frozen) -> int:
+    w = frozen.weight.packed
+    return int(w.codes.nbytes + w.scale_bits.nbytes + w.tensor_scale.nbytes)
+
+
+def check(rows: Rows, name: str, frozen, x) -> None:
+    """The first layer's GEMM, kernel against reference, within the tolerance."""
+    layer = jax.tree.map(lambda a: a[0], frozen)  # (the packed array's static fields stay)
+    xs = x[:16]
+    run = lambda impl: thunk(impl, lambda m, v: m(v), layer, xs)[0]()
+    got, want = np.asarray(run("mosaic"), np.float64), np.asarray(run("xla"), np.float64)
+    w = layer.weight.packed
+    xv, s = quantize_operand(xs, layer.recipe.input, axis=-1)
+    scale = np.abs(np.float64(w.tensor_scale) * (1.0 if s is None else np.float64(s)))
+    xa = np.abs(np.nan_to_num(np.asarray(xv, np.float64)))
+    wa = np.abs(np.asarray(w.operand()[0], np.float64))
+    k = xs.shape[-1]
+    bound = TOLERANCE * k * 2.0**-24 * (xa @ wa.T) * scale
+    same_nan = np.array_equal(np.isnan(got), np.isnan(want))
+    excess = float(np.max(np.abs(got - want) / np.maximum(bound, 1e-300)))
+    ok = same_nan and excess <= 1.0
+    rows.add(f"check {name}", "ok" if ok else "**FAIL**", f"max abs diff / bound = {excess:.3g}")
+
+
+def run(args) -> Rows:
+    rows = Rows()
+    d, nl = args.d, args.layers
+    print(f"device: {jax.devices()[0].device_kind}; {nl} layers {d}x{d}", flush=True)
+    bf16 = stack_of(nl, d, jax.random.key(0))
+    frozen = {}
+    for name in args.recipes:
+        recipe = RECIPES[name]
+        try:
+            frozen[name] = eqx.filter_jit(
+                lambda m, r=recipe: nvfp4x.freeze(nvfp4x.quantize(m, r()))
+            )(bf16)
+        except Exception as e:  # noqa: BLE001
+            error(rows, f"freeze {name}", e)
+    bf16_bytes = bf16.weight.nbytes
+    for tokens in args.tokens:
+        x32 = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32)
+        fns: dict[str, Callable[[], Any]] = {}
+        notes: dict[str, str] = {}
+        try:
+            fns["bf16 weights"], mem = thunk(None, forward, bf16, x32.astype(jnp.bfloat16))
+            notes["bf16 weights"] = memory_note(mem)
+        except Exception as e:  # noqa: BLE001
+            error(rows, f"bf16 weights, {tokens} tokens", e)
+        for name, fz in frozen.items():
+            for dname in args.dtypes:
+                dtype = DTYPES[dname]
+                x = x32.astype(dtype)
+                if tokens in (1, 16):
+                    try:
+                        check(rows, f"{name} {dname} activations, {tokens} tokens", fz, x)
+                    except Exception as e:  # noqa: BLE001
+                        error(rows, f"check {name} {dname}, {tokens} tokens", e)
+                for impl in ("mosaic", "xla"):
+                    label = f"{name} {dname} activations ({impl})"
+                    try:
+                        fns[label], mem = thunk(impl, forward, fz, x)
+                        notes[label] = memory_note(mem)
+                    except Exception as e:  # noqa: BLE001
+                        error(rows, f"{label}, {tokens} tokens", e)
+        times = interleaved(fns, args.repeats)
+        base = times.get("bf16 weights")
+        for label, secs in times.items():
+            nbytes = (
+                bf16_bytes if label == "bf16 weights" else packed_bytes(frozen[label.split()[0]])
+            )
+            note = f"{nbytes / secs / 1e9:,.0f} GB/s of weights"
+            if base:
+                note += f", **{secs / base:.2f}x bf16**"
+            rows.add(f"{label}, {tokens} tokens", f"{secs * 1e3:.3f} ms", f"{note}; {notes[label]}")
+    if args.sweep and frozen:
+        sweep(rows, next(iter(frozen.values())), args)
+    return rows
+
+
+def sweep(rows: Rows, fz, args) -> None:
+    """The kernel alone over the stacked layers (bfloat16 activations), per tile."""
+    w = fz.weight.packed
+    d = args.d
+    for bucket, candidates in _tpu_frozen_gemm.SWEEP_TILES.items():
+        tokens = min(bucket, max(args.tokens))
+        x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
+        times = {}
+        for tiles in candidates:
+            try:
+                mm = functools.partial(
+                    _tpu_frozen_gemm.frozen_matmul,
+                    block=tuple(w.block),
+                    n=d,
+                    operand="bfloat16",
+                    tiles=tiles,
+                    interpret=jax.default_backend() != "tpu",
+                )
+                body = lambda c, cs, mm=mm, x=x: (c, mm(x, cs[0], cs[1]).sum())
+                f = jax.jit(lambda c, s, body=body: jax.lax.scan(body, 0.0, (c, s))[1])
+                jax.block_until_ready(f(w.codes, w.scale_bits))
+                times[tiles] = interleaved(
+                    {"k": functools.partial(f, w.codes, w.scale_bits)}, args.repeats
+                )["k"]
+            except Exception as e:  # noqa: BLE001
+                error(rows, f"sweep {tuple(tiles)}, {tokens} tokens", e)
+        best = min(times, key=times.__getitem__) if times else None
+        nbytes = packed_bytes(fz)
+        for tiles, secs in times.items():
+            mark = " **best**" if tiles == best else ""
+            rows.add(
+                f"sweep tiles {tuple(tiles)} (tokens, features, depth), {tokens} tokens",
+                f"{secs * 1e3:.3f} ms",
+                f"{nbytes / secs / 1e9:,.0f} GB/s packed{mark}",
+            )
+
+
+def main(argv: list[str] | None = None) -> Rows:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--d", type=int, default=8192)
+    p.add_argument(
+        "--tokens", type=lambda s: tuple(int(t) for t in s.split(",")), default=(1, 16, 4096)
+    )
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--recipes", type=lambda s: tuple(s.split(",")), default=tuple(RECIPES))
+    p.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=tuple(DTYPES))
+    p.add_argument("--sweep", action="store_true", help="time SWEEP_TILES per token bucket")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
+    p.add_argument("--out", type=Path, default=None, help="write the markdown table there")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.layers, args.d, args.tokens, args.repeats = 2, 512, (1,), 1
+        args.recipes, args.dtypes = ("W4A4",), ("float32",)
+    if jax.default_backend() != "tpu" and not args.smoke:
+        print("note: not a TPU; the kernel runs interpreted (slow): use --smoke", flush=True)
+    rows = run(args)
+    if args.out:
+        title = (
+            f"TPU frozen GEMM check ({jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')})"
+        )
+        args.out.write_text(rows.markdown(title))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

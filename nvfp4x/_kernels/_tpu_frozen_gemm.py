@@ -1,0 +1,323 @@
+"""The GEMM of a frozen NVFP4 weight, `x @ W.T`, as one Pallas kernel for TPUs (Mosaic).
+
+The TPU counterpart of `_pallas_gemm` (read it first: the same operands, results and
+tolerance). A frozen layer's forward multiplies its activations by a weight held packed:
+E2M1 codes two per byte along the contraction (element `2i` in the low nibble), E4M3
+block scales and a float32 tensor scale (applied by the caller). Each program DMAs a
+tile of the packed codes and of the scale bits into VMEM, decodes it there to the block
+values `e2m1 * scale_b` (exact in bfloat16: at most 6 significant bits) and feeds them
+to the MXU with float32 accumulation; no decoded weight is written to HBM.
+
+Layout of the work, chosen so that every step maps onto the TPU's (8, 128) vregs
+without lane shuffles:
+
+- A `(features, depth / 2)` tile of codes is read as 32-bit words (`pltpu.bitcast`: a
+  word holds the bytes of 4 consecutive rows, row `4r + q` in byte `q`) and transposed
+  (`(depth / 2, features / 4)`: the contraction along the sublanes). Its scale bits are
+  read and transposed the same way, so that a block scale (16 codes: 8 bytes of a row)
+  is one row broadcast over 8 sublanes, never repeated along the lanes.
+- Each of the 8 nibbles of a word (byte `q`, low or high half) is one plane of
+  `(depth / 2, features / 4)` block values: rows `4r + q` of the weight, its even
+  (low) or odd (high) columns. An E2M1 code's magnitude is looked up in a 32-bit
+  constant holding the 8 magnitudes (times 2) as nibbles (a variable shift), converted
+  to float32, signed by its sign bit and multiplied by half the block scale: exact.
+- The activations' even and odd columns are separated once, outside (`x[:, 0::2]`,
+  `x[:, 1::2]`), so each plane is one MXU dot `x_half @ plane` (`(tokens, features/4)`),
+  accumulated in float32 into an output laid out `(4, tokens, features / 4)` that the
+  caller interleaves back (`out[q, t, r]` is column `4r + q`).
+
+Operands, by the activations' dtype: `"bfloat16"` multiplies them as they are (a W4A4
+layer's quantised values, or a W4A16 layer's bfloat16 input); `"float32"` (float32 or
+float16 activations) splits them exactly into three bfloat16 parts (`_pallas_gemm`'s
+`_split3`), stacked along the tokens of one dot (the MXU streams the tokens past the
+weight tile it holds: at a few tokens three parts cost no more than one), then summed.
+The products are exact either way; only the float32 summation order differs from the
+reference (`scaled_dot` on `NVFP4Array.operand()` at `HIGHEST`). NaN and infinities
+land where the reference's do; the signs of zero sums may differ.
+
+Tiles (`Tiles`): a program computes `tokens x features` outputs and steps through the
+contraction `depth` elements at a time (the grid's last axis, accumulating in the
+output block). The TPU's layouts ask `features` to be a multiple of 512 (a transposed
+tile of words 128 lanes wide) and `depth` of 2048 (128 lanes of block scales); tokens
+are padded to a multiple of 16 (bfloat16 sublanes). One table, `DEFAULT_TILES`, picks
+the tiles by token count; `benchmarks/tpu_frozen_check.py --sweep` times `SWEEP_TILES`
+on a TPU to fill it.
+
+Edges: the last tile of features may overhang the weight (its garbage rows make
+outputs that are dropped); a last step that overhangs the contraction masks the
+garbage it decodes (`jnp.where`), and the activations are padded with zeros. A weight
+smaller than one tile is padded to it (a copy of a small array). 16x16 tiles' scale
+bits are expanded to one row per weight row before the call (one scale per 1x16 block:
+an eighth of the codes' bytes, written once per call).
+
+Runs on the CPU in TPU interpret mode (`interpret=True`, the tests) and lowers for TPUs
+on the CPU; Mosaic's own compile runs only on a TPU.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, UInt8
+
+from .._numerics._constants import BLOCK, E2M1_VALUES, TILE
+from ._pallas_gemm import _split3, check_packed
+
+#: `features` and `depth` of a tile must be multiples of these (see the module docstring).
+FEATURES_STEP = 512
+DEPTH_STEP = 2048
+#: Tokens are padded to a multiple of this (a bfloat16 vreg's sublanes).
+TOKENS_STEP = 16
+
+
+class Tiles(NamedTuple):
+    """A program's tile: `tokens x features` outputs, `depth` contraction elements per
+    step (`tokens` a multiple of 16, `features` of 512, `depth` of 2048)."""
+
+    tokens: int
+    features: int
+    depth: int
+
+
+#: Tiles by token count: `(most tokens, tiles)`, the first that fits; `None`: any.
+#: Guesses until `benchmarks/tpu_frozen_check.py --sweep` runs on a TPU.
+DEFAULT_TILES: tuple[tuple[int | None, Tiles], ...] = (
+    (16, Tiles(16, 1024, 2048)),
+    (256, Tiles(256, 1024, 2048)),
+    (None, Tiles(1024, 2048, 2048)),
+)
+
+#: The tiles the sweep times, by token bucket (the bucket's largest token count).
+SWEEP_TILES: dict[int, tuple[Tiles, ...]] = {
+    16: (
+        Tiles(16, 512, 2048),
+        Tiles(16, 1024, 2048),
+        Tiles(16, 2048, 2048),
+        Tiles(16, 512, 4096),
+        Tiles(16, 1024, 4096),
+        Tiles(16, 2048, 4096),
+        Tiles(16, 4096, 2048),
+    ),
+    4096: (
+        Tiles(256, 1024, 2048),
+        Tiles(512, 1024, 2048),
+        Tiles(512, 2048, 2048),
+        Tiles(1024, 1024, 2048),
+        Tiles(1024, 2048, 2048),
+        Tiles(2048, 1024, 2048),
+        Tiles(2048, 2048, 2048),
+    ),
+}
+
+#: 2 x the E2M1 magnitudes of codes 0..7 (0, 1, 2, 3, 4, 6, 8, 12), nibble `c` holding
+#: code `c`'s, as an int32 constant: `(TABLE >> 4c) & 15` looks one up.
+_TABLE = sum(int(2 * v) << (4 * c) for c, v in enumerate(E2M1_VALUES))
+_TABLE_I32 = _TABLE - (1 << 32) if _TABLE >= 1 << 31 else _TABLE
+_SIGN = -(1 << 31)  # int32 with only bit 31 set
+
+#: `frozen_matmul`'s `interpret` values: what `pallas_call` is given for each.
+_INTERPRETERS = {
+    False: False,
+    True: pltpu.InterpretParams(out_of_bounds_reads="uninitialized"),
+    "plain": True,
+}
+
+
+def default_tiles(tokens: int) -> Tiles:
+    """The default tiles for `tokens` rows of activations."""
+    for most, tiles in DEFAULT_TILES:
+        if most is None or tokens <= most:
+            return tiles
+    raise AssertionError("the last entry of DEFAULT_TILES takes any token count")
+
+
+def check_tiles(tiles: Tiles) -> None:
+    """Raise for tiles the kernel's layouts cannot take (see `Tiles`)."""
+    bm, bn, bk = tiles
+    if bm <= 0 or bm % TOKENS_STEP or bn <= 0 or bn % FEATURES_STEP or bk <= 0 or bk % DEPTH_STEP:
+        raise ValueError(
+            f"`tiles` {tiles}: `tokens` must be a positive multiple of {TOKENS_STEP}, "
+            f"`features` of {FEATURES_STEP} and `depth` of {DEPTH_STEP}; pick such tiles."
+        )
+
+
+def half_scales(bits: Array) -> Float[Array, "*s"]:
+    """Half the float32 value of E4M3 bit patterns held in int32 (0..255): `_pack.
+    decode_e4m3(bits) / 2` (NaN for `0x7F`/`0xFF`), in int32 arithmetic (Mosaic-friendly;
+    the halving is exact: the smallest subnormal E4M3, `2^-9`, halves to a normal
+    float32)."""
+    mag = bits & 0x7F
+    normal = (mag << 20) + ((120 - 1) << 23)  # exponent field e + 120, less 1: halved
+    sub = lax.bitcast_convert_type((mag & 7).astype(jnp.float32) * (2.0**-10), jnp.int32)
+    out = jnp.where(mag < 8, sub, normal)
+    out = jnp.where(mag == 0x7F, jnp.int32(0x7FC00000), out)
+    return lax.bitcast_convert_type(out | ((bits & 0x80) << 24), jnp.float32)
+
+
+def double_e2m1(words: Array, shift: int) -> Float[Array, "*s"]:
+    """Twice the E2M1 value of the 4-bit code at bits `shift..shift+3` of each int32 word,
+    as float32 (exact, signed zero included): the magnitude looked up in `_TABLE`, the
+    sign bit moved to bit 31."""
+    index = (words << 2) if shift == 0 else (words >> (shift - 2))  # 4 x code, bits 2-4
+    index = index & 0x1C
+    magnitude = (jnp.full(words.shape, _TABLE_I32, jnp.int32) >> index) & 0xF
+    sign = (words << (28 - shift)) & jnp.int32(_SIGN)
+    bits = lax.bitcast_convert_type(magnitude.astype(jnp.float32), jnp.int32) | sign
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
+    """One step: the `(depth/2, features/4)` planes of this tile's codes times the
+    activations' even and odd columns, added into the `(4, tokens, features/4)` output
+    block. `tail`: the codes' bytes per row when the last step overhangs them."""
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    _, bm, half = xe_ref.shape
+    words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
+    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    quarter = words.shape[1]
+    valid = None
+    if tail is not None:  # bytes past the codes' end are garbage: masked
+        byte = kk * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
+        valid = byte < tail
+    xs = (xe_ref[...].reshape(parts * bm, half), xo_ref[...].reshape(parts * bm, half))
+    for q in range(4):
+        s = half_scales((swords >> (8 * q)) & 0xFF)  # (depth/16, features/4)
+        s = jnp.broadcast_to(s[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
+        acc = None
+        for h, x in enumerate(xs):
+            w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
+            if valid is not None:
+                w = jnp.where(valid, w, 0.0)
+            d = jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+            acc = d if acc is None else acc + d
+        assert acc is not None
+        part = acc[:bm]
+        for p in range(1, parts):
+            part = part + acc[p * bm : (p + 1) * bm]
+        out_ref[q] += part
+
+
+def _vmem_bytes(parts: int, tiles: Tiles) -> int:
+    """A bound on the kernel's VMEM: double-buffered blocks and the step's temporaries."""
+    bm, bn, bk = tiles
+    blocks = 2 * (2 * parts * bm * (bk // 2) * 2 + bn * bk // 2 + bn * bk // 16 + bm * bn * 4)
+    temps = 4 * (bk // 2) * (bn // 4) * 4 + 3 * parts * bm * (bn // 4) * 4
+    return blocks + temps
+
+
+def _one_problem_at_a_time(call):
+    """`call` with a batching rule that runs the problems of a vmapped call one after
+    another (`lax.map`; a vmapped frozen GEMM is a stack of layers or experts, each its
+    own weight), instead of Pallas's rule, which adds a grid axis that the TPU
+    interpreter does not take with the kernel's `dimension_semantics`."""
+    fn = jax.custom_batching.custom_vmap(call)
+
+    @fn.def_vmap
+    def _(axis_size, in_batched, *args):
+        del axis_size
+
+        def one(sliced):
+            it = iter(sliced)
+            return fn(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
+
+        return lax.map(one, [a for a, b in zip(args, in_batched, strict=True) if b]), True
+
+    return fn
+
+
+@functools.partial(jax.jit, static_argnames=("block", "n", "operand", "tiles", "interpret"))
+def frozen_matmul(
+    x: Float[Array, "m k"],
+    codes: UInt8[Array, "rows k2"],
+    scale_bits: UInt8[Array, "srows k16"],
+    *,
+    block: tuple[int, int],
+    n: int,
+    operand: str,
+    tiles: Tiles | None = None,
+    interpret: bool | str = False,
+) -> Float[Array, "m n"]:
+    """`x @ W.T` in float32 for the NVFP4 weight `W` `(n, k)` held as `codes` and
+    `scale_bits` (an `NVFP4Array`'s fields, padded layout), without its tensor scale.
+
+    **Arguments:**
+
+    - `x`: the activations `(m, k)`, bfloat16, float16 or float32.
+    - `codes`, `scale_bits`: the packed codes `(n or n padded to 16, k_pad / 2)` and the
+      E4M3 scales' bits (`(n, k_pad / 16)` for 1x16 blocks, `(n_pad / 16, k_pad / 16)`
+      for 16x16 tiles).
+    - `block`: `(1, 16)` or `(16, 16)`; `n`: the weight's rows.
+    - `operand`: `"bfloat16"` or `"float32"` (see the module docstring).
+    - `tiles`: a `Tiles`, by default `default_tiles(m)`.
+    - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
+      array's end give NaN there, as garbage would on a TPU); `"plain"`: in Pallas's
+      generic interpreter, which runs inside nvfp4x's primitives under `lax.scan` (their
+      lowering has no token for the TPU interpreter's ordered callbacks).
+
+    **Returns:** `(m, n)` float32, `scaled_dot`'s product before its scales, up to
+    float32 summation order.
+    """
+    m, k = x.shape
+    block = (block[0], block[1])
+    check_packed(codes, scale_bits, block=block, n=n, k=k, operand=operand)
+    tiles = default_tiles(m) if tiles is None else tiles
+    check_tiles(tiles)
+    bm = min(tiles.tokens, -(-m // TOKENS_STEP) * TOKENS_STEP)
+    bn, bk = tiles.features, tiles.depth
+    if block == TILE:  # one scale row per weight row (see the module docstring)
+        scale_bits = jnp.repeat(scale_bits, BLOCK, axis=0)
+    rows, width = codes.shape
+    # A weight smaller than one tile is padded to it; a larger one may overhang.
+    if rows < bn:
+        codes = jnp.pad(codes, ((0, bn - rows), (0, 0)))
+        scale_bits = jnp.pad(scale_bits, ((0, bn - rows), (0, 0)))
+    if width < bk // 2:
+        codes = jnp.pad(codes, ((0, 0), (0, bk // 2 - width)))
+        scale_bits = jnp.pad(scale_bits, ((0, 0), (0, bk // 16 - scale_bits.shape[1])))
+    n_tiles, k_tiles, m_tiles = pl.cdiv(codes.shape[0], bn), pl.cdiv(width, bk // 2), pl.cdiv(m, bm)
+    tail = width if width % (bk // 2) and width > bk // 2 else None
+
+    # The activations: zero-padded to whole tiles, even and odd columns apart, float32
+    # ones as three exact bfloat16 parts (a leading axis of parts).
+    xp = jnp.pad(x, ((0, m_tiles * bm - m), (0, k_tiles * bk - k)))
+    if operand == "float32":
+        stacked = jnp.stack(_split3(xp.astype(jnp.float32)))
+    else:
+        stacked = xp.astype(jnp.bfloat16)[None]
+    parts = stacked.shape[0]
+    xe, xo = stacked[:, :, 0::2], stacked[:, :, 1::2]
+
+    x_spec = pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))
+    kernel = functools.partial(_kernel, parts=parts, tail=tail)
+    limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk))), 100 << 20)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, n_tiles * bn // 4), jnp.float32),
+        grid=(m_tiles, n_tiles, k_tiles),
+        in_specs=[
+            x_spec,
+            x_spec,
+            pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk)),
+            pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk)),
+        ],
+        out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=limit,
+        ),
+        interpret=_INTERPRETERS[interpret],
+        name="nvfp4_frozen_matmul_tpu",
+    )
+    out = _one_problem_at_a_time(call)(xe, xo, codes, scale_bits)
+    # out[q, t, r] is column 4r + q of the tile's rows.
+    out = jnp.transpose(out, (1, 2, 0)).reshape(m_tiles * bm, n_tiles * bn)
+    return out[:m, :n]

@@ -1,0 +1,225 @@
+"""The TPU frozen GEMM kernel (`nvfp4x._kernels._tpu_frozen_gemm`, Pallas Mosaic: packed
+NVFP4 weight tiles decoded in VMEM, multiplied on the MXU) against the reference frozen
+forward, and its choice.
+
+Off a TPU the kernel runs in Pallas's TPU interpreter (reads past an array's end give
+NaN there, so an unmasked overhang shows); on a TPU the same tests run it compiled.
+Each interpreted configuration costs seconds to compile, so few cases cover the edges
+together: 1 token (padded to 16), 17 tokens (two tiles of tokens), a weight smaller than
+a tile (padded) and one that overhangs the tiles in both directions (outputs and a
+contraction that is not a multiple of 16 nor of the tile's depth), 1x16 blocks and 16x16
+tiles, float32 and bfloat16 activations, NaN blocks and infinite activations; then
+`FrozenLinear` stacks with the kernel picked, eagerly, under `jax.lax.scan` (jit) and
+`jax.vmap` over the stack, W4A16 and W4A4. It also lowers for TPUs here with the
+default tiles and every tile the device sweep times.
+
+Equality is `tests/test_frozen_kernel.py`'s: exact products, float32 summation order
+only (`check_close`).
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Stack
+from test_frozen_kernel import activations, check_close, reference, weight
+
+import nvfp4x
+from nvfp4x import _kernels
+from nvfp4x._formats import quantize_operand
+from nvfp4x._kernels import _tpu_frozen_gemm
+from nvfp4x._kernels._tpu_frozen_gemm import Tiles
+from nvfp4x._numerics._constants import E2M1_VALUES
+from nvfp4x._numerics._pack import decode_e4m3
+
+INTERPRET = jax.default_backend() != "tpu"
+
+
+def test_decoders_equal_the_reference_for_every_pattern():
+    """The kernel's E4M3 scale decoder (halved) and E2M1 lookup (doubled), for every bit
+    pattern and every nibble position of a word."""
+    bits = jnp.arange(256, dtype=jnp.int32)
+    got = np.asarray(jax.jit(_tpu_frozen_gemm.half_scales)(bits))
+    want = np.asarray(decode_e4m3(bits.astype(jnp.uint8))) / 2
+    np.testing.assert_array_equal(got, want)  # (NaN where the reference's is)
+    codes = jnp.arange(16, dtype=jnp.int32)
+    e2m1 = np.array([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], np.float32)
+    for shift in range(0, 32, 4):
+        words = (codes << shift) | (0x5A5A5A5A & ~(0xF << shift))  # other nibbles busy
+        got = np.asarray(_tpu_frozen_gemm.double_e2m1(words, shift))
+        np.testing.assert_array_equal(got, 2 * e2m1)
+        np.testing.assert_array_equal(np.signbit(got), np.arange(16) >= 8)  # -0.0 too
+
+
+CASES = {
+    # name: (block, tokens, out, in, operand, tiles)
+    "1x16_1_token_float32_small_weight": ((1, 16), 1, 40, 100, "float32", None),
+    "16x16_17_tokens_bfloat16_overhangs": (
+        (16, 16),
+        17,
+        600,
+        2100,
+        "bfloat16",
+        Tiles(16, 512, 2048),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_kernel_equals_reference(case):
+    block, m, n, k, operand, tiles = case
+    q = weight(n, k, block, nan=True)
+    dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
+    x = activations(m, k, dtype, inf=True)
+    got = _tpu_frozen_gemm.frozen_matmul(
+        x,
+        q.codes,
+        q.scale_bits,
+        block=block,
+        n=n,
+        operand=operand,
+        tiles=tiles,
+        interpret=INTERPRET,
+    )
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    check_close(got, reference(x, q, operand), x, q.operand()[0], k)
+    # the NaN blocks and infinite activations reach the outputs (finite ones too, with
+    # more than one token: the infinities are in the first and last tokens)
+    assert np.isnan(np.asarray(got)).any() and np.isinf(np.asarray(got)).any()
+    assert m == 1 or np.isfinite(np.asarray(got)[1:-1]).mean() > 0.5
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The operands of every call of the kernel (a spy)."""
+    calls = []
+    kernel = _tpu_frozen_gemm.frozen_matmul
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["operand"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(_tpu_frozen_gemm, "frozen_matmul", spy)
+    return calls
+
+
+def _stack(recipe, d=40, nlayers=2):
+    stack = Stack(d, nlayers, jax.random.key(4))
+    return nvfp4x.freeze(nvfp4x.quantize(stack, recipe)).layers
+
+
+def _per_layer(layers, x, mode):
+    """Each layer of the stack on `x` (not chained: a layer's inputs stay the same, so
+    the check bounds one GEMM), by `jax.lax.scan` under jit or `jax.vmap` over it."""
+    params, static = eqx.partition(layers, eqx.is_array)
+    if mode == "scan":
+        body = lambda c, p: (c, eqx.combine(p, static)(x))
+        return jax.jit(lambda p: jax.lax.scan(body, 0, p)[1])(params)
+    return jax.vmap(lambda p: eqx.combine(p, static)(x))(params)
+
+
+@pytest.mark.parametrize("mode", ["scan", "vmap"])
+def test_frozen_stack_runs_the_kernel(mode, kernel_calls):
+    """W4A16 (`nvfp4_weight_only`) stacks, float32 activations: each slice's GEMM runs the
+    kernel (the spy counts the traces) and equals the reference forward's."""
+    layers = _stack(nvfp4x.recipes.nvfp4_weight_only())
+    x = activations(16, 40, jnp.float32)
+    with _kernels.use("frozen_gemm", "xla"):
+        want = _per_layer(layers, x, mode)
+    assert kernel_calls == []
+    with _kernels.use("frozen_gemm", "mosaic"):
+        got = _per_layer(layers, x, mode)
+    assert kernel_calls and set(kernel_calls) == {"float32"}
+    w = layers.weight.packed
+    wv = w.operand()[0]  # (layers, out, in) block values
+    for i in range(w.shape[0]):
+        check_close(got[i], want[i], x, wv[i], 40, scale=w.tensor_scale[i])
+
+
+def test_frozen_layer_w4a4_eager(kernel_calls):
+    """A W4A4 layer (`nvfp4_inference`) called eagerly: its activations quantised by the
+    existing quantiser, their bfloat16 values fed to the kernel."""
+    lin = eqx.nn.Linear(100, 40, key=jax.random.key(3))
+    frozen = nvfp4x.freeze(nvfp4x.quantize(lin, nvfp4x.recipes.nvfp4_inference()))
+    x = activations(3, 100, jnp.float32)
+    with _kernels.use("frozen_gemm", "xla"):
+        want = frozen(x)
+    with _kernels.use("frozen_gemm", "mosaic"):
+        got = frozen(x)
+    assert kernel_calls == ["bfloat16"]
+    w = frozen.weight.packed
+    xv, xs = quantize_operand(x, frozen.recipe.input, axis=-1)
+    assert xs is not None
+    check_close(got, want, xv, w.operand()[0], 100, scale=xs * w.tensor_scale)
+
+
+def test_picked_on_tpus_only():
+    assert _kernels.pick("frozen_gemm", "tpu") == "mosaic"
+    assert _kernels.pick("frozen_gemm", "cpu") == "xla"
+    assert _kernels.pick("frozen_gemm", "gpu") == "xla"
+    codes, scale_bits = jnp.zeros((32, 32), jnp.uint8), jnp.zeros((32, 4), jnp.uint8)
+    args = (codes, scale_bits, (1, 16), (32, 64))
+    assert _kernels.frozen_gemm(jnp.ones((2, 64), jnp.int32), *args, "mosaic") is None
+    assert _kernels.frozen_gemm(jnp.ones((0, 64)), *args, "mosaic") is None
+
+
+def test_bad_tiles_raise():
+    for tiles in (Tiles(8, 512, 2048), Tiles(16, 256, 2048), Tiles(16, 512, 1024)):
+        with pytest.raises(ValueError, match="`tiles`"):
+            _tpu_frozen_gemm.check_tiles(tiles)
+    x = jnp.ones((2, 64), jnp.bfloat16)
+    codes, scale_bits = jnp.zeros((32, 32), jnp.uint8), jnp.zeros((32, 4), jnp.uint8)
+    with pytest.raises(ValueError, match="not the packed layout"):
+        _tpu_frozen_gemm.frozen_matmul(
+            x, codes[:, :16], scale_bits, block=(1, 16), n=32, operand="bfloat16"
+        )
+
+
+#: `(tiles, block, operand, (out, in))`: the default tiles in both layouts and operands,
+#: on weights that fit the tiles and ones that overhang them; every swept tile.
+LOWERED = [
+    (tiles, block, operand, shape)
+    for _, tiles in _tpu_frozen_gemm.DEFAULT_TILES
+    for block in ((1, 16), (16, 16))
+    for operand, shape in (("bfloat16", (8192, 8192)), ("float32", (8200, 8200)))
+] + [
+    (tiles, (1, 16), "bfloat16", (8192, 8192))
+    for bucket in _tpu_frozen_gemm.SWEEP_TILES.values()
+    for tiles in bucket
+]
+
+
+def test_kernel_lowers_for_tpu():
+    """Mosaic lowering (on this machine; Mosaic's own compile runs on a TPU) of the
+    default tiles (both block layouts and operands, weights that fit and overhang, tokens
+    over a tile) and of every tile the sweep times."""
+    for tiles, block, operand, (n, k) in LOWERED:
+        rows = n if block == (1, 16) else -(-n // 16) * 16
+        dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
+        args = (
+            jax.ShapeDtypeStruct((tiles.tokens + 1, k), dtype),
+            jax.ShapeDtypeStruct((rows, -(-k // 16) * 8), jnp.uint8),
+            jax.ShapeDtypeStruct((rows // block[0], -(-k // 16)), jnp.uint8),
+        )
+        fn = functools.partial(
+            _tpu_frozen_gemm.frozen_matmul, block=block, n=n, operand=operand, tiles=tiles
+        )
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        assert "nvfp4_frozen_matmul_tpu" in text, (tiles, block, operand)
+
+
+@pytest.mark.slow
+def test_device_check_smoke(tmp_path):
+    """`benchmarks/tpu_frozen_check.py --smoke` (tiny shapes, interpreted off a TPU):
+    its check passes and it writes its table."""
+    from benchmarks import tpu_frozen_check
+
+    out = tmp_path / "tpu_frozen.md"
+    rows = tpu_frozen_check.main(["--smoke", "--out", str(out)])
+    values = {what: value for what, value, _ in rows.rows}
+    assert values["check W4A4 float32 activations, 1 tokens"] == "ok"
+    assert "**error**" not in values.values()
+    assert "| W4A4 float32 activations (mosaic), 1 tokens |" in out.read_text()
