@@ -29,9 +29,10 @@ from nvfp4x._numerics._pack import pack
 def traced_with(impl: str, fn, *args):
     """`jax.jit(fn)` traced with implementation `impl` and compiled, checked to hold the
     kernel exactly when `impl` is `"mosaic"` (pass a new function per implementation:
-    `jax.jit` reuses a trace)."""
+    `jax.jit` reuses a trace). The reference is compiled for the CPU (`on_cpu`: its
+    arguments there), where the kernel's results are compared with it."""
     with _kernels.use("nvfp4_quantize", impl):
-        traced = jax.jit(fn).trace(*args)
+        traced = jax.jit(fn).trace(*(on_cpu(args) if impl == "xla" else args))
     assert ("pallas_call" in str(traced.jaxpr)) == (impl == "mosaic"), impl
     return traced.lower().compile()
 
@@ -81,7 +82,8 @@ def test_mosaic_operand_equals_reference_eagerly(monkeypatch):
     monkeypatch.setattr(
         _tpu_quantize, "quantize_2d", lambda *a, **k: calls.append(k["block"]) or kernel(*a, **k)
     )
-    want = jax.jit(lambda x, key: quantize_operand(x, fmt, 0, key))(*on_cpu((x, key)))
+    with _kernels.use("nvfp4_quantize", "xla"):  # the reference, on the CPU
+        want = jax.jit(lambda x, key: quantize_operand(x, fmt, 0, key))(*on_cpu((x, key)))
     with _kernels.use("nvfp4_quantize", "mosaic"):
         got = quantize_operand(x, fmt, 0, key)
     assert calls == [(16, 1)]
