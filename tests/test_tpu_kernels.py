@@ -157,6 +157,22 @@ def test_mosaic_kernel_lowers_for_tpu(block, output, dtype, rounding):
     assert lowers_for_tpu((8208, 16400), dtype, block, rounding, output)
 
 
+def test_vmapped_mosaic_quantiser_lowers_for_tpu():
+    """A vmapped quantisation (a stack of layers' weights, as `freeze` quantises a
+    stacked model) lowers for a TPU: one array after another, where Pallas's own
+    batching rule gave a block of the SMEM parameters that Mosaic refuses (seen on a
+    TPU v5e: `freeze` of an 8-layer stack failed)."""
+    stack = jax.ShapeDtypeStruct((3, 32, 256), jnp.float32)
+    seed = jnp.zeros((2,), jnp.uint32)
+
+    def one(x, amax):
+        return _tpu_quantize.quantize_2d(x, amax, seed, rounding="stochastic")
+
+    amax = jax.ShapeDtypeStruct((3,), jnp.float32)
+    lowered = jax.jit(jax.vmap(one)).trace(stack, amax).lower(lowering_platforms=("tpu",))
+    assert "nvfp4_quantize_tpu" in lowered.as_text()
+
+
 def test_tpu_quantize_check_smoke(tmp_path):
     """The device script runs (tiny shapes, interpreted here) and writes its table."""
     out = tmp_path / "check.md"

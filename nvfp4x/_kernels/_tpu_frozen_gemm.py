@@ -65,6 +65,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, UInt8
 
 from .._numerics._constants import BLOCK, E2M1_VALUES, TILE
+from ._batching import one_problem_at_a_time
 from ._pallas_gemm import _split3, check_packed
 
 #: `features` and `depth` of a tile must be multiples of these (see the module docstring).
@@ -214,26 +215,6 @@ def _vmem_bytes(parts: int, tiles: Tiles) -> int:
     return blocks + temps
 
 
-def _one_problem_at_a_time(call):
-    """`call` with a batching rule that runs the problems of a vmapped call one after
-    another (`lax.map`; a vmapped frozen GEMM is a stack of layers or experts, each its
-    own weight), instead of Pallas's rule, which adds a grid axis that the TPU
-    interpreter does not take with the kernel's `dimension_semantics`."""
-    fn = jax.custom_batching.custom_vmap(call)
-
-    @fn.def_vmap
-    def _(axis_size, in_batched, *args):
-        del axis_size
-
-        def one(sliced):
-            it = iter(sliced)
-            return fn(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
-
-        return lax.map(one, [a for a, b in zip(args, in_batched, strict=True) if b]), True
-
-    return fn
-
-
 @functools.partial(jax.jit, static_argnames=("block", "n", "operand", "tiles", "interpret"))
 def frozen_matmul(
     x: Float[Array, "m k"],
@@ -317,7 +298,7 @@ def frozen_matmul(
         interpret=_INTERPRETERS[interpret],
         name="nvfp4_frozen_matmul_tpu",
     )
-    out = _one_problem_at_a_time(call)(xe, xo, codes, scale_bits)
+    out = one_problem_at_a_time(call)(xe, xo, codes, scale_bits)
     # out[q, t, r] is column 4r + q of the tile's rows.
     out = jnp.transpose(out, (1, 2, 0)).reshape(m_tiles * bm, n_tiles * bn)
     return out[:m, :n]

@@ -1,0 +1,29 @@
+"""How the Pallas TPU kernels are vmapped: one problem after another."""
+
+import jax
+from jax import lax
+
+
+def one_problem_at_a_time(call):
+    """`call` (a function of arrays) with a batching rule that runs the problems of a
+    vmapped call one after another (`lax.map` over the batched arguments; the others
+    are shared) instead of Pallas's rule. A vmapped kernel call here is a stack of
+    layers or experts, each problem large enough to fill the chip on its own; Pallas's
+    rule adds a grid axis, which Mosaic refuses for blocks in SMEM (the quantiser's
+    parameters: "the last two dimensions of your block shape are divisible by 8 and
+    128", seen on a TPU v5e) and the TPU interpreter does not take with the kernels'
+    `dimension_semantics`."""
+    fn = jax.custom_batching.custom_vmap(call)
+
+    @fn.def_vmap
+    def _(axis_size, in_batched, *args):
+        del axis_size
+
+        def one(sliced):
+            it = iter(sliced)
+            return fn(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
+
+        out = lax.map(one, [a for a, b in zip(args, in_batched, strict=True) if b])
+        return out, jax.tree.map(lambda _: True, out)
+
+    return fn
