@@ -80,6 +80,17 @@ FAILED_ON_H200 = pytest.mark.xfail(
     reason="failed on an H200, not yet diagnosed (see FAILED_ON_H200)",
     strict=False,
 )
+#: Failed on a TPU v5e (2026-12-05): 52-69 of 1,520 values of blocks with the smallest
+#: E4M3 scales came back as ±0 or one E2M1 step off. Likely XLA:TPU's `float4_e2m1fn`
+#: converts flush E2M1's subnormal (0.5) as its float32 ones do (its FP8 converts kept
+#: subnormals there: `benchmarks/subnormals.py`); not yet diagnosed on the device. The
+#: split is the operand layout of the block-scaled native GEMMs, which no TPU default
+#: picks.
+FAILED_ON_TPU = pytest.mark.xfail(
+    jax.default_backend() == "tpu",
+    reason="failed on a TPU v5e, not yet diagnosed (see FAILED_ON_TPU)",
+    strict=False,
+)
 
 
 # --- the choice ---
@@ -239,8 +250,8 @@ def test_native_fp8_gemm_keeps_non_finite_values_non_finite():
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param("nvfp4", marks=FAILED_ON_H200),
-        pytest.param("nvfp4_sr", marks=FAILED_ON_H200),
+        pytest.param("nvfp4", marks=[FAILED_ON_H200, FAILED_ON_TPU]),
+        pytest.param("nvfp4_sr", marks=[FAILED_ON_H200, FAILED_ON_TPU]),
         "mxfp8",
     ],
 )
