@@ -30,12 +30,15 @@ Operations:
   weight in registers inside the GEMM; `"mosaic"` (`_tpu_frozen_gemm`, Pallas TPU)
   decodes tiles of the packed codes and scales in VMEM and multiplies them on the MXU;
   both equal the reference up to float32 summation order. Callers ask
-  `frozen_gemm(...)`. `"mosaic"` is the default on TPUs (a frozen forward, W4A16 and
-  W4A4, reads only the packed weight; `benchmarks/tpu_frozen_check.py` measures it
-  there). `"pallas"` is opt-in (`use("frozen_gemm", "pallas")`): on an H200 it matched
-  the reference in every test case, but its speed against the XLA path is not
-  established yet (the one benchmark run timed both rows alike), so GPUs and CPUs
-  default to `"xla"`. Off their devices both kernels run interpreted (tests).
+  `frozen_gemm(...)`. Both are opt-in (`use("frozen_gemm", "mosaic")`, `"pallas"`):
+  `"mosaic"` (a frozen forward, W4A16 and W4A4, that reads only the packed weight)
+  lowers for a TPU and matches the reference in the TPU interpreter, but has not yet
+  been compiled on a TPU (the one device run, 2026-12-05, stopped before it at a
+  quantiser bug since fixed; `benchmarks/tpu_frozen_check.py` checks and times it
+  there); `"pallas"` matched the reference in every test case on an H200, but its
+  speed against the XLA path is not established yet (the one benchmark run timed both
+  rows alike). So every backend defaults to `"xla"` until a device run says otherwise.
+  Off their devices both kernels run interpreted (tests).
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
@@ -108,7 +111,6 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
 DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "gpu"): "pallas",
     ("nvfp4_quantize", "tpu"): "mosaic",
-    ("frozen_gemm", "tpu"): "mosaic",
 }
 #: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
 #: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas
