@@ -15,8 +15,11 @@
 #       and its arguments run after the tests (e.g. `-- benchmarks/bench_gpu.py --out
 #       $OUT/bench.md --only quantize`), killed after BENCH_SECONDS (default 300).
 #
-# Each chunk is sized to end well inside one 10-minute device command (measured on a
-# TPU v5e, 2026-12-05; the first start of a machine adds 1-2 minutes before this script).
+# Each chunk is sized to end well inside one 10-minute device command, from what was
+# measured on a TPU v5e (2026-12-04/05: chunks 1-2's files about 9 minutes together,
+# chunk 3's first six files 390 s, test_tpu_kernels 45 s; each test file's times are in
+# the JUnit file); the first start of a machine adds 1-2 minutes before this script,
+# the installs here 22 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
 # (JUnit: every test's outcome and time), $OUT/script.log.
 set -u
@@ -33,9 +36,10 @@ chunk_files() {
     1) echo tests/test_exactness.py tests/test_format.py tests/test_fp8_tables.py ;;
     2) echo tests/test_gemm_reference.py tests/test_gemm_sr.py tests/test_gemm_vmap.py \
         tests/test_unbiased_sr.py tests/test_gemm_jax.py ;;
-    3) echo tests/test_kernels.py tests/test_frozen_kernel.py tests/test_native_gemm.py \
-        tests/test_tied.py tests/test_requantize.py tests/test_telemetry.py ;;
-    4) echo tests/test_freeze.py ;;
+    3) echo tests/test_kernels.py tests/test_tpu_kernels.py tests/test_frozen_kernel.py \
+        tests/test_tpu_frozen_kernel.py tests/test_native_gemm.py tests/test_tied.py \
+        tests/test_requantize.py ;;
+    4) echo tests/test_freeze.py tests/test_telemetry.py ;;
     5) echo tests/test_moe.py tests/test_conv.py tests/test_any_model.py ;;
     6) echo tests/test_transform.py tests/test_hf.py ;;
     7) echo tests/test_save_load.py ;;
