@@ -12,9 +12,24 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._numerics import _ieee
-from .._numerics._constants import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
-from .._numerics._ieee import INF_BITS, abs_bits, from_bits, mul_normal, scale_down_149
-from .._numerics._nvfp4 import _inverse_exact
+from .._numerics._constants import (
+    BLOCK,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    INV_E2M1_MAX,
+    ROW_BLOCK,
+    TILE,
+)
+from .._numerics._ieee import (
+    INF_BITS,
+    abs_bits,
+    from_bits,
+    is_tiny_scale,
+    mul_normal,
+    scale_down_149,
+)
+from .._numerics._nvfp4 import _inverse_exact, amax_of_bits, tensor_scales
 
 #: E4M3 bit patterns of a block scale `>= 0` (NaN's, 0x7F, last).
 E4M3_CODES = 128
@@ -121,3 +136,33 @@ def inverse_table(s_dec: Float[Array, ""]) -> Float[Array, "256"]:
     scale_b = jnp.where(bits == E4M3_CODES - 1, jnp.nan, scale_b)  # (as the kernels')
     inv_b = _inverse_exact(scale_b, s_dec)
     return jnp.concatenate([inv_b, scale_down_149(inv_b)])
+
+
+#: The block layouts the quantiser kernels take: 1x16, 16x16 tiles, and 16x1 (down the
+#: columns).
+BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
+#: What a quantiser kernel's call writes: packed codes and scale bits (`to_nvfp4`),
+#: bfloat16 block values `e2m1 * scale_b` (the GEMM operand path), or the dequantised
+#: values in the input's dtype (`fake_quantize`).
+OUTPUTS = ("codes", "values", "dequantized")
+
+
+def tensor_parameters(x: Array, amax: Array | None, block, output: str):
+    """The quantiser kernels' shared prologue: checks a padded 2-D `x`'s `block` and
+    `output`, and gives `(s_dec, head)`: the tensor decode scale and the four float32
+    parameters every block step reads, `[s_enc / 6, that / 2^149, s_dec, tiny]`
+    (`tiny`: 1.0 where `s_dec` needs the exact tiny-scale path). `amax` None: the
+    tensor's own (`amax_of_bits`)."""
+    rows, cols = x.shape
+    br, bc = block
+    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
+        raise ValueError(
+            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
+            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
+        )
+    if amax is None:
+        amax = amax_of_bits(x)
+    s_enc, s_dec = tensor_scales(amax)
+    c = s_enc * INV_E2M1_MAX
+    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
+    return s_dec, jnp.stack([c, scale_down_149(c), s_dec, tiny])

@@ -45,19 +45,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
 
-from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, ROW_BLOCK, TILE
 from .._numerics._e2m1 import _fmix32
-from .._numerics._ieee import abs_bits, from_bits, is_tiny_scale, mul_normal, scale_down_149
-from .._numerics._nvfp4 import Block, Rounding, amax_of_bits, tensor_scales
+from .._numerics._ieee import abs_bits, from_bits, mul_normal
+from .._numerics._nvfp4 import Block, Rounding
 from . import _exact
 from ._exact import E4M3_CODES as _E4M3_CODES
 
-#: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
-BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
-#: What a call writes: packed codes and scale bits (`to_nvfp4`), bfloat16 block values
-#: `e2m1 * scale_b` (the GEMM operand path), or the dequantised values in the input's
-#: dtype (`fake_quantize`).
-OUTPUTS = ("codes", "values", "dequantized")
+#: The block layouts the kernel takes and what a call writes (`_exact`'s).
+BLOCKS_2D, OUTPUTS = _exact.BLOCKS_2D, _exact.OUTPUTS
 #: Slots of the float32 parameter vector (a power of two).
 _NPARAMS = 8
 
@@ -259,18 +255,8 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
     """`quantize_2d` with its tiling given (jitted: one trace per case)."""
     rows, cols = x.shape
     br, bc = block
-    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
-        raise ValueError(
-            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
-            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
-        )
-    if amax is None:
-        amax = amax_of_bits(x)
-    s_enc, s_dec = tensor_scales(amax)
-    c = s_enc * INV_E2M1_MAX
-    params = jnp.zeros((_NPARAMS,), jnp.float32)
-    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
-    params = params.at[:4].set(jnp.stack([c, scale_down_149(c), s_dec, tiny]))
+    s_dec, head = _exact.tensor_parameters(x, amax, block, output)
+    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)

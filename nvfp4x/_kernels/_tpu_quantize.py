@@ -60,24 +60,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
-from .._numerics._constants import BLOCK, FLT_MAX, GOLDEN_RATIO_32, INV_E2M1_MAX, ROW_BLOCK, TILE
+from .._numerics._constants import BLOCK, FLT_MAX, GOLDEN_RATIO_32, ROW_BLOCK, TILE
 from .._numerics._e2m1 import _fmix32
 from .._numerics._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
     from_bits,
-    is_tiny_scale,
     ldexp_normal,
     scale_down_149,
 )
-from .._numerics._nvfp4 import Block, Rounding, amax_of_bits, tensor_scales
+from .._numerics._nvfp4 import Block, Rounding
 from . import _exact
 from ._batching import one_problem_at_a_time
 
-#: The block layouts the kernel takes: 1x16, 16x16 tiles, and 16x1 (down the columns).
-BLOCKS_2D = (ROW_BLOCK, TILE, (BLOCK, 1))
-#: What a call writes (see `_pallas_nvfp4.OUTPUTS`).
-OUTPUTS = ("codes", "values", "dequantized")
+#: The block layouts the kernel takes and what a call writes (`_exact`'s).
+BLOCKS_2D, OUTPUTS = _exact.BLOCKS_2D, _exact.OUTPUTS
 #: Rows of a chunk: the lanes of a transposed 1x16 chunk, 8 sublanes of block maxima.
 CHUNK_ROWS = 128
 #: Codes packed per matmul (into half as many bytes: one MXU tile wide).
@@ -411,18 +408,8 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
     """`quantize_2d` with its tiling given (jitted: one trace per case)."""
     rows, cols = x.shape
     br, bc = block
-    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
-        raise ValueError(
-            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
-            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
-        )
-    if amax is None:
-        amax = amax_of_bits(x)
-    s_enc, s_dec = tensor_scales(amax)
-    c = s_enc * INV_E2M1_MAX
+    s_dec, head = _exact.tensor_parameters(x, amax, block, output)
     table = _exact.inverse_table(s_dec)
-    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
-    head = jnp.stack([c, scale_down_149(c), s_dec, tiny])
     params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
     params = params.at[4:12].set(table[_ONE : _ONE + 8])
     seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
