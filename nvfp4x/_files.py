@@ -96,10 +96,17 @@ def create_locked(path: str, content: bytes = b"") -> None:
     then linked into place, so that no other process ever sees it unlocked."""
     unique = _TEMPORARY.fullmatch(os.path.basename(path)) is not None  # (a random part)
     private = f"{path}~" if unique else f"{path}.{secrets.token_hex(4)}~"
-    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    while True:
+        fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if fcntl is None:
+            break
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:
+            break
+        # Removed between its creation and its lock by a cleaner that found it
+        # unlocked (`writer_gone`, as for a writer killed there): made again.
+        os.close(fd)
     try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, content)
         os.link(private, path)
     except BaseException:
@@ -154,8 +161,8 @@ def writer_gone(path: str, lock: str | None = None) -> bool:
         return False
     if age > STALE_AFTER_S:
         return True
-    if path.endswith("~"):  # a lock file killed before it was linked: its age only
-        return False
+    if path.endswith("~"):  # a lock file not yet linked: locked by its writer, if alive
+        return _lock_free(path)
     return _lock_free(lock)
 
 
