@@ -150,6 +150,28 @@ def assert_bits(got, want, what: str) -> None:
     )
 
 
+def assert_bits_bf16_flush(got, want, what: str, flush: bool) -> None:
+    """`assert_bits`, except that with `flush` (on a TPU: `bf16_arrays_flush()`) a value
+    whose bfloat16 is subnormal may come out as the zero of its sign, and only so: a TPU
+    reads and writes a bfloat16 array's subnormals as ±0 in every operation."""
+    got, want = np.asarray(got), np.asarray(want)
+    if flush:
+        w = want.astype(F32)
+        tiny = (np.abs(w) < F32(2.0**-126)) & (w != 0)
+        zero = got.astype(F32) == 0
+        flushed = tiny & zero & (np.signbit(got.astype(F32)) == np.signbit(w))
+        got = np.where(flushed, want, got)
+    assert_bits(got, want, what)
+
+
+def bf16_arrays_flush() -> bool:
+    """Whether this backend reads and writes bfloat16 arrays' subnormals as ±0 (a TPU:
+    measured on a v5e, 2026-12-05, even through a bitcast; see docs/format.md)."""
+    import jax
+
+    return jax.default_backend() == "tpu"
+
+
 class MXRef(NamedTuple):
     data: np.ndarray  # float8_e4m3fn elements, padded shape
     scales: np.ndarray  # float32 power-of-two block scales

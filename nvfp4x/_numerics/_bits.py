@@ -28,17 +28,20 @@ def _f32(u: Array) -> Float[Array, "*s"]:
 
 def widen(x: Array) -> Float[Array, "*s"]:
     """A float array as float32: bfloat16 and float16 on the bits (their subnormals
-    kept, where a `convert` on a TPU may read them as 0), float32 as it is, anything
+    kept where the backend's `convert` may read them as 0), float32 as it is, anything
     else by a cast. bfloat16 is float32's top half; a float16 `s e m` is rebuilt with
     float32's exponent bias, a subnormal one as `m * 2^-24` (a product of normal
-    float32 values, exact)."""
+    float32 values, exact).
+
+    On a TPU a bfloat16 array's subnormals read as ±0 whatever reads them: a bitcast to
+    uint16 gives the flushed bits there (v5e, 2026-12-05: `bitcast`, this shift behind an
+    optimisation barrier, and bitcasts of pairs to uint32 all flushed; the array itself
+    crossed `device_put` intact). Nothing in a program can see them; the docs' format
+    page says so."""
     x = jnp.asarray(x)
     if x.dtype == jnp.bfloat16:
         u = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-        # The barrier keeps XLA from seeing `bitcast(u << 16)` as the `convert` it equals
-        # (on a TPU v5e, 2026-12-05, this function without it flushed bfloat16
-        # subnormals as `convert` does: `benchmarks/subnormals.py`); not yet re-run there.
-        return _f32(lax.optimization_barrier(u << 16))
+        return _f32(u << 16)
     if x.dtype != jnp.float16:
         return x.astype(jnp.float32)
     u = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
