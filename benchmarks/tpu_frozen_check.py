@@ -213,7 +213,10 @@ def run(args) -> Rows:
 
 
 def sweep(rows: Rows, fz, args) -> None:
-    """The kernel alone over the stacked layers (bfloat16 activations), per tile."""
+    """The kernel alone over the stacked layers (bfloat16 activations, each layer's
+    output the next one's input), per tile and, where the tile allows both, per layout
+    (`frozen_matmul`'s `layout`: the "planes" layout's strided copies of the activations
+    and the output are part of its cost)."""
     w = fz.weight.packed
     d = args.d
     for bucket, candidates in _tpu_frozen_gemm.SWEEP_TILES.items():
@@ -221,29 +224,32 @@ def sweep(rows: Rows, fz, args) -> None:
         x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
         times = {}
         for tiles in candidates:
-            try:
-                mm = functools.partial(
-                    _tpu_frozen_gemm.frozen_matmul,
-                    block=tuple(w.block),
-                    n=d,
-                    operand="bfloat16",
-                    tiles=tiles,
-                    interpret=jax.default_backend() != "tpu",
-                )
-                body = lambda c, cs, mm=mm, x=x: (c, mm(x, cs[0], cs[1]).sum())
-                f = jax.jit(lambda c, s, body=body: jax.lax.scan(body, 0.0, (c, s))[1])
-                jax.block_until_ready(f(w.codes, w.scale_bits))
-                times[tiles] = interleaved(
-                    {"k": functools.partial(f, w.codes, w.scale_bits)}, args.repeats
-                )["k"]
-            except Exception as e:  # noqa: BLE001
-                error(rows, f"sweep {tuple(tiles)}, {tokens} tokens", e)
+            wide = tiles.tokens % 128 == 0 and tokens >= 128
+            for layout in ("planes", "wide") if wide else ("planes",):
+                try:
+                    mm = functools.partial(
+                        _tpu_frozen_gemm.frozen_matmul,
+                        block=tuple(w.block),
+                        n=d,
+                        operand="bfloat16",
+                        tiles=tiles,
+                        interpret=jax.default_backend() != "tpu",
+                        layout=layout,
+                    )
+                    body = lambda h, cs, mm=mm: (mm(h, cs[0], cs[1]).astype(h.dtype), None)
+                    f = jax.jit(lambda h, c, s, body=body: jax.lax.scan(body, h, (c, s))[0])
+                    jax.block_until_ready(f(x, w.codes, w.scale_bits))
+                    times[tiles, layout] = interleaved(
+                        {"k": functools.partial(f, x, w.codes, w.scale_bits)}, args.repeats
+                    )["k"]
+                except Exception as e:  # noqa: BLE001
+                    error(rows, f"sweep {tuple(tiles)} {layout}, {tokens} tokens", e)
         best = min(times, key=times.__getitem__) if times else None
         nbytes = packed_bytes(fz)
-        for tiles, secs in times.items():
-            mark = " **best**" if tiles == best else ""
+        for (tiles, layout), secs in times.items():
+            mark = " **best**" if (tiles, layout) == best else ""
             rows.add(
-                f"sweep tiles {tuple(tiles)} (tokens, features, depth), {tokens} tokens",
+                f"sweep tiles {tuple(tiles)} (tokens, features, depth) {layout}, {tokens} tokens",
                 f"{secs * 1e3:.3f} ms",
                 f"{nbytes / secs / 1e9:,.0f} GB/s packed{mark}",
             )

@@ -306,7 +306,19 @@ def _straight_through(
     xp = pad_to_blocks(float64_to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
-        y = cast(Array, kernel("dequantized").values)  # asked for: not None
+        q = kernel("dequantized")
+        y = cast(Array, q.values)  # asked for: not None
+        if _kernels.pick("nvfp4_quantize") == "mosaic":
+            # On a TPU v5e (2026-12-05) the Mosaic kernel gave 0 for every dequantised
+            # value of a tensor whose decode scale is subnormal (amax below about
+            # 3e-35; codes and scales right, a tiny but normal scale right), where
+            # the XLA path gave IEEE's subnormals: such tensors take the XLA path.
+            subnormal = q.tensor_scale < np.float32(2.0**-126)
+            y = jax.lax.cond(
+                subnormal,
+                lambda: fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding),
+                lambda: y,
+            )
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)
     index = (...,) + tuple(slice(0, n) for n in (x.shape[-2:] if is_tile(block) else x.shape[-1:]))

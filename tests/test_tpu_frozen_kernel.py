@@ -65,6 +65,9 @@ CASES = {
         "bfloat16",
         Tiles(16, 512, 2048),
     ),
+    # the many-token layout (interleaves in VMEM): two tiles of 128 tokens, two of
+    # features, 16x16 tiles, three bfloat16 parts
+    "16x16_130_tokens_float32_wide": ((16, 16), 130, 520, 100, "float32", Tiles(128, 512, 2048)),
 }
 
 

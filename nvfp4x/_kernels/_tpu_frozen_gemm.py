@@ -86,13 +86,14 @@ class Tiles(NamedTuple):
 
 #: Tiles by token count: `(most tokens, tiles)`, the first that fits; `None`: any.
 #: From `benchmarks/tpu_frozen_check.py --sweep` on a TPU v5e (2026-12-05, 8 layers
-#: 8192x8192, bfloat16 activations): at 16 tokens (16, 2048, 4096) was the fastest of
-#: seven (2.28 ms; the slowest 2.43 ms); at 4096 tokens (2048, 1024, 2048) was 1% faster
-#: than (1024, 2048, 2048), kept for its smaller VMEM with float32 activations. The
-#: 256-token entry was not swept.
+#: 8192x8192, bfloat16 activations, each layer's output the next one's input): at 16
+#: tokens the seven tiles were within 2.28-2.67 ms over two runs, (16, 2048, 4096) among
+#: the fastest in both; at 256 tokens (256, 2048, 2048) "wide" was fastest (3.27 ms;
+#: "planes" 5.07 ms); at 4096 tokens (1024, 2048, 2048) "wide" (29.4 ms; "planes" 62.0
+#: ms, bf16 weights 25.2 ms).
 DEFAULT_TILES: tuple[tuple[int | None, Tiles], ...] = (
     (16, Tiles(16, 2048, 4096)),
-    (256, Tiles(256, 1024, 2048)),
+    (256, Tiles(256, 2048, 2048)),
     (None, Tiles(1024, 2048, 2048)),
 )
 
@@ -106,6 +107,12 @@ SWEEP_TILES: dict[int, tuple[Tiles, ...]] = {
         Tiles(16, 1024, 4096),
         Tiles(16, 2048, 4096),
         Tiles(16, 4096, 2048),
+    ),
+    256: (
+        Tiles(128, 1024, 2048),
+        Tiles(256, 1024, 2048),
+        Tiles(256, 2048, 2048),
+        Tiles(256, 1024, 4096),
     ),
     4096: (
         Tiles(256, 1024, 2048),
@@ -123,6 +130,7 @@ SWEEP_TILES: dict[int, tuple[Tiles, ...]] = {
 _TABLE = sum(int(2 * v) << (4 * c) for c, v in enumerate(E2M1_VALUES))
 _TABLE_I32 = _TABLE - (1 << 32) if _TABLE >= 1 << 31 else _TABLE
 _SIGN = -(1 << 31)  # int32 with only bit 31 set
+_LANES = 128
 
 #: `frozen_matmul`'s `interpret` values: what `pallas_call` is given for each.
 _INTERPRETERS = {
@@ -211,15 +219,68 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
         out_ref[q] += part
 
 
-def _vmem_bytes(parts: int, tiles: Tiles) -> int:
-    """A bound on the kernel's VMEM: double-buffered blocks and the step's temporaries."""
+def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref, *, parts, tail):
+    """One step of the many-token layout: each plane pair (byte `q`, low and high
+    nibble) interleaved back along the contraction in VMEM (strided sublane stores into
+    `wt_ref`, `(features/512, depth, 128)`), so that the activations' tile enters one
+    dot as it is; the planes' products added into `acc_ref` `(4, tokens, features/4)`,
+    interleaved back along the features at the last step (a transpose per 128 tokens and
+    plane, strided sublane stores into `ot_ref` `(features, 128)`, a transpose back)."""
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    _, bm, bk = x_ref.shape
+    half = bk // 2
+    words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
+    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    quarter = words.shape[1]
+    valid = None
+    if tail is not None:  # bytes past the codes' end are garbage: masked
+        byte = kk * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
+        valid = byte < tail
+    x = x_ref[...].reshape(parts * bm, bk)
+    for q in range(4):
+        s = half_scales((swords >> (8 * q)) & 0xFF)  # (depth/16, features/4)
+        s = jnp.broadcast_to(s[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
+        for h in range(2):
+            w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
+            if valid is not None:
+                w = jnp.where(valid, w, 0.0)
+            for g in range(quarter // _LANES):
+                wt_ref[g, pl.ds(h, half, stride=2), :] = w[:, g * _LANES : (g + 1) * _LANES]
+        for g in range(quarter // _LANES):
+            wq = wt_ref[g].astype(jnp.bfloat16)  # (depth, 128): rows in contraction order
+            d = jnp.dot(x, wq, preferred_element_type=jnp.float32)
+            part = d[:bm]
+            for p in range(1, parts):
+                part = part + d[p * bm : (p + 1) * bm]
+            acc_ref[q, :, g * _LANES : (g + 1) * _LANES] += part
+
+    @pl.when(kk == pl.num_programs(2) - 1)
+    def _():
+        for c in range(bm // _LANES):
+            rows = slice(c * _LANES, (c + 1) * _LANES)
+            for q in range(4):
+                ot_ref[pl.ds(q, quarter, stride=4), :] = acc_ref[q, rows, :].T
+            out_ref[rows, :] = ot_ref[...].T
+
+
+def _vmem_bytes(parts: int, tiles: Tiles, wide: bool = False) -> int:
+    """A bound on the kernel's VMEM: double-buffered blocks, scratch (the many-token
+    layout's) and the step's temporaries."""
     bm, bn, bk = tiles
     blocks = 2 * (2 * parts * bm * (bk // 2) * 2 + bn * bk // 2 + bn * bk // 16 + bm * bn * 4)
     temps = 4 * (bk // 2) * (bn // 4) * 4 + 3 * parts * bm * (bn // 4) * 4
-    return blocks + temps
+    scratch = (bm * bn + bk * bn // 4 + bn * _LANES) * 4 if wide else 0
+    return blocks + temps + scratch
 
 
-@functools.partial(jax.jit, static_argnames=("block", "n", "operand", "tiles", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("block", "n", "operand", "tiles", "interpret", "layout")
+)
 def frozen_matmul(
     x: Float[Array, "m k"],
     codes: UInt8[Array, "rows k2"],
@@ -230,6 +291,7 @@ def frozen_matmul(
     operand: str,
     tiles: Tiles | None = None,
     interpret: bool | str = False,
+    layout: str | None = None,
 ) -> Float[Array, "m n"]:
     """`x @ W.T` in float32 for the NVFP4 weight `W` `(n, k)` held as `codes` and
     `scale_bits` (an `NVFP4Array`'s fields, padded layout), without its tensor scale.
@@ -247,6 +309,11 @@ def frozen_matmul(
       array's end give NaN there, as garbage would on a TPU); `"plain"`: in Pallas's
       generic interpreter, which runs inside nvfp4x's primitives under `lax.scan` (their
       lowering has no token for the TPU interpreter's ordered callbacks).
+    - `layout`: `"planes"` (the activations' even and odd columns apart, the output
+      interleaved after the call: cheap at a few tokens) or `"wide"` (both interleaves
+      in VMEM: at many tokens XLA's strided copies of the activations and the output
+      cost more than the kernel); by default `"wide"` where the tile's tokens are a
+      multiple of 128 and there are at least 128 tokens.
 
     **Returns:** `(m, n)` float32, `scaled_dot`'s product before its scales, up to
     float32 summation order.
@@ -256,7 +323,15 @@ def frozen_matmul(
     check_packed(codes, scale_bits, block=block, n=n, k=k, operand=operand)
     tiles = default_tiles(m) if tiles is None else tiles
     check_tiles(tiles)
-    bm = min(tiles.tokens, -(-m // TOKENS_STEP) * TOKENS_STEP)
+    if layout is None:
+        layout = "wide" if tiles.tokens % _LANES == 0 and m >= _LANES else "planes"
+    if layout not in ("planes", "wide") or (layout == "wide" and tiles.tokens % _LANES):
+        raise ValueError(
+            f"`layout={layout!r}` with tiles {tiles}: `layout` is 'planes' or 'wide' "
+            f"(tiles' tokens a multiple of {_LANES})."
+        )
+    step = _LANES if layout == "wide" else TOKENS_STEP
+    bm = min(tiles.tokens, -(-m // step) * step)
     bn, bk = tiles.features, tiles.depth
     if block == TILE:  # one scale row per weight row (see the module docstring)
         scale_bits = jnp.repeat(scale_bits, BLOCK, axis=0)
@@ -271,34 +346,52 @@ def frozen_matmul(
     n_tiles, k_tiles, m_tiles = pl.cdiv(codes.shape[0], bn), pl.cdiv(width, bk // 2), pl.cdiv(m, bm)
     tail = width if width % (bk // 2) and width > bk // 2 else None
 
-    # The activations: zero-padded to whole tiles, even and odd columns apart, float32
-    # ones as three exact bfloat16 parts (a leading axis of parts).
+    # The activations: zero-padded to whole tiles, float32 ones as three exact bfloat16
+    # parts (a leading axis of parts); for "planes", even and odd columns apart.
     xp = jnp.pad(x, ((0, m_tiles * bm - m), (0, k_tiles * bk - k)))
     if operand == "float32":
         stacked = jnp.stack(_split3(xp.astype(jnp.float32)))
     else:
         stacked = xp.astype(jnp.bfloat16)[None]
     parts = stacked.shape[0]
-    xe, xo = stacked[:, :, 0::2], stacked[:, :, 1::2]
+    codes_spec = pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk))
+    scales_spec = pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk))
+    wide = layout == "wide"
+    limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk), wide)), 100 << 20)
+    params = pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=limit
+    )
+    if wide:
+        call = pl.pallas_call(
+            functools.partial(_kernel_wide, parts=parts, tail=tail),
+            out_shape=jax.ShapeDtypeStruct((m_tiles * bm, n_tiles * bn), jnp.float32),
+            grid=(m_tiles, n_tiles, k_tiles),
+            in_specs=[
+                pl.BlockSpec((parts, bm, bk), lambda i, j, kk: (0, i, kk)),
+                codes_spec,
+                scales_spec,
+            ],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+            scratch_shapes=[
+                pltpu.VMEM((bn // 4 // _LANES, bk, _LANES), jnp.float32),
+                pltpu.VMEM((4, bm, bn // 4), jnp.float32),
+                pltpu.VMEM((bn, _LANES), jnp.float32),
+            ],
+            compiler_params=params,
+            interpret=_INTERPRETERS[interpret],
+            name="nvfp4_frozen_matmul_tpu_wide",
+        )
+        return one_problem_at_a_time(call)(stacked, codes, scale_bits)[:m, :n]
 
+    xe, xo = stacked[:, :, 0::2], stacked[:, :, 1::2]
     x_spec = pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))
-    kernel = functools.partial(_kernel, parts=parts, tail=tail)
-    limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk))), 100 << 20)
     call = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, parts=parts, tail=tail),
         out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, n_tiles * bn // 4), jnp.float32),
         grid=(m_tiles, n_tiles, k_tiles),
-        in_specs=[
-            x_spec,
-            x_spec,
-            pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk)),
-            pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk)),
-        ],
+        in_specs=[x_spec, x_spec, codes_spec, scales_spec],
         out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=limit,
-        ),
+        compiler_params=params,
         interpret=_INTERPRETERS[interpret],
         name="nvfp4_frozen_matmul_tpu",
     )
