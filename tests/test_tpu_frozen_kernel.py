@@ -159,8 +159,8 @@ def test_frozen_layer_w4a4_eager(kernel_calls):
     check_close(got, want, xv, w.operand()[0], 100, scale=xs * w.tensor_scale)
 
 
-def test_opt_in_until_run_on_a_tpu():
-    assert _kernels.pick("frozen_gemm", "tpu") == "xla"  # opt-in: see `_kernels`
+def test_default_on_tpus_only():
+    assert _kernels.pick("frozen_gemm", "tpu") == "mosaic"  # measured there: `_kernels`
     assert _kernels.pick("frozen_gemm", "cpu") == "xla"
     assert _kernels.pick("frozen_gemm", "gpu") == "xla"
     codes, scale_bits = jnp.zeros((32, 32), jnp.uint8), jnp.zeros((32, 4), jnp.uint8)
