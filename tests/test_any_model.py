@@ -64,7 +64,10 @@ def test_direct_weight_reads_are_quantised_and_equal_the_called_layers():
     loss_called = lambda m: jnp.sum(m.called(x) ** 2)
     assert n_qdot(jax.grad(loss), qmodel) == 4
     np.testing.assert_array_equal(qmodel(x), qmodel.called(x))
-    g1, g2 = eqx.filter_grad(loss)(qmodel), eqx.filter_grad(loss_called)(qmodel)
+    # (jitted: eagerly every primitive of both backward passes compiles on its own;
+    # eager equals jit is `test_gemm_jax.py`'s)
+    g1 = eqx.filter_jit(eqx.filter_grad(loss))(qmodel)
+    g2 = eqx.filter_jit(eqx.filter_grad(loss_called))(qmodel)
     for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2), strict=True):
         np.testing.assert_array_equal(a, b)
     # jit gives the same bits.
@@ -189,7 +192,7 @@ def test_weight_norm_quantises_the_effective_weight():
     x = x_()
     assert isinstance(qlayer, eqx.nn.WeightNorm)
     assert n_qdot(jax.vmap(qlayer), x) == 1
-    g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(qlayer)
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2)))(qlayer)
     assert np.all(np.isfinite(g.layer.weight.array)) and np.all(np.isfinite(g.g))
     # The GEMM's weight is v * g / ||v||: the same product as a QuantizedLinear holding it.
     v = layer.layer.weight
@@ -277,7 +280,7 @@ def test_custom_vjp_inside_runs_and_warns_for_a_weight():
     qmodel = nvfp4x.quantize(M(eqx.nn.Linear(D, D, key=jax.random.key(0))), TRAIN)
     x = x_()
     assert n_qdot(qmodel, x) == 1
-    g = eqx.filter_grad(lambda m: jnp.sum(m(x)))(qmodel)
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x))))(qmodel)
     assert np.all(np.isfinite(g.lin.weight.array))
 
     @jax.custom_vjp
@@ -337,7 +340,8 @@ def test_tied_weights_through_shared():
     table = nvfp4x.summary(qmodel)
     assert "shared.pytree[1]" in table and "nvfp4 16x16" in table
     # The embedding lookup reads the master values; the head's GEMM is quantised.
-    g = eqx.filter_grad(lambda m: jnp.sum(m(tokens) ** 2))(nvfp4x.telemetry.enable(qmodel))
+    grad = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(tokens) ** 2)))
+    g = grad(nvfp4x.telemetry.enable(qmodel))
     stats = nvfp4x.telemetry.collect(g)
     assert (
         list(stats) == ["shared.pytree[1]"]
@@ -385,7 +389,7 @@ def test_spectral_norm_trains_and_freezes():
     report = nvfp4x.coverage(run, qlayer, state)
     assert not report.unquantised
     assert {r.pass_ for r in report.rows if not r.quantised} == {"normaliser"}
-    g = eqx.filter_grad(lambda m: jnp.sum(run(m, state)[0] ** 2))(qlayer)
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(run(m, state)[0] ** 2)))(qlayer)
     assert np.all(np.isfinite(g.layer.weight.array))
     # Frozen, the weight keeps its master for σ: the same numbers (tests/test_freeze.py).
     y_frozen, _ = run(nvfp4x.freeze(qlayer), state)
@@ -408,7 +412,7 @@ def test_telemetry_warns_for_a_layer_never_reached():
     model = DirectReads(jax.random.key(0))
     qmodel = nvfp4x.telemetry.enable(nvfp4x.quantize(model, TRAIN))
     x = x_()
-    g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m.c_q)(x) ** 2))(qmodel)
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m.c_q)(x) ** 2)))(qmodel)
     with pytest.warns(UserWarning) as caught:
         stats = nvfp4x.telemetry.collect(g)
     unreached = sorted(str(w.message).split("`")[1] for w in caught)
@@ -566,7 +570,7 @@ def test_other_convolutions_run_quantised(make, shape):
     # NVFP4 error, not a different computation: about 10-20 dB of SQNR at 4 bits.
     sqnr = 10 * np.log10(np.sum(np.square(ref)) / np.sum(np.square(y - ref)))
     assert sqnr > 10, sqnr
-    g = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(qconv)
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2)))(qconv)
     assert np.all(np.isfinite(g.weight.array))
 
 
