@@ -183,40 +183,52 @@ def double_e2m1(words: Array, shift: int) -> Float[Array, "*s"]:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _planes(codes_ref, scales_ref, tail):
+    """This step's 8 planes of exact block values, `(q, h, plane)`: `plane` `(depth/2,
+    features/4)` float32 holds the nibble `h` (0: low, the even columns; 1: high, the
+    odd ones) of byte `q` of each word (weight rows `4r + q`). `tail`: the codes' bytes
+    per row when the last step overhangs them (bytes past it are garbage: zeroed)."""
+    words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
+    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    half, quarter = words.shape
+    valid = None
+    if tail is not None:
+        byte = pl.program_id(2) * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
+        valid = byte < tail
+    for q in range(4):
+        s = half_scales((swords >> (8 * q)) & 0xFF)  # (depth/16, features/4)
+        s = jnp.broadcast_to(s[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
+        for h in range(2):
+            w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
+            yield q, h, w if valid is None else jnp.where(valid, w, 0.0)
+
+
+def _sum_parts(d: Array, bm: int, parts: int) -> Array:
+    """The `parts` stacked row blocks of `d` (the bfloat16 parts of the activations)
+    added up."""
+    part = d[:bm]
+    for p in range(1, parts):
+        part = part + d[p * bm : (p + 1) * bm]
+    return part
+
+
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
     """One step: the `(depth/2, features/4)` planes of this tile's codes times the
     activations' even and odd columns, added into the `(4, tokens, features/4)` output
-    block. `tail`: the codes' bytes per row when the last step overhangs them."""
-    kk = pl.program_id(2)
+    block."""
 
-    @pl.when(kk == 0)
+    @pl.when(pl.program_id(2) == 0)
     def _():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
     _, bm, half = xe_ref.shape
-    words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
-    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
-    quarter = words.shape[1]
-    valid = None
-    if tail is not None:  # bytes past the codes' end are garbage: masked
-        byte = kk * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
-        valid = byte < tail
     xs = (xe_ref[...].reshape(parts * bm, half), xo_ref[...].reshape(parts * bm, half))
-    for q in range(4):
-        s = half_scales((swords >> (8 * q)) & 0xFF)  # (depth/16, features/4)
-        s = jnp.broadcast_to(s[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
-        acc = None
-        for h, x in enumerate(xs):
-            w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
-            if valid is not None:
-                w = jnp.where(valid, w, 0.0)
-            d = jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-            acc = d if acc is None else acc + d
-        assert acc is not None
-        part = acc[:bm]
-        for p in range(1, parts):
-            part = part + acc[p * bm : (p + 1) * bm]
-        out_ref[q] += part
+    acc = jnp.zeros((), jnp.float32)
+    for q, h, w in _planes(codes_ref, scales_ref, tail):
+        d = jnp.dot(xs[h], w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        acc = d if h == 0 else acc + d
+        if h == 1:
+            out_ref[q] += _sum_parts(acc, bm, parts)
 
 
 def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref, *, parts, tail):
@@ -233,31 +245,18 @@ def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref,
         acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
     _, bm, bk = x_ref.shape
-    half = bk // 2
-    words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
-    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
-    quarter = words.shape[1]
-    valid = None
-    if tail is not None:  # bytes past the codes' end are garbage: masked
-        byte = kk * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
-        valid = byte < tail
+    half, quarter = bk // 2, acc_ref.shape[2]
     x = x_ref[...].reshape(parts * bm, bk)
-    for q in range(4):
-        s = half_scales((swords >> (8 * q)) & 0xFF)  # (depth/16, features/4)
-        s = jnp.broadcast_to(s[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
-        for h in range(2):
-            w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
-            if valid is not None:
-                w = jnp.where(valid, w, 0.0)
-            for g in range(quarter // _LANES):
-                wt_ref[g, pl.ds(h, half, stride=2), :] = w[:, g * _LANES : (g + 1) * _LANES]
-        for g in range(quarter // _LANES):
+    for q, h, w in _planes(codes_ref, scales_ref, tail):
+        groups = quarter // _LANES
+        for g in range(groups):
+            wt_ref[g, pl.ds(h, half, stride=2), :] = w[:, g * _LANES : (g + 1) * _LANES]
+        if h == 0:
+            continue
+        for g in range(groups):
             wq = wt_ref[g].astype(jnp.bfloat16)  # (depth, 128): rows in contraction order
             d = jnp.dot(x, wq, preferred_element_type=jnp.float32)
-            part = d[:bm]
-            for p in range(1, parts):
-                part = part + d[p * bm : (p + 1) * bm]
-            acc_ref[q, :, g * _LANES : (g + 1) * _LANES] += part
+            acc_ref[q, :, g * _LANES : (g + 1) * _LANES] += _sum_parts(d, bm, parts)
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
