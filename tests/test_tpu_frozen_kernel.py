@@ -226,3 +226,17 @@ def test_device_check_smoke(tmp_path):
     assert values["check W4A4 float32 activations, 1 tokens"] == "ok"
     assert "**error**" not in values.values()
     assert "| W4A4 float32 activations (mosaic), 1 tokens |" in out.read_text()
+
+
+def test_tiles_fit_the_vmem_budget():
+    """Float32 activations (three bfloat16 parts) at the default many-token tile would
+    bound 83.5 MiB of VMEM: a program takes 512 tokens (grid 8 x 4 x 4 for 4096 x 8192
+    by 8192), bfloat16 ones keep 1024 (grid 4 x 4 x 4)."""
+    shapes = ((8192, 4096), jnp.uint8), ((8192, 512), jnp.uint8)
+    weight = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    for operand, grid in (("float32", "(8, 4, 4)"), ("bfloat16", "(4, 4, 4)")):
+        x = jax.ShapeDtypeStruct((4096, 8192), getattr(jnp, operand))
+        mm = functools.partial(
+            _tpu_frozen_gemm.frozen_matmul, block=(1, 16), n=8192, operand=operand
+        )
+        assert f"grid={grid}" in str(jax.make_jaxpr(mm)(x, *weight)), operand

@@ -73,6 +73,12 @@ FEATURES_STEP = 512
 DEPTH_STEP = 2048
 #: Tokens are padded to a multiple of this (a bfloat16 vreg's sublanes).
 TOKENS_STEP = 16
+#: The most VMEM (`_vmem_bytes`' bound) a call's tiles may take: a tile's tokens are
+#: halved until it fits. The default many-token tile with bfloat16 activations,
+#: (1024, 2048, 2048) "wide", bounds 55.5 MiB and ran on a TPU v5e (128 MiB of VMEM; the
+#: sweep's (2048, 2048, 2048), 94 MiB, compiled too); float32 activations (three parts)
+#: at 1024 tokens would bound 83.5 MiB and have not run there: they take 512.
+VMEM_BUDGET = 64 << 20
 
 
 class Tiles(NamedTuple):
@@ -303,7 +309,8 @@ def frozen_matmul(
       for 16x16 tiles).
     - `block`: `(1, 16)` or `(16, 16)`; `n`: the weight's rows.
     - `operand`: `"bfloat16"` or `"float32"` (see the module docstring).
-    - `tiles`: a `Tiles`, by default `default_tiles(m)`.
+    - `tiles`: a `Tiles`, by default `default_tiles(m)`; its tokens are halved while the
+      call's VMEM bound passes `VMEM_BUDGET`.
     - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
       array's end give NaN there, as garbage would on a TPU); `"plain"`: in Pallas's
       generic interpreter, which runs inside nvfp4x's primitives under `lax.scan` (their
@@ -332,6 +339,10 @@ def frozen_matmul(
     step = _LANES if layout == "wide" else TOKENS_STEP
     bm = min(tiles.tokens, -(-m // step) * step)
     bn, bk = tiles.features, tiles.depth
+    parts = 3 if operand == "float32" else 1
+    wide = layout == "wide"
+    while bm > step and _vmem_bytes(parts, Tiles(bm, bn, bk), wide) > VMEM_BUDGET:
+        bm = max(step, bm // 2 // step * step)  # (float32 activations: three parts)
     if block == TILE:  # one scale row per weight row (see the module docstring)
         scale_bits = jnp.repeat(scale_bits, BLOCK, axis=0)
     rows, width = codes.shape
@@ -352,10 +363,9 @@ def frozen_matmul(
         stacked = jnp.stack(_split3(xp.astype(jnp.float32)))
     else:
         stacked = xp.astype(jnp.bfloat16)[None]
-    parts = stacked.shape[0]
+    assert stacked.shape[0] == parts
     codes_spec = pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk))
     scales_spec = pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk))
-    wide = layout == "wide"
     limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk), wide)), 100 << 20)
     params = pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=limit
