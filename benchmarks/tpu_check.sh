@@ -16,10 +16,10 @@
 #       $OUT/bench.md --only quantize`), killed after BENCH_SECONDS (default 300).
 #
 # Each chunk is sized to end well inside one 10-minute device command, from what was
-# measured on a TPU v5e (2026-12-04/05: chunks 1-2's files about 9 minutes together,
-# chunk 3's first six files 390 s, test_tpu_kernels 45 s; each test file's times are in
-# the JUnit file); the first start of a machine adds 1-2 minutes before this script,
-# the installs here 22 s.
+# measured on a TPU v5e (2026-12-05: chunk 1 187 s, chunk 2 334 s, chunk 3's first six
+# files 390 s, test_tpu_kernels 45 s, test_tpu_frozen_kernel 118 s; each test file's
+# times are in the JUnit file); the first start of a machine adds 1-2 minutes before
+# this script, the installs here 22 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
 # (JUnit: every test's outcome and time), $OUT/script.log.
 set -u
