@@ -37,12 +37,11 @@ chunk_files() {
     2) echo tests/test_gemm_reference.py tests/test_gemm_sr.py tests/test_gemm_vmap.py \
         tests/test_unbiased_sr.py tests/test_gemm_jax.py ;;
     3) echo tests/test_kernels.py tests/test_tpu_kernels.py tests/test_frozen_kernel.py \
-        tests/test_tpu_frozen_kernel.py tests/test_native_gemm.py tests/test_tied.py \
-        tests/test_requantize.py ;;
+        tests/test_tpu_frozen_kernel.py tests/test_native_gemm.py tests/test_tied.py ;;
     4) echo tests/test_freeze.py tests/test_telemetry.py ;;
     5) echo tests/test_moe.py tests/test_conv.py tests/test_any_model.py ;;
     6) echo tests/test_transform.py tests/test_hf.py ;;
-    7) echo tests/test_save_load.py ;;
+    7) echo tests/test_save_load.py tests/test_requantize.py ;;
     *) return 1 ;;
     esac
 }
