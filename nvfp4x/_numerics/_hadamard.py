@@ -63,19 +63,36 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
     # Chunks of 16 rows times H: one small batched matrix product, no transposes.
     chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, math.prod(x.shape[1:]))
-    chunks, masks = _scaled_into_range(chunks)
+    # Where no chunk column is big (or non-finite) or tiny but not zero, the scalings
+    # below leave every value as it is: the product alone, skipping their work (one
+    # `cond` on that path, as the other has one for `near_max`).
+    amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
+    special = (amax_bits >= _BIG_BITS) | ((amax_bits < _TINY_BITS) & (amax_bits > 0))
+    y = jax.lax.cond(jnp.any(special), _guarded, _plain, chunks).reshape(x.shape)
+    return jnp.moveaxis(y, 0, axis)
+
+
+# Branches of `lax.cond`: module-level functions (`cond` caches traced branches by identity).
+
+
+def _plain(chunks: Array) -> Array:
+    """`H` times each chunk (no column big, non-finite or tiny but nonzero: an all-zero
+    column's results are the same signed zeros `_guarded`'s scalings give)."""
     h = jnp.asarray(hadamard_matrix())
-    y = jnp.einsum("ij,cjm->cim", h, chunks, precision="highest")
+    return jnp.einsum("ij,cjm->cim", h, chunks, precision="highest")
+
+
+def _guarded(chunks: Array) -> Array:
+    """`H` times each chunk, big and tiny columns scaled into range and back
+    (`_scaled_into_range`), results near float32's maximum computed again."""
+    chunks, masks = _scaled_into_range(chunks)
+    y = _plain(chunks)
     # Scaled results in the top binades (|y| >= 2^123, the result >= 2^127) of finite
     # big columns: there the einsum's summation error could decide whether scaling back
     # overflows; they are computed again, to float32's nearest (`_accurate`).
     near_max = masks[0] & (abs_bits(y) >= _NEAR_MAX_BITS) & (abs_bits(y) < INF_BITS)
     y = jax.lax.cond(jnp.any(near_max), _accurate, _as_is, chunks, y, near_max)
-    y = _scaled_back(y, masks).reshape(x.shape)
-    return jnp.moveaxis(y, 0, axis)
-
-
-# Branches of `lax.cond`: module-level functions (`cond` caches traced branches by identity).
+    return _scaled_back(y, masks)
 
 
 def _as_is(chunks: Array, y: Array, near_max: Array) -> Array:
