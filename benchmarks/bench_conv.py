@@ -19,6 +19,10 @@ and without stochastic rounding, 1.3x with the `bf16` or `float32` recipe (the G
 lowering alone); the medium `Conv2d` 2.2x, 1.9x, 1.9x, 1.8x (bf16), 1.55x (float32):
 fixed costs of the quantisers and the Hadamard transform on few tokens, and the
 patch-GEMM lowering where the input channels (32) do not take the fast path.
+After the wgrad's Hadamard transform skipped its range scalings in the common case
+(`--repeats 7`, one process, noisy machine): small `Conv2d` 1.56x (2.05x before, same
+day), small `ConvTranspose2d` 3.64x (4.10x), medium 1.71x (1.63x), large 1.14x, 1.13x,
+0.58x.
 
 Expected on a (loaded) 2-core CPU, issue 23 item 13 (wgrad from the distinct patch
 chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` about
