@@ -229,12 +229,11 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
 
     _, bm, half = xe_ref.shape
     xs = (xe_ref[...].reshape(parts * bm, half), xo_ref[...].reshape(parts * bm, half))
-    acc = jnp.zeros((), jnp.float32)
+    d = {}  # this byte's products, by nibble
     for q, h, w in _planes(codes_ref, scales_ref, tail):
-        d = jnp.dot(xs[h], w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-        acc = d if h == 0 else acc + d
+        d[h] = jnp.dot(xs[h], w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         if h == 1:
-            out_ref[q] += _sum_parts(acc, bm, parts)
+            out_ref[q] += _sum_parts(d[0] + d[1], bm, parts)
 
 
 def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref, *, parts, tail):
@@ -363,7 +362,6 @@ def frozen_matmul(
         stacked = jnp.stack(_split3(xp.astype(jnp.float32)))
     else:
         stacked = xp.astype(jnp.bfloat16)[None]
-    assert stacked.shape[0] == parts
     codes_spec = pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk))
     scales_spec = pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk))
     limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk), wide)), 100 << 20)

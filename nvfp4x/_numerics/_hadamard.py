@@ -68,7 +68,8 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     # `cond` on that path, as the other has one for `near_max`).
     amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
     special = (amax_bits >= _BIG_BITS) | ((amax_bits < _TINY_BITS) & (amax_bits > 0))
-    y = jax.lax.cond(jnp.any(special), _guarded, _plain, chunks).reshape(x.shape)
+    y = jax.lax.cond(jnp.any(special), _guarded, _unguarded, chunks, amax_bits)
+    y = y.reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
 
 
@@ -82,10 +83,16 @@ def _plain(chunks: Array) -> Array:
     return jnp.einsum("ij,cjm->cim", h, chunks, precision="highest")
 
 
-def _guarded(chunks: Array) -> Array:
-    """`H` times each chunk, big and tiny columns scaled into range and back
-    (`_scaled_into_range`), results near float32's maximum computed again."""
-    chunks, masks = _scaled_into_range(chunks)
+def _unguarded(chunks: Array, amax_bits: Array) -> Array:
+    del amax_bits
+    return _plain(chunks)
+
+
+def _guarded(chunks: Array, amax_bits: Array) -> Array:
+    """`H` times each chunk, big and tiny columns (by their `amax_bits`) scaled into
+    range and back (`_scaled_into_range`), results near float32's maximum computed
+    again."""
+    chunks, masks = _scaled_into_range(chunks, amax_bits)
     y = _plain(chunks)
     # Scaled results in the top binades (|y| >= 2^123, the result >= 2^127) of finite
     # big columns: there the einsum's summation error could decide whether scaling back
@@ -134,17 +141,17 @@ def _sum_of_sums(ah: Array, al: Array, bh: Array, bl: Array) -> tuple[Array, Arr
 
 
 def _scaled_into_range(
-    chunks: Float[Array, "c 16 m"],
+    chunks: Float[Array, "c 16 m"], amax_bits: Array
 ) -> tuple[Float[Array, "c 16 m"], tuple[Array, Array]]:
     """Chunk columns whose magnitudes reach 2^124 scaled by `_RANGE_SHIFT` (exactly: a
     power of two applied to values far above the subnormal range, the column's small
     elements, below the precision of its large ones, aside), so that no partial sum of
     the transform overflows where the result is finite; columns below 2^-100 scaled up
     by 2^64 (`tiny_up`), so that none of their values is read or made as a subnormal.
-    Every other column is returned as it is, so their bits do not change.
+    Every other column is returned as it is, so their bits do not change. `amax_bits`:
+    each column's largest `abs_bits` `(c, 1, m)`, as `rht` computes it.
     **Returns:** `(chunks, (big, tiny))`, the masks of scaled columns `(c, 1, m)` for
     `_scaled_back`. Inf and NaN count as big: scaling keeps them as they are."""
-    amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
     big, tiny = amax_bits >= _BIG_BITS, amax_bits < _TINY_BITS
     scaled = jnp.where(big, chunks * _RANGE_SHIFT, chunks)
     return jnp.where(tiny, tiny_up(chunks), scaled), (big, tiny)
