@@ -317,7 +317,7 @@ def _straight_through(
             y = jax.lax.cond(
                 subnormal,
                 lambda: fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding),
-                lambda: y,
+                lambda: y.astype(jnp.float32),  # (the kernel's are in x's dtype: exact)
             )
     else:
         y = fake_quantize_blocks(xp, block, rounding, key, amax, scale_rounding)

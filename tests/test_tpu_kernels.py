@@ -55,14 +55,16 @@ def test_mosaic_to_nvfp4_equals_reference():
         same_nvfp4(got(data), want(*on_cpu((data,))))
 
 
-def test_mosaic_fake_quantize_equals_reference():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_mosaic_fake_quantize_equals_reference(dtype):
     """`fake_quantize` (the dequantised values in the input's dtype), SR, 1x16: a
-    normal tensor and a tiny one, whose products with `s_dec < 2^-64` are subnormal."""
+    normal tensor and a tiny one, whose products with `s_dec < 2^-64` are subnormal
+    (bfloat16: the kernel's values and the XLA fallback's meet in one `lax.cond`)."""
 
     def fq():
         return lambda x, key: nvfp4x.fake_quantize(x, rounding="stochastic", key=key)
 
-    x = edge_array(jnp.float32, rows=7, cols=48)
+    x = edge_array(dtype, rows=7, cols=48)
     x, key = jnp.where(jnp.isinf(x), 2.0, x), jax.random.key(2)
     want, got = traced_with("xla", fq(), x, key), traced_with("mosaic", fq(), x, key)
     # (a subnormal decode scale, amax 1e-37: the kernel flushed its values on a TPU
