@@ -259,7 +259,7 @@ def test_no_loose_division_or_dot(program):
     x = jnp.ones((32, 48), jnp.float32)
     args = (x, x[:16])[:nargs]
     text = jax.jit(fn).lower(*args).as_text(debug_info=True)
-    if program.startswith("frozen") and _kernels.pick("frozen_gemm") == "mosaic":
+    if program.startswith("frozen-nvfp4") and _kernels.pick("frozen_gemm") == "mosaic":
         # A TPU's frozen GEMM is the Mosaic kernel (its dot is in the kernel's body,
         # checked bit for bit against the reference by tests/test_tpu_frozen_kernel.py)
         assert "nvfp4_frozen_matmul_tpu" in text
