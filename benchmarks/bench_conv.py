@@ -28,8 +28,10 @@ Taps that read the same chunks sharing one wgrad operand (`WgradPlan.taps`: a
 transposed convolution whose kernel is its stride), with the other small layers real
 models use added (same command, same busy machine, `5cf6816` then this, one process
 each, load average 4-6 from other jobs, so +-30% between runs of one case): small
-`ConvTranspose2d` k4 s4 2.68x -> 1.92x, k2 s2 2.20x -> 2.00x (the two that group; every
-other row runs the code it ran before). Over the target in this run: the small `Conv2d`
+`ConvTranspose2d` k4 s4 2.68x -> 1.92x (a second run after: 2.29x; the layer alone, 60
+interleaved rounds: 2.3-2.6x -> 1.67x), k2 s2 2.20x -> 2.00x (2.06x) (the two that
+group; every other row runs the code it ran before, the large `Conv2d` at 2.65x and
+2.94x in these runs against 1.14x on a quieter day). Over the target in this run: the small `Conv2d`
 3->16 (2.4x; 1.6-4.3x across runs: 3 input channels take the patch GEMM), the
 `Conv1d` and `ConvTranspose1d` on 256-512 tokens (2.1-2.4x: 171 XLA kernels a step
 against the float layer's 35, ~550 us against ~115 us in a trace; fixed costs of five
