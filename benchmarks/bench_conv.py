@@ -24,6 +24,23 @@ After the wgrad's Hadamard transform skipped its range scalings in the common ca
 day), small `ConvTranspose2d` 3.64x (4.10x), medium 1.71x (1.63x), large 1.14x, 1.13x,
 0.58x.
 
+Taps that read the same chunks sharing one wgrad operand (`WgradPlan.taps`: a
+transposed convolution whose kernel is its stride), with the other small layers real
+models use added (same command, same busy machine, `5cf6816` then this, one process
+each, load average 4-6 from other jobs, so +-30% between runs of one case): small
+`ConvTranspose2d` k4 s4 2.68x -> 1.92x (a second run after: 2.29x; the layer alone, 60
+interleaved rounds: 2.3-2.6x -> 1.67x), k2 s2 2.20x -> 2.00x (2.06x) (the two that
+group; every other row runs the code it ran before, the large `Conv2d` at 2.65x and
+2.94x in these runs against 1.14x on a quieter day). Over the target in this run: the small `Conv2d`
+3->16 (2.4x; 1.6-4.3x across runs: 3 input channels take the patch GEMM), the
+`Conv1d` and `ConvTranspose1d` on 256-512 tokens (2.1-2.4x: 171 XLA kernels a step
+against the float layer's 35, ~550 us against ~115 us in a trace; fixed costs of five
+quantisers, two Hadamard transforms and their reductions), and the medium `Conv2d`
+(2.7-4.1x: wgrad's dense operand is a gather of the quantised distinct chunks, and
+XLA:CPU fuses the quantiser into the gather, computing it once for each of the three
+taps that read a chunk: about 1.4 of 3 ms in a trace; `lax.optimization_barrier` does
+not stop it, XLA:CPU expands the barrier before fusing).
+
 Expected on a (loaded) 2-core CPU, issue 23 item 13 (wgrad from the distinct patch
 chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` about
 1.6x, `ConvTranspose2d` k4 s4 about 0.9x, k4 s2 p1 about 0.3x (before: 2.05-2.45x,
@@ -53,6 +70,41 @@ CASES: tuple[tuple[str, Callable, tuple[int, ...]], ...] = (
         "small: ConvTranspose2d 16->3 k4 s4, 8x16x8x8",
         lambda k: eqx.nn.ConvTranspose2d(16, 3, 4, stride=4, key=k),
         (8, 16, 8, 8),
+    ),
+    (
+        "small: ConvTranspose2d 16->3 k2 s2, 8x16x16x16",  # a U-Net's up-sampling
+        lambda k: eqx.nn.ConvTranspose2d(16, 3, 2, stride=2, key=k),
+        (8, 16, 16, 16),
+    ),
+    (
+        "small: ConvTranspose2d 16->8 k4 s2 pad 1, 8x16x8x8",  # DCGAN's, small
+        lambda k: eqx.nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1, key=k),
+        (8, 16, 8, 8),
+    ),
+    (
+        "small: Conv1d 16->32 k3 pad 1, 8x16x64",
+        lambda k: eqx.nn.Conv1d(16, 32, 3, padding=1, key=k),
+        (8, 16, 64),
+    ),
+    (
+        "small: depthwise Conv1d 32 k4 pad 3, 8x32x64",  # Mamba's
+        lambda k: eqx.nn.Conv1d(32, 32, 4, padding=3, groups=32, key=k),
+        (8, 32, 64),
+    ),
+    (
+        "small: ConvTranspose1d 16->8 k4 s2 pad 1, 8x16x32",
+        lambda k: eqx.nn.ConvTranspose1d(16, 8, 4, stride=2, padding=1, key=k),
+        (8, 16, 32),
+    ),
+    (
+        "small: ConvTranspose1d 16->8 k4 s4, 8x16x16",
+        lambda k: eqx.nn.ConvTranspose1d(16, 8, 4, stride=4, key=k),
+        (8, 16, 16),
+    ),
+    (
+        "medium: grouped Conv2d 32->32 3x3 groups 2 pad 1, 8x32x16x16",
+        lambda k: eqx.nn.Conv2d(32, 32, 3, padding=1, groups=2, key=k),
+        (8, 32, 16, 16),
     ),
     (
         "medium: Conv2d 32->32 3x3 pad 1, 8x32x16x16",

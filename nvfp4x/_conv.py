@@ -356,10 +356,14 @@ class WgradPlan:
       pixels + 1, C)` (the last row zeros; a chunk of zeros is always among them).
     - `rows`: the GEMM operand as rows of the quantised distinct chunks: dense
       (`chunks` None) `(chunks x unit, window)`, the patch matrix's layout (tokens
-      padded to whole chunks); compact `(window, slots x unit)`: per tap, only the
+      padded to whole chunks); compact `(groups, slots x unit)`: per tap, only the
       chunks where it reads some pixel, `slots` per tap (the most any tap has; the rest
       zero chunks), with `chunks` `(window, slots)` the token chunk of each (`nchunks`: a
       zero chunk of `dy`) and `dead` `(window, nchunks)` the chunks each tap skips.
+      Taps whose slots hold the same distinct chunks (a transposed convolution whose
+      kernel is its stride, output rows whole chunks: the taps of one column phase) share one
+      operand: `taps` `(groups, per group)` lists them (one tap a group where the sizes
+      would differ), and a group's GEMM multiplies its taps' `dy` chunks side by side.
     - `unit`, `nchunks`: the chunks' tokens and how many chunks the tokens fill.
     """
 
@@ -369,6 +373,7 @@ class WgradPlan:
     nchunks: int
     chunks: np.ndarray | None = None
     dead: np.ndarray | None = None
+    taps: np.ndarray | None = None
 
 
 @functools.lru_cache(maxsize=16)
@@ -402,8 +407,20 @@ def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
         (live_j,) = np.nonzero(live[j])
         chunks[j, : live_j.size] = live_j
         slot_ids[j, : live_j.size] = ids[j, live_j]
-    rows = (slot_ids[:, :, None] * unit + within).reshape(window, -1).astype(np.int32)
-    return WgradPlan(pixels, rows, unit, nchunks, chunks, ~live)
+    taps = tap_groups(slot_ids)
+    rows = (slot_ids[taps[:, 0], :, None] * unit + within).reshape(len(taps), -1)
+    return WgradPlan(pixels, rows.astype(np.int32), unit, nchunks, chunks, ~live, taps)
+
+
+def tap_groups(slot_ids: np.ndarray) -> np.ndarray:
+    """`(groups, per group)`: the taps (rows of `slot_ids`) grouped by equal rows, in
+    order of their first tap; one tap a group unless every group has the same size."""
+    groups: dict[bytes, list[int]] = {}
+    for j, row in enumerate(slot_ids):
+        groups.setdefault(row.tobytes(), []).append(j)
+    if len({len(taps) for taps in groups.values()}) == 1:
+        return np.array(list(groups.values()), np.int32)
+    return np.arange(len(slot_ids), dtype=np.int32)[:, None]
 
 
 def conv_wgrad_operands(
@@ -427,7 +444,7 @@ def conv_wgrad_operands(
     if plan.chunks is None:
         operand = operand.reshape(plan.rows.shape[0], -1)  # (tokens, window x C)
     else:
-        operand = operand.reshape(plan.rows.shape[0], -1, c)  # (window, slots x unit, C)
+        operand = operand.reshape(plan.rows.shape[0], -1, c)  # (groups, slots x unit, C)
     g = jnp.pad(gv, [(0, plan.nchunks * plan.unit - gv.shape[0]), (0, 0)])
     return plan, g, gs, operand, xs
 
@@ -437,22 +454,29 @@ def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
     same quantised operands (`conv_wgrad_operands`). Where a tap's patch column is
     structurally zero in most token chunks (a transposed convolution: its input is
     dilated), the GEMM runs tap by tap over the chunks where the tap reads something,
-    against the chunks of `Q(H dy)` they meet. A skipped chunk contributes `Q(H dy) x
-    0`: nothing, unless that chunk of `Q(H dy)` is not finite, where the reference's
-    sum is NaN; so is this one."""
+    against the chunks of `Q(H dy)` they meet; taps that read the same chunks (`taps`)
+    as one GEMM, their chunks of `Q(H dy)` side by side, so that the operand is read,
+    and its quantisation (which XLA fuses into its readers) computed, once. A skipped
+    chunk contributes `Q(H dy) x 0`: nothing, unless that chunk of `Q(H dy)` is not
+    finite, where the reference's sum is NaN; so is this one."""
     plan, g, gs, operand, xs = conv_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)
-    if plan.chunks is None or plan.dead is None:
+    if plan.chunks is None or plan.dead is None or plan.taps is None:
         dims = ((0,), (0,))
         return quantised_dot(g, gs, recipe.grad, operand, xs, recipe.input, dims, dtype=dtype)
     window, slots = plan.chunks.shape
     nchunks, unit, n = plan.nchunks, plan.unit, g.shape[-1]
-    g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)])
-    g = g.reshape(nchunks + 1, unit, n)  # the token chunks and a zero chunk
-    met = g[jnp.asarray(plan.chunks.reshape(-1))].reshape(window, slots * unit, n)
-    # One GEMM per tap: `scaled_dot` vmapped over the taps (a batched GEMM: its dtype).
+    groups, per = plan.taps.shape
+    g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)])  # and a zero chunk
+    # Each group's taps' chunks of `dy` side by side: `(groups, slots x unit, per x n)`.
+    met_rows = plan.chunks[plan.taps].transpose(0, 2, 1)[:, :, None, :] * unit
+    met_rows = met_rows + np.arange(unit)[None, None, :, None]  # (groups, slots, unit, per)
+    met = g[jnp.asarray(met_rows.reshape(-1))].reshape(groups, slots * unit, per * n)
+    # One GEMM per group: `scaled_dot` vmapped over them (a batched GEMM: its dtype).
     tap_gemm = lambda m, o: scaled_dot(m, gs, o, xs, ((0,), (0,)), dtype=batched_gemm_dtype(dtype))
-    out = jax.vmap(tap_gemm)(met, operand)  # (window, n, C)
-    bad = jnp.any(~jnp.isfinite(g[:nchunks]), axis=1)  # (nchunks, n)
+    out = jax.vmap(tap_gemm)(met, operand).reshape(window, n, -1)  # taps in group order
+    if per > 1:
+        out = out[jnp.asarray(np.argsort(plan.taps.reshape(-1)))]  # (window, n, C)
+    bad = jnp.any(~jnp.isfinite(g[: nchunks * unit].reshape(nchunks, unit, n)), axis=1)
     skipped_bad = jnp.any(jnp.asarray(plan.dead)[:, :, None] & bad[None], axis=1)
     out = jnp.where(skipped_bad[:, :, None], jnp.float32(jnp.nan), out)
     return jnp.transpose(out, (1, 0, 2)).reshape(n, -1)

@@ -181,6 +181,12 @@ FAST_CASES = [
         True,
         id="convT-k4s4-groups",
     ),
+    pytest.param(  # a U-Net's up-sampling: the taps of a column phase share wgrad's operand
+        lambda k: eqx.nn.ConvTranspose2d(16, 3, 2, stride=2, key=k),
+        (2, 16, 3, 8),
+        True,
+        id="convT-k2s2-grouped",
+    ),
 ]
 
 
@@ -220,13 +226,26 @@ WGRAD_CASES = [
     pytest.param(  # ConvTranspose2d k4 s4 padding 1 on two 2x9 images: 408 tokens
         Geometry((4, 4), (1, 1), ((2, 2), (2, 2)), (4, 4), (1, 1), (2, 9)),
         TRAIN,
-        True,
+        "compact",
         id="convT-k4s4-compact",
+    ),
+    pytest.param(  # k4 s4 on 3x4 images: 16 output pixels a row, the taps of one
+        # column phase (4 rows) read the same chunks, one operand for each such group
+        Geometry((4, 4), (1, 1), ((3, 3), (3, 3)), (4, 4), (1, 1), (3, 4)),
+        TRAIN,
+        "grouped",
+        id="convT-k4s4-grouped",
+    ),
+    pytest.param(  # k2 s2 (a U-Net's up-sampling) on 3x8 images, grouped in pairs
+        Geometry((2, 2), (1, 1), ((1, 1), (1, 1)), (2, 2), (1, 1), (3, 8)),
+        TRAIN,
+        "grouped",
+        id="convT-k2s2-grouped",
     ),
     pytest.param(  # neighbouring taps read the same chunks; no RHT, nearest rounding
         Geometry((3, 3), (2, 2), ((1, 2), (2, 1)), (1, 1), (2, 2), (9, 11)),
         nvfp4x.recipes.nvfp4_training(rht=False, stochastic_rounding=False),
-        False,
+        "dense",
         id="stride-pad-dilation-dense",
     ),
 ]
@@ -240,26 +259,30 @@ def patch_matrix_operand(plan, operand: Array) -> np.ndarray:
         return operand
     window, slots = plan.chunks.shape
     c = operand.shape[-1]
-    parts = operand.reshape(window, slots, plan.unit, c)
+    parts = operand.reshape(len(plan.taps), slots, plan.unit, c)  # a group's taps share one
     out = np.zeros((plan.nchunks + 1, plan.unit, window, c), np.float32)
-    for j in range(window):
-        out[plan.chunks[j], :, j] = parts[j]
+    for group, taps in enumerate(plan.taps):
+        for j in taps:
+            out[plan.chunks[j], :, j] = parts[group]
     assert not np.any(out[-1]), "a slot without a chunk holds values"
     return out[:-1].reshape(plan.nchunks * plan.unit, window * c)
 
 
-@pytest.mark.parametrize("geom, recipe, compact", WGRAD_CASES)
-def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe, compact):
+@pytest.mark.parametrize("geom, recipe, layout", WGRAD_CASES)
+def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe, layout):
     """wgrad's patch operand, built from the distinct chunks of the patches (and for a
     transposed convolution only where a tap reads input), is the reference's `Q(H
     patches)` value for value, and `Q(H dy)` and both tensor scales are its own (SR key,
-    RHT); the tap-by-tap GEMM of a compact plan equals the reference's up to float32
+    RHT); the GEMM of a compact plan (tap by tap, or taps that share an operand side
+    by side) equals the reference's up to float32
     summation order, and a non-finite `dy` in a chunk some tap skips still gives NaN. (Eagerly and
     vmapped over groups, through the layers: `test_the_fast_convolution_is_the_patch_gemm`.)"""
     x, dy = normal(8, (2, *geom.in_spatial, 16)), normal(9, (2, *geom.out_spatial, 8))
     seed = jnp.array([3, 4], jnp.uint32)
     plan = wgrad_plan(geom, 2, 16)
+    compact = layout != "dense"
     assert (plan.chunks is not None) == compact
+    assert (compact and plan.taps.shape[1] > 1) == (layout == "grouped")
     fast = lambda dy, x: conv_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)[1:]
     ref = lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, recipe)
     want = jax.jit(ref)(dy, x)
