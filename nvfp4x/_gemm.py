@@ -50,7 +50,7 @@ from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, 
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
 from ._numerics._hadamard import rht_columns
-from ._numerics._threefry import fold_in
+from ._numerics._threefry import fold_in_tags
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
     Primitive,
@@ -64,11 +64,17 @@ from ._prims import (
     zero_tangent,
 )
 
+#: The tags folded into the seed for the stochastic-rounding keys of dgrad (1) and wgrad (2).
+GRAD_TAGS = (1, 2)
+
 
 def grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
-    """`jax.random.fold_in` of the Threefry key holding `seed` with `tag`, bit for bit
-    (its hash unrolled: `_threefry`, which compiles smaller than `jax.random`'s loop)."""
-    return jax.random.wrap_key_data(fold_in(seed, tag), impl="threefry2x32")
+    """`jax.random.fold_in` of the Threefry key holding `seed` with `tag` (one of
+    `GRAD_TAGS`), bit for bit (its hash unrolled: `_threefry`, which compiles smaller than
+    `jax.random`'s loop). Both tags are hashed in one vectorised program
+    (`fold_in_tags`), the same in dgrad and wgrad, so that XLA keeps one of the two."""
+    words = fold_in_tags(seed, GRAD_TAGS)[GRAD_TAGS.index(tag)]
+    return jax.random.wrap_key_data(words, impl="threefry2x32")
 
 
 def mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:

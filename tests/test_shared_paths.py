@@ -58,3 +58,20 @@ def test_rht_columns_of_bfloat16_and_float32():
     g, a = _rht_operands("gaussian", (32, 16, 16), seed=1)
     b = a.astype(jnp.bfloat16)
     assert_same_bits(rht_columns(g, b), (rht(g, axis=0), rht(b, axis=0)), "mixed dtypes")
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_grad_keys_are_jax_fold_in(mode):
+    # dgrad's and wgrad's keys come from one vectorised hash of both tags
+    # (`fold_in_tags`): each is `jax.random.fold_in` of the seed's key with its tag.
+    from nvfp4x._gemm import GRAD_TAGS, grad_key
+
+    words = np.random.default_rng(3).integers(0, 2**32, (5, 2), dtype=np.uint32)
+    words[0] = 0
+    for tag in GRAD_TAGS:
+        fn = lambda s, t=tag: jax.random.key_data(grad_key(s, t))
+        fn = jax.jit(fn) if mode == "jit" else fn
+        for w in words:
+            key = jax.random.wrap_key_data(jnp.asarray(w), impl="threefry2x32")
+            want = jax.random.key_data(jax.random.fold_in(key, tag))
+            np.testing.assert_array_equal(fn(jnp.asarray(w)), want, f"tag {tag}")
