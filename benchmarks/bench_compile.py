@@ -1,7 +1,8 @@
-"""Compile time of a jitted adam training step, NVFP4 vs float32, against depth.
+"""Compile time of a jitted adam training step, NVFP4 vs float32, against depth, and of
+the main example's training step.
 
 ```
-python benchmarks/bench_compile.py [--depths 2 4 8 16] [--scan 16]
+python benchmarks/bench_compile.py [--depths 2 4 8 16] [--scan 16] [--example default]
 ```
 
 The model is a residual MLP stack (`benchmarks/bench_training.py`'s `Block`, `d=128`,
@@ -12,16 +13,23 @@ model and for `nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())`, each ti
 a fresh function, so that no cache hides work: `jax.jit(step).lower(*args)` (tracing and
 lowering to StableHLO) and `.compile()` (XLA's passes and code generation) are timed
 separately. Reported per depth: both times, their sum, the NVFP4 / float32 ratio of the
-sum (target: <= 1.3x, flat in depth), the same ratio in process CPU seconds (steadier when
-other work shares the machine) and the optimised HLO's line count per block
+sum (issue 37's target on the CPU: <= 3x at 8 unrolled blocks and for the main example;
+<= 1.5x on a TPU), the same ratio in process CPU seconds (steadier when other work shares
+the machine) and the optimised HLO's line count per block
 (`compiled.as_text()`), which is what XLA's passes work through, with the NVFP4 step's
 instructions per block split by where they come from (`hlo_regions`: the fprop, dgrad
 and wgrad primitives, each with its operand quantisers, and the rest).
+
+`--example default` (or `smoke`) also compiles the main example's training step
+(`examples/nvfp4_lm`: its transformer, loss and AdamW, the `default` or `smoke` config),
+float32 against the NVFP4 model under the example's precision policy (`paper_policy`).
 """
 
 import argparse
 import collections
+import pathlib
 import re
+import sys
 import time
 
 import equinox as eqx
@@ -37,7 +45,7 @@ except ImportError:  # run as a script from inside benchmarks/
     from bench_training import Block, Stack as Unrolled
 
 #: Arguments `benchmarks/run_all.py --quick` passes: small, to check that it runs.
-QUICK_ARGV = ["--depths", "2", "4", "--scan", "4"]
+QUICK_ARGV = ["--depths", "2", "4", "--scan", "4", "--example", "smoke"]
 
 
 class Scanned(eqx.Module):
@@ -56,12 +64,14 @@ class Scanned(eqx.Module):
         return jax.lax.scan(body, x, arrays)[0]
 
 
-def make_step(optimizer, static):
+def mse(model, x, y):
+    """The loss of the residual MLP stacks: mean squared error, the model vmapped."""
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def make_step(optimizer, static, loss_fn=mse):
     """A fresh step function (a new identity each call: no jit cache is shared) over the
     model's arrays, its static part closed over."""
-
-    def loss_fn(model, x, y):
-        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     def step(arrays, state, x, y):
         model = eqx.combine(arrays, static)
@@ -91,15 +101,15 @@ def hlo_regions(text: str) -> dict[str, int]:
     return dict(counts)
 
 
-def compile_seconds(model, x, y) -> dict:
+def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse) -> dict:
     """`{"lower": s, "compile": s, "total": s, "cpu": s, "hlo_lines": n, "regions": {...}}`
-    for one fresh step: wall seconds, the process's CPU seconds for the whole (steadier
-    than wall time on a shared machine), the optimised HLO's lines and its instructions
-    per region (`hlo_regions`)."""
-    optimizer = optax.adam(1e-4)
+    for one fresh step (`optimizer`: adam by default): wall seconds, the process's CPU
+    seconds for the whole (steadier than wall time on a shared machine), the optimised
+    HLO's lines and its instructions per region (`hlo_regions`)."""
+    optimizer = optax.adam(1e-4) if optimizer is None else optimizer
     arrays, static = eqx.partition(model, eqx.is_array)
     state = optimizer.init(arrays)
-    step = make_step(optimizer, static)
+    step = make_step(optimizer, static, loss_fn)
     c0, t0 = time.process_time(), time.perf_counter()
     lowered = jax.jit(step).lower(arrays, state, x, y)
     t1 = time.perf_counter()
@@ -116,6 +126,23 @@ def compile_seconds(model, x, y) -> dict:
     }
 
 
+def example_seconds(config: str) -> dict:
+    """The main example's training step (`examples/nvfp4_lm`, config `"default"` or
+    `"smoke"`) compiled for the float32 model and for the NVFP4 one under the example's
+    policy: `{"float32": compile_seconds, "nvfp4": compile_seconds}`."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    import nvfp4_lm as lm
+
+    cfg = lm.SMOKE if config == "smoke" else lm.Config()
+    model = lm.build_model(cfg, jax.random.key(cfg.seed))
+    tokens = jnp.zeros((cfg.batch, cfg.seq), jnp.int32)
+    out = {}
+    for label, m in (("float32", model), ("nvfp4", nvfp4x.quantize(model, lm.paper_policy(cfg)))):
+        optimizer = lm.make_optimizer(cfg)
+        out[label] = compile_seconds(m, tokens, tokens, optimizer=optimizer, loss_fn=lm.loss_fn)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -123,6 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument(
+        "--example",
+        choices=["default", "smoke", "none"],
+        default="default",
+        help="also the main example's training step, in this config",
+    )
     args = parser.parse_args(argv)
 
     kx, ky, km = jax.random.split(jax.random.key(0), 3)
@@ -168,9 +201,29 @@ def main(argv: list[str] | None = None) -> dict:
         )
         regions = ", ".join(f"{k} {v / depth:.0f}" for k, v in q["regions"].items())
         print(f"{'':12s} nvfp4 HLO instructions per block: {regions}")
+    if args.example != "none":
+        ex = example_seconds(args.example)
+        f32, q = ex["float32"], ex["nvfp4"]
+        label = f"main example ({args.example})"
+        result[label] = {
+            "float32 s": f32["total"],
+            "nvfp4 s": q["total"],
+            "ratio cpu": q["cpu"] / f32["cpu"],
+            "nvfp4 lower s": q["lower"],
+            "nvfp4 xla s": q["compile"],
+            "ratio": q["total"] / f32["total"],
+            "hlo lines float32": f32["hlo_lines"],
+            "hlo lines nvfp4": q["hlo_lines"],
+        }
+        print(
+            f"{label}: float32 {f32['lower']:5.2f} / {f32['compile']:5.2f} / {f32['total']:5.2f}"
+            f"   nvfp4 {q['lower']:5.2f} / {q['compile']:5.2f} / {q['total']:5.2f}   "
+            f"{q['total'] / f32['total']:4.2f}x (CPU {q['cpu'] / f32['cpu']:4.2f}x)   "
+            f"HLO lines {f32['hlo_lines']} vs {q['hlo_lines']}"
+        )
     worst = max(r["ratio"] for r in result.values())
     result["worst ratio"] = worst
-    print(f"target <= 1.3x at every depth: {'met' if worst <= 1.3 else 'NOT met'} ({worst:.2f}x)")
+    print(f"target <= 3x on the CPU: {'met' if worst <= 3 else 'NOT met'} (worst {worst:.2f}x)")
     return result
 
 

@@ -49,8 +49,8 @@ from ._checks import check_bool, check_float, check_str
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
-from ._numerics._hadamard import rht
-from ._numerics._threefry import fold_in
+from ._numerics._hadamard import rht_columns
+from ._numerics._threefry import fold_in_tags
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
     Primitive,
@@ -64,11 +64,17 @@ from ._prims import (
     zero_tangent,
 )
 
+#: The tags folded into the seed for the stochastic-rounding keys of dgrad (1) and wgrad (2).
+GRAD_TAGS = (1, 2)
+
 
 def grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
-    """`jax.random.fold_in` of the Threefry key holding `seed` with `tag`, bit for bit
-    (its hash unrolled: `_threefry`, which compiles smaller than `jax.random`'s loop)."""
-    return jax.random.wrap_key_data(fold_in(seed, tag), impl="threefry2x32")
+    """`jax.random.fold_in` of the Threefry key holding `seed` with `tag` (one of
+    `GRAD_TAGS`), bit for bit (its hash unrolled: `_threefry`, which compiles smaller than
+    `jax.random`'s loop). Both tags are hashed in one vectorised program
+    (`fold_in_tags`), the same in dgrad and wgrad, so that XLA keeps one of the two."""
+    words = fold_in_tags(seed, GRAD_TAGS)[GRAD_TAGS.index(tag)]
+    return jax.random.wrap_key_data(words, impl="threefry2x32")
 
 
 def mix_weight(seed: UInt32[Array, "*nb 2"], w: Array) -> UInt32[Array, "*nb 2"]:
@@ -174,11 +180,12 @@ def dgrad(
 
 def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
     """wgrad's operands as `(T, n)` and `(T, k)`, after the RHT along the token axis if
-    the recipe says (tokens then padded to a multiple of 16)."""
+    the recipe says (tokens then padded to a multiple of 16; both in one transform,
+    `rht_columns`: half the program of two)."""
     g = dy.reshape(-1, dy.shape[-1])
     a = x.reshape(-1, x.shape[-1])
     if recipe.rht:
-        g, a = rht(g, axis=0), rht(a, axis=0)
+        g, a = rht_columns(g, a)
     return g, a
 
 

@@ -57,6 +57,15 @@ def fold_in(words: UInt32[Array, "2"], data: int) -> UInt32[Array, "2"]:
     return _materialize(jnp.stack([y1, y2]))
 
 
+def fold_in_tags(words: UInt32[Array, "2"], tags: tuple[int, ...]) -> UInt32[Array, "t 2"]:
+    """`fold_in(words, tag)` for each of `tags`, row by row, in one vectorised hash: the
+    same program wherever it is asked with the same `tags`, which XLA's common
+    subexpression elimination merges (dgrad and wgrad fold their tags into one seed)."""
+    u = jnp.uint32
+    y1, y2 = threefry2x32(words[0], words[1], jnp.zeros(len(tags), u), jnp.asarray(tags, u))
+    return _materialize(jnp.stack([y1, y2], axis=-1))
+
+
 def bits2(words: UInt32[Array, "2"]) -> UInt32[Array, "2"]:
     """`jax.random.bits(key, (2,), jnp.uint32)` for a Threefry key holding `words`."""
     if jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]
