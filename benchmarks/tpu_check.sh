@@ -97,9 +97,11 @@ else
 fi
 if [ -n "$files" ]; then
     # One process (`-o addopts=`: no xdist workers; the jaxtyping/beartype checks that
-    # pyproject's addopts switch on are asked for again).
+    # pyproject's addopts switch on are asked for again). At the time limit pytest gets
+    # SIGINT, so that it still reports what ran and writes the JUnit file (killed 30 s
+    # later if it has not ended).
     # shellcheck disable=SC2086
-    timeout "$test_s" python3 -m pytest -o addopts= -p no:cacheprovider \
+    timeout -s INT -k 30 "$test_s" python3 -m pytest -o addopts= -p no:cacheprovider \
         --jaxtyping-packages=nvfp4x,beartype.beartype -q -rA --tb=short \
         --junitxml="$OUT/$name.xml" ${PYTEST_ARGS:-} $files >"$OUT/$name.log" 2>&1
     echo "pytest exit $? ($name: $files)" >>"$OUT/$name.log"
