@@ -182,12 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         q = compile_seconds(nvfp4x.quantize(model, recipe), x, y)
         ratio = q["total"] / f32["total"]
         result[label] = {
-            "float32 s": f32["total"],
-            "nvfp4 s": q["total"],
-            "ratio cpu": q["cpu"] / f32["cpu"],
-            "nvfp4 lower s": q["lower"],
-            "nvfp4 xla s": q["compile"],
-            "ratio": ratio,
+            **_ratios(f32, q),
             "hlo lines per block float32": f32["hlo_lines"] / depth,
             "hlo lines per block nvfp4": q["hlo_lines"] / depth,
             "nvfp4 hlo instructions per block": {k: v / depth for k, v in q["regions"].items()},
@@ -206,12 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         f32, q = ex["float32"], ex["nvfp4"]
         label = f"main example ({args.example})"
         result[label] = {
-            "float32 s": f32["total"],
-            "nvfp4 s": q["total"],
-            "ratio cpu": q["cpu"] / f32["cpu"],
-            "nvfp4 lower s": q["lower"],
-            "nvfp4 xla s": q["compile"],
-            "ratio": q["total"] / f32["total"],
+            **_ratios(f32, q),
             "hlo lines float32": f32["hlo_lines"],
             "hlo lines nvfp4": q["hlo_lines"],
         }
@@ -225,6 +215,18 @@ def main(argv: list[str] | None = None) -> dict:
     result["worst ratio"] = worst
     print(f"target <= 3x on the CPU: {'met' if worst <= 3 else 'NOT met'} (worst {worst:.2f}x)")
     return result
+
+
+def _ratios(f32: dict, q: dict) -> dict:
+    """A result row's times and ratios, NVFP4 (`q`) against float32 (`f32`)."""
+    return {
+        "float32 s": f32["total"],
+        "nvfp4 s": q["total"],
+        "ratio cpu": q["cpu"] / f32["cpu"],
+        "nvfp4 lower s": q["lower"],
+        "nvfp4 xla s": q["compile"],
+        "ratio": q["total"] / f32["total"],
+    }
 
 
 if __name__ == "__main__":
