@@ -1,6 +1,7 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import equinox as eqx
@@ -217,6 +218,34 @@ def to_nvfp4(
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
+    quantise = _compiled_to_nvfp4(block, rounding, scale_rounding, _kernels.picks())
+    packed, scales, s_dec = quantise(x, key, amax)
+    tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
+    return NVFP4Array(
+        codes=packed,
+        scales=scales,
+        tensor_scale=s_dec,
+        block=block,
+        logical_tail=tuple(tail),
+        dtype=x.dtype,
+    )
+
+
+@functools.cache
+def _compiled_to_nvfp4(block, rounding, scale_rounding, picks: tuple) -> Callable:
+    """`_codes_and_scales` jitted, per parameters and per the implementations
+    `_kernels` picks now (`picks`, which it asks when traced): an eager `to_nvfp4` is
+    one dispatch per shape instead of one per operation (under `jit`, inlined)."""
+    del picks  # the cache key only
+    return jax.jit(
+        functools.partial(
+            _codes_and_scales, block=block, rounding=rounding, scale_rounding=scale_rounding
+        )
+    )
+
+
+def _codes_and_scales(x, key, amax, *, block, rounding, scale_rounding):
+    """`to_nvfp4` of checked arguments: packed codes, E4M3 block scales, tensor scale."""
     xp = pad_to_blocks(float64_to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
@@ -230,15 +259,7 @@ def to_nvfp4(
             codes = _e2m1.encode_nearest(v)
         packed = pack(codes.reshape(xp.shape))
         scales = fp8_bits(scale_b, jnp.float8_e4m3fn)  # on the bits: subnormals kept
-    tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
-    return NVFP4Array(
-        codes=packed,
-        scales=scales,
-        tensor_scale=s_dec,
-        block=block,
-        logical_tail=tuple(tail),
-        dtype=x.dtype,
-    )
+    return packed, scales, s_dec
 
 
 @follows_input_sharding
