@@ -122,14 +122,7 @@ class NVFP4Array(PackedArray):
 
         **Returns:** an array of shape `self.shape`.
         """
-        values, ts = self.operand()
-        ts = ts.reshape(ts.shape + (1,) * (values.ndim - ts.ndim))
-        # (value * block scale) is exact (in bfloat16 too); its product with the tensor
-        # scale is the IEEE float32 one, even where that is subnormal (tiny tensors) on a
-        # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
-        tiny = jnp.any(is_tiny_scale(ts))
-        x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
-        return from_float32(x, self.dtype if dtype is None else dtype)
+        return _dequantize(self, np.dtype(self.dtype if dtype is None else dtype))
 
     @follows_input_sharding(like=lambda self: self.codes)
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
@@ -156,6 +149,21 @@ class NVFP4Array(PackedArray):
             # leaves replaced by something else (shardings, specs, None): show the fields
             return eqx.tree_pformat(self)
         return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
+
+
+# Jitted: called eagerly, it is one dispatch (one compilation per shape and dtype) rather
+# than every operation dispatched and compiled on its own.
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(q: NVFP4Array, dtype: np.dtype) -> Shaped[Array, "..."]:
+    """`q.dequantize(dtype)`."""
+    values, ts = q.operand()
+    ts = ts.reshape(ts.shape + (1,) * (values.ndim - ts.ndim))
+    # (value * block scale) is exact (in bfloat16 too); its product with the tensor
+    # scale is the IEEE float32 one, even where that is subnormal (tiny tensors) on a
+    # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
+    tiny = jnp.any(is_tiny_scale(ts))
+    x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
+    return from_float32(x, dtype)
 
 
 def _mul(a: Array, b: Array) -> Array:
