@@ -1,7 +1,6 @@
 """`NVFP4Array`, the packed quantised tensor, and `to_nvfp4` / `fake_quantize`."""
 
 import functools
-from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import equinox as eqx
@@ -36,6 +35,7 @@ from ._numerics._nvfp4 import (
 from ._numerics._pack import decode_e4m3, pack, unpack
 from ._numerics._subnormal import float64_to_float32, from_float32
 from ._packed import PackedArray, as_bits
+from ._prims import compiled
 
 
 class NVFP4Array(PackedArray):
@@ -226,8 +226,10 @@ def to_nvfp4(
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
-    quantise = _compiled_to_nvfp4(block, rounding, scale_rounding, _kernels.picks())
-    packed, scales, s_dec = quantise(x, key, amax)
+    # Jitted (per parameters and per the implementations `_kernels` picks now): called
+    # eagerly, one dispatch and one compilation per shape rather than one per operation.
+    params = {"block": block, "rounding": rounding, "scale_rounding": scale_rounding}
+    packed, scales, s_dec = compiled(_codes_and_scales, 0, **params)(x, key, amax)
     tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
     return NVFP4Array(
         codes=packed,
@@ -236,19 +238,6 @@ def to_nvfp4(
         block=block,
         logical_tail=tuple(tail),
         dtype=x.dtype,
-    )
-
-
-@functools.cache
-def _compiled_to_nvfp4(block, rounding, scale_rounding, picks: tuple) -> Callable:
-    """`_codes_and_scales` jitted, per parameters and per the implementations
-    `_kernels` picks now (`picks`, which it asks when traced): an eager `to_nvfp4` is
-    one dispatch per shape instead of one per operation (under `jit`, inlined)."""
-    del picks  # the cache key only
-    return jax.jit(
-        functools.partial(
-            _codes_and_scales, block=block, rounding=rounding, scale_rounding=scale_rounding
-        )
     )
 
 
