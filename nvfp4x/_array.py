@@ -35,6 +35,7 @@ from ._numerics._nvfp4 import (
 from ._numerics._pack import decode_e4m3, pack, unpack
 from ._numerics._subnormal import float64_to_float32, from_float32
 from ._packed import PackedArray, as_bits
+from ._prims import compiled
 
 
 class NVFP4Array(PackedArray):
@@ -121,14 +122,7 @@ class NVFP4Array(PackedArray):
 
         **Returns:** an array of shape `self.shape`.
         """
-        values, ts = self.operand()
-        ts = ts.reshape(ts.shape + (1,) * (values.ndim - ts.ndim))
-        # (value * block scale) is exact (in bfloat16 too); its product with the tensor
-        # scale is the IEEE float32 one, even where that is subnormal (tiny tensors) on a
-        # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
-        tiny = jnp.any(is_tiny_scale(ts))
-        x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
-        return from_float32(x, self.dtype if dtype is None else dtype)
+        return _dequantize(self, np.dtype(self.dtype if dtype is None else dtype))
 
     @follows_input_sharding(like=lambda self: self.codes)
     def operand(self) -> tuple[Shaped[Array, "..."], Float[Array, "*batch"]]:
@@ -155,6 +149,21 @@ class NVFP4Array(PackedArray):
             # leaves replaced by something else (shardings, specs, None): show the fields
             return eqx.tree_pformat(self)
         return f"NVFP4Array(shape={self.shape}, dtype={self.dtype.name}, block={self.block})"
+
+
+# Jitted: called eagerly, it is one dispatch (one compilation per shape and dtype) rather
+# than every operation dispatched and compiled on its own.
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(q: NVFP4Array, dtype: np.dtype) -> Shaped[Array, "..."]:
+    """`q.dequantize(dtype)`."""
+    values, ts = q.operand()
+    ts = ts.reshape(ts.shape + (1,) * (values.ndim - ts.ndim))
+    # (value * block scale) is exact (in bfloat16 too); its product with the tensor
+    # scale is the IEEE float32 one, even where that is subnormal (tiny tensors) on a
+    # device that flushes subnormals: `mul_exact`, run for tiny tensor scales only.
+    tiny = jnp.any(is_tiny_scale(ts))
+    x = jax.lax.cond(tiny, mul_exact, _mul, values.astype(jnp.float32), ts)
+    return from_float32(x, dtype)
 
 
 def _mul(a: Array, b: Array) -> Array:
@@ -217,6 +226,23 @@ def to_nvfp4(
     x, block, rounding, scale_rounding, amax = _prepare(
         x, block, rounding, key, amax, scale_rounding
     )
+    # Jitted (per parameters and per the implementations `_kernels` picks now): called
+    # eagerly, one dispatch and one compilation per shape rather than one per operation.
+    params = {"block": block, "rounding": rounding, "scale_rounding": scale_rounding}
+    packed, scales, s_dec = compiled(_codes_and_scales, 0, **params)(x, key, amax)
+    tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
+    return NVFP4Array(
+        codes=packed,
+        scales=scales,
+        tensor_scale=s_dec,
+        block=block,
+        logical_tail=tuple(tail),
+        dtype=x.dtype,
+    )
+
+
+def _codes_and_scales(x, key, amax, *, block, rounding, scale_rounding):
+    """`to_nvfp4` of checked arguments: packed codes, E4M3 block scales, tensor scale."""
     xp = pad_to_blocks(float64_to_float32(x), block)  # (float64: subnormals kept)
     kernel = _kernels.nvfp4_quantizer(xp, block, rounding, scale_rounding, amax, key)
     if kernel is not None:  # the backend's kernel, where `_kernels` picks one
@@ -230,15 +256,7 @@ def to_nvfp4(
             codes = _e2m1.encode_nearest(v)
         packed = pack(codes.reshape(xp.shape))
         scales = fp8_bits(scale_b, jnp.float8_e4m3fn)  # on the bits: subnormals kept
-    tail = x.shape[-2:] if is_tile(block) else x.shape[-1:]
-    return NVFP4Array(
-        codes=packed,
-        scales=scales,
-        tensor_scale=s_dec,
-        block=block,
-        logical_tail=tuple(tail),
-        dtype=x.dtype,
-    )
+    return packed, scales, s_dec
 
 
 @follows_input_sharding

@@ -13,7 +13,17 @@ import pytest
 from helpers import ROOT, run_script
 
 EXAMPLES_DIR = ROOT / "examples"
-EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith("_"))
+#: Examples whose `--smoke` run is another test's: name -> where.
+RUN_ELSEWHERE = {
+    # `--smoke --processes 2` as a script (its processes run `__main__`) and `main(["--smoke"])`
+    # in the multi-device process, its module imported through jaxtyping's import hook.
+    "sharded_training": "tests/multidevice/test_multiprocess.py",
+}
+EXAMPLES = sorted(
+    p
+    for p in EXAMPLES_DIR.glob("*.py")
+    if not p.name.startswith("_") and p.stem not in RUN_ELSEWHERE
+)
 TIMEOUT_S = 300
 
 # Runs `examples/NAME.py` as `__main__` through the import system, so the jaxtyping hook
@@ -34,6 +44,9 @@ with install_import_hook(["nvfp4x", name, *packages], "beartype.beartype"):
 def test_examples_found():
     names = {p.stem for p in EXAMPLES}
     assert {"train_lm", "quickstart", "custom_policy"} <= names, names
+    for name, where in RUN_ELSEWHERE.items():
+        assert (EXAMPLES_DIR / f"{name}.py").exists(), name
+        assert f"{name}.py" in (ROOT / where).read_text(), (name, where)
 
 
 def test_train_lm_imports_without_side_effects(capsys, monkeypatch):

@@ -115,10 +115,18 @@ def to_fp8(x: ArrayLike, kind: str = "e4m3") -> FP8Array:
     """
     x = check_float(x)
     kind = check_fp8_kind(kind)
+    bits, scale = _quantize(x, kind)
+    return FP8Array(data_bits=bits, scale=scale, kind=kind, dtype=x.dtype)
+
+
+# Jitted: called eagerly, it is one dispatch (one compilation per shape and kind) rather
+# than every operation dispatched and compiled on its own.
+@functools.partial(jax.jit, static_argnames="kind")
+def _quantize(x: Array, kind: str) -> tuple[Array, Array]:
+    """`to_fp8` of checked arguments: the FP8 elements' bits and the decode scale."""
     x32 = to_float32(x)  # (float64: subnormals kept)
     q, scale = quantize_fp8(x32, kind, tensor_amax(x32))
-    bits = fp8_bits(q, FP8_DTYPES[kind])  # on the bits: FP8 subnormals kept
-    return FP8Array(data_bits=bits, scale=scale, kind=kind, dtype=x.dtype)
+    return fp8_bits(q, FP8_DTYPES[kind]), scale  # on the bits: FP8 subnormals kept
 
 
 class FP8Spec(FormatSpec):

@@ -131,13 +131,20 @@ def to_mxfp8(x: ArrayLike) -> MXFP8Array:
     """
     x = check_float(x)
     check_ndim(x, 1, "MXFP8 (blocks of 32 along the last axis)")
-    q, scale = quantize_mxfp8(mx_pad(to_float32(x)))  # (float64: subnormals kept)
+    data_bits, scale_bits = _quantize(x)
     return MXFP8Array(
-        data_bits=fp8_bits(q, jnp.float8_e4m3fn),  # on the bits: FP8 subnormals kept
-        scale_bits=fp8_bits(scale, jnp.float8_e8m0fnu),
-        logical_last=x.shape[-1],
-        dtype=x.dtype,
+        data_bits=data_bits, scale_bits=scale_bits, logical_last=x.shape[-1], dtype=x.dtype
     )
+
+
+# Jitted: called eagerly, it is one dispatch (one compilation per shape) rather than
+# every operation dispatched and compiled on its own.
+@jax.jit
+def _quantize(x: Array) -> tuple[Array, Array]:
+    """`to_mxfp8` of a checked array: the E4M3 elements' and E8M0 scales' bits."""
+    q, scale = quantize_mxfp8(mx_pad(to_float32(x)))  # (float64: subnormals kept)
+    # on the bits: FP8 subnormals kept
+    return fp8_bits(q, jnp.float8_e4m3fn), fp8_bits(scale, jnp.float8_e8m0fnu)
 
 
 class MXFP8Spec(FormatSpec):

@@ -178,7 +178,12 @@ def test_sharded_training_example_on_two_processes_prints_the_one_process_curve(
     proc = run_script(args, timeout=TIMEOUT)
     assert "over 2 process(es)" in proc.stdout
     two = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
-    import sharded_training  # (examples/ is on sys.path: pyproject.toml)
+    from jaxtyping import install_import_hook
+
+    # (examples/ is on sys.path: pyproject.toml.) Its annotations checked at runtime, as
+    # tests/test_examples.py runs the other examples (which leaves this one to this test).
+    with install_import_hook(["sharded_training"], "beartype.beartype"):
+        import sharded_training
 
     with jax.numpy_dtype_promotion("standard"):  # as the script runs (optax's Adam needs it)
         one = sharded_training.main(["--smoke"])
