@@ -49,7 +49,7 @@ from ._checks import check_bool, check_float, check_str
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
-from ._numerics._hadamard import rht_columns
+from ._numerics._hadamard import rht
 from ._numerics._threefry import fold_in_tags
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
@@ -180,12 +180,13 @@ def dgrad(
 
 def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
     """wgrad's operands as `(T, n)` and `(T, k)`, after the RHT along the token axis if
-    the recipe says (tokens then padded to a multiple of 16; both in one transform,
-    `rht_columns`: half the program of two)."""
+    the recipe says (tokens then padded to a multiple of 16). Two transforms, not one of
+    both side by side: under tensor or FSDP sharding their concatenation moved data
+    between devices (`tests/multidevice/test_sharding.py`)."""
     g = dy.reshape(-1, dy.shape[-1])
     a = x.reshape(-1, x.shape[-1])
     if recipe.rht:
-        g, a = rht_columns(g, a)
+        g, a = rht(g, axis=0), rht(a, axis=0)
     return g, a
 
 

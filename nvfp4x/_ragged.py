@@ -61,7 +61,7 @@ from ._gemm import (
     wgrad,
 )
 from ._numerics._constants import BLOCK, ROW_BLOCK
-from ._numerics._hadamard import rht_columns
+from ._numerics._hadamard import rht
 from ._numerics._ieee import INF_BITS, abs_bits, from_bits
 from ._policy import Recipe
 from ._prims import (
@@ -277,7 +277,7 @@ def grouped_wgrad(dy, x, sizes, seeds, *, recipe: Recipe, dtype) -> Float[Array,
     dp = _to_padded(dy.astype(jnp.float32), g)
     xp = _to_padded(x.astype(jnp.float32), g)
     if recipe.rht:  # 16-row chunks: each within a group
-        dp, xp = rht_columns(dp, xp)  # (one transform: `rht_columns`)
+        dp, xp = rht(dp, axis=0), rht(xp, axis=0)
     keys = _keys(seeds, 2) if needs_key(recipe) else None
     gv, gs = quantize_tokens(dp, recipe.grad, g, keys)
     xv, xs = quantize_tokens(xp, recipe.input, g, None)

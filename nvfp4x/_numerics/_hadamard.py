@@ -73,22 +73,6 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     return jnp.moveaxis(y, 0, axis)
 
 
-def rht_columns(*xs: Float[Array, "_ _"]) -> tuple[Float[Array, "_ _"], ...]:
-    """`tuple(rht(x, axis=0) for x in xs)` for 2-D arrays, bit for bit; where they have
-    the same number of rows, in one transform of their columns side by side (arrays of
-    different lengths, such as a convolution's output gradient and its distinct input
-    chunks, are transformed one by one): each column is
-    transformed on its own (the guarded path changes only the columns that need it, and
-    leaves the others' bits as the plain product gives them), so XLA compiles one
-    transform (its `cond` and both branches) instead of one per array (wgrad's `dy`
-    and `x`)."""
-    if len({x.shape[0] for x in xs}) > 1 or len(xs) == 1:
-        return tuple(rht(x, axis=0) for x in xs)
-    y = rht(jnp.concatenate([to_float32(x) for x in xs], axis=1), axis=0)
-    ends = np.cumsum([x.shape[1] for x in xs])
-    return tuple(y[:, e - x.shape[1] : e] for x, e in zip(xs, ends, strict=True))
-
-
 # Branches of `lax.cond`: module-level functions (`cond` caches traced branches by identity).
 
 

@@ -341,17 +341,14 @@ def _amax_of_block_maxima(bamax: Float[Array, "..."]) -> Float[Array, ""]:
     A float max reads subnormal block maxima as 0 on a device that flushes subnormals,
     but is exact when it is normal. Below 2^-126 every block maximum is zero or
     subnormal, and the maximum of their bits, read as float32 integers (exact below
-    2^24), gives the answer: a second float maximum over the block grid, taken in the
-    same (variadic) reduction, rather than a `lax.cond` (more computations for XLA to
-    compile in every quantisation; an int32 max is ~15x slower than a float one on
-    XLA:CPU). The reduction is over the block grid, 1/16 of the array.
+    2^24), gives the answer: a second float reduction over the block grid, rather than
+    a `lax.cond` (more computations for XLA to compile in every quantisation; an int32
+    max is ~15x slower than a float one on XLA:CPU). Both are over the block grid, 1/16
+    of the array.
     """
+    m = jnp.max(bamax, initial=0.0)
     bits = abs_bits(bamax)
-    small = jnp.where(bits < MIN_NORMAL_BITS, bits, 0).astype(jnp.float32)
-    # Both maxima in one (variadic) reduction: half the kernels for XLA to compile.
-    zero = jnp.float32(0.0)
-    dims = tuple(range(bamax.ndim))
-    m, small = jax.lax.reduce([bamax.astype(jnp.float32), small], [zero, zero], _maxima, dims)
+    small = jnp.max(jnp.where(bits < MIN_NORMAL_BITS, bits, 0).astype(jnp.float32), initial=0.0)
     return jnp.where(abs_bits(m) < MIN_NORMAL_BITS, from_bits(small.astype(jnp.int32)), m)
 
 
