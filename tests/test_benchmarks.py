@@ -191,3 +191,28 @@ def test_bench_compile_counts_instructions_per_region():
         ]
     )
     assert hlo_regions(text) == {"fprop": 1, "dgrad": 1, "wgrad": 1, "other": 1}
+
+
+def test_tpu_chunks_hold_every_numerics_file_once():
+    """`benchmarks/tpu_check.sh`'s chunks name existing test files, each once, and hold
+    every numerics file issue 36 names (a renamed or new file would otherwise never run
+    on a TPU)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "tpu_check.sh")],
+        env={"CHUNK": "list", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    files = [f for line in out.splitlines() for f in line.split(":", 1)[1].split()]
+    assert len(files) == len(set(files)), files
+    assert all((ROOT / f).is_file() for f in files), files
+    numerics = {
+        "exactness", "format", "fp8_tables", "gemm_reference", "gemm_sr", "gemm_vmap",
+        "gemm_jax", "unbiased_sr", "freeze", "tied", "moe", "conv", "any_model",
+        "transform", "hf", "requantize", "telemetry", "save_load", "native_gemm",
+        "kernels", "tpu_kernels", "frozen_kernel", "tpu_frozen_kernel",
+    }  # fmt: skip
+    assert {f"tests/test_{name}.py" for name in numerics} <= set(files)
