@@ -144,7 +144,7 @@ def test_sr_is_unbiased():
 @pytest.mark.parametrize("partitionable", [True, False], ids=["partitionable", "original"])
 def test_sr_seed_words_are_jax_random_bits(partitionable):
     """The unrolled Threefry-2x32 (`_threefry`) gives `jax.random`'s words bit for bit:
-    `fold_in` (the GEMM's dgrad/wgrad keys) and `bits(key, (2,))` (every SR seed), in
+    `fold_in_tags` (the GEMM's dgrad/wgrad keys) and `bits(key, (2,))` (every SR seed), in
     both of `jax.random`'s counter layouts, eagerly and under `jit`; keys of another
     implementation go through `jax.random`."""
     from nvfp4x._numerics import _threefry
@@ -161,10 +161,11 @@ def test_sr_seed_words_are_jax_random_bits(partitionable):
         want = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
         for fn in (_threefry.seed_words, jax.jit(_threefry.seed_words)):
             np.testing.assert_array_equal(jax.vmap(fn)(keys), want)
-        for tag in tags:
+        folded = jax.vmap(lambda w: _threefry.fold_in_tags(w, tuple(tags)))
+        got = jax.jit(folded)(jnp.asarray(words))  # (words, tags, 2)
+        for i, tag in enumerate(tags):
             want = jax.vmap(lambda k, t=tag: jax.random.key_data(jax.random.fold_in(k, t)))(keys)
-            got = jax.jit(jax.vmap(lambda w, t=tag: _threefry.fold_in(w, t)))(jnp.asarray(words))
-            np.testing.assert_array_equal(got, want, f"fold_in {tag}")
+            np.testing.assert_array_equal(got[:, i], want, f"fold_in {tag}")
         other = jax.random.key(3, impl="rbg")
         assert not _threefry.is_threefry(other) and not _threefry.is_threefry(jnp.asarray(words[2]))
         np.testing.assert_array_equal(

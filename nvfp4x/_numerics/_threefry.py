@@ -49,18 +49,11 @@ def _materialize(words: UInt32[Array, "*s"]) -> UInt32[Array, "*s"]:
     return jax.lax.reduce(pairs, np.uint32(0), jax.lax.max, (words.ndim,))
 
 
-def fold_in(words: UInt32[Array, "2"], data: int) -> UInt32[Array, "2"]:
-    """The key data of `jax.random.fold_in(key, data)` for a Threefry key holding `words`
-    (`0 <= data < 2^32`)."""
-    u = jnp.uint32
-    y1, y2 = threefry2x32(words[0], words[1], u(0), u(data))
-    return _materialize(jnp.stack([y1, y2]))
-
-
 def fold_in_tags(words: UInt32[Array, "2"], tags: tuple[int, ...]) -> UInt32[Array, "t 2"]:
-    """`fold_in(words, tag)` for each of `tags`, row by row, in one vectorised hash: the
-    same program wherever it is asked with the same `tags`, which XLA's common
-    subexpression elimination merges (dgrad and wgrad fold their tags into one seed)."""
+    """The key data of `jax.random.fold_in(key, tag)` for a Threefry key holding `words`,
+    for each of `tags` (`0 <= tag < 2^32`), row by row, in one vectorised hash: the same
+    program wherever it is asked with the same `tags`, which XLA's common subexpression
+    elimination merges (dgrad and wgrad fold their tags into one seed)."""
     u = jnp.uint32
     y1, y2 = threefry2x32(words[0], words[1], jnp.zeros(len(tags), u), jnp.asarray(tags, u))
     return _materialize(jnp.stack([y1, y2], axis=-1))
