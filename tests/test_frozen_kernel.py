@@ -180,7 +180,12 @@ def test_chooser_and_uncovered_cases():
     assert _kernels.pick("frozen_gemm", "cpu") == "xla"
     codes, scale_bits = jnp.zeros((32, 32), jnp.uint8), jnp.zeros((32, 4), jnp.uint8)
     args = (codes, scale_bits, (1, 16), (32, 64))
-    assert _kernels.frozen_gemm(jnp.ones((2, 64)), *args) is None  # the default: XLA
+    # The default: XLA (`None`, the caller runs the reference) except on a TPU, which
+    # picks the Mosaic kernel.
+    default = _kernels.frozen_gemm(jnp.ones((2, 64)), *args)
+    assert (default is None) == (_kernels.pick("frozen_gemm") == "xla")
+    assert default is None or not jnp.any(default)  # zero codes: a zero product
+    assert _kernels.pick("frozen_gemm", "tpu") == "mosaic"
     assert _kernels.frozen_gemm(jnp.ones((2, 64), jnp.int32), *args, "pallas") is None
     assert _kernels.frozen_gemm(jnp.ones((0, 64)), *args, "pallas") is None
 
