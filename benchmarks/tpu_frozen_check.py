@@ -15,6 +15,12 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   (`memory_analysis`);
 - `--sweep`: the kernel alone over the stack, each tile of `SWEEP_TILES` per token
   bucket, printing the best (to fill `DEFAULT_TILES`).
+- `--attribute`: where the kernel's time goes (issue 38: the "planes" layout at a few
+  tokens reads its packed weights at ~100 GB/s): the kernel alone over the stack against
+  variants of it that do part of its work, with the same tiles, blocks and pipeline
+  (`ATTRIBUTION`): only the DMAs, the decode without the MXU dots, the dots without the
+  decode, the decode without the block scales; and XLA's dot of bf16 weights of the
+  same shape. Diagnostic kernels, here only: not part of nvfp4x.
 
 Every configuration runs in its own `try` (a Mosaic compile failure is printed in full
 and the rest goes on). `--out PATH` writes the markdown table. `--smoke` runs tiny
@@ -209,6 +215,8 @@ def run(args) -> Rows:
             rows.add(f"{label}, {tokens} tokens", f"{secs * 1e3:.3f} ms", f"{note}; {notes[label]}")
     if args.sweep and frozen:
         sweep(rows, next(iter(frozen.values())), args)
+    if args.attribute and frozen:
+        attribute(rows, next(iter(frozen.values())), bf16, args)
     return rows
 
 
@@ -255,6 +263,162 @@ def sweep(rows: Rows, fz, args) -> None:
             )
 
 
+#: `--attribute`'s variants of the "planes" kernel (bfloat16 activations), by what each
+#: step does with its tile of codes and scales (DMA'd into VMEM by the pipeline in all).
+ATTRIBUTION = {
+    "dma": "nothing but touch one vreg of the codes: the pipeline's DMAs",
+    "decode": "decode the 8 planes and store them, bfloat16, to VMEM: no MXU",
+    "decode, no scales": "as `decode`, without the block scales' decode and multiply",
+    "dots": "the 8 MXU dots on planes decoded once, in the first step of the call",
+}
+
+
+def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref, *, variant):
+    """One step of an `ATTRIBUTION` variant (see `_tpu_frozen_gemm._kernel`)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    def decode(scaled: bool):
+        if scaled:
+            for q, h, w in _tpu_frozen_gemm._planes(codes_ref, scales_ref, None):
+                dec_ref[2 * q + h] = w.astype(jnp.bfloat16)
+            return
+        words = pltpu.bitcast(codes_ref[...], jnp.int32).T
+        for q in range(4):
+            for h in range(2):
+                w = _tpu_frozen_gemm.double_e2m1(words, 8 * q + 4 * h)
+                dec_ref[2 * q + h] = w.astype(jnp.bfloat16)
+
+    if variant == "dma":
+        word = pltpu.bitcast(codes_ref[0:32, 0:128], jnp.int32)  # (8, 128)
+        out_ref[0, 0:8, 0:128] += word.astype(jnp.float32)
+    elif variant in ("decode", "decode, no scales"):
+        decode(variant == "decode")
+        out_ref[0, 0:16, 0:128] += dec_ref[0, 0:16, 0:128].astype(jnp.float32)
+    else:  # "dots"
+        first = (pl.program_id(0) == 0) & (pl.program_id(1) == 0) & (pl.program_id(2) == 0)
+
+        @pl.when(first)
+        def _():
+            decode(True)
+
+        xs = (xe_ref[0], xo_ref[0])
+        for q in range(4):
+            d = [
+                jnp.dot(xs[h], dec_ref[2 * q + h], preferred_element_type=jnp.float32)
+                for h in range(2)
+            ]
+            out_ref[q] += d[0] + d[1]
+
+
+def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, interpret=False):
+    """`frozen_matmul`'s "planes" call (bfloat16 activations, shapes whole tiles) with
+    the `ATTRIBUTION` `variant`'s kernel; its result is not the product."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from nvfp4x._numerics._constants import BLOCK, TILE
+
+    bm, bn, bk = tiles
+    m, k = x.shape
+    bm = min(bm, -(-m // 16) * 16)
+    if tuple(block) == TILE:
+        scale_bits = jnp.repeat(scale_bits, BLOCK, axis=0)
+    rows, width = codes.shape
+    if rows % bn or width % (bk // 2):
+        raise ValueError(f"--attribute takes weights of whole tiles {tiles}: {codes.shape}")
+    m_tiles = -(-m // bm)
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_tiles * bm - m), (0, 0)))[None]
+    xe, xo = xp[:, :, 0::2], xp[:, :, 1::2]
+    x_spec = pl.BlockSpec((1, bm, bk // 2), lambda i, j, kk: (0, i, kk))
+    call = pl.pallas_call(
+        functools.partial(_attribution_kernel, variant=variant),
+        out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, rows // 4), jnp.float32),
+        grid=(m_tiles, rows // bn, width // (bk // 2)),
+        in_specs=[
+            x_spec,
+            x_spec,
+            pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk)),
+            pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk)),
+        ],
+        out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
+        scratch_shapes=[pltpu.VMEM((8, bk // 2, bn // 4), jnp.bfloat16)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=100 << 20,
+        ),
+        interpret=interpret,
+        name=f"frozen_attribution_{variant.replace(',', '').replace(' ', '_')}",
+    )
+    out = call(xe, xo, codes, scale_bits)
+    return jnp.transpose(out, (1, 2, 0)).reshape(m_tiles * bm, rows)[:m]
+
+
+def _bf16_layer(h, wt):
+    """One layer of bf16 weights `wt` `(out, in)` on `h`, XLA's dot (a `lax.scan` body)."""
+    return jnp.dot(h, wt.T).astype(h.dtype), None
+
+
+def attribute(rows: Rows, fz, bf16, args) -> None:
+    """`--attribute`: the kernel alone over the stacked layers against its
+    `ATTRIBUTION` variants and XLA's dot of the bf16 weights, per token count (at most
+    16: the "planes" layout), interleaved in this process."""
+    w = fz.weight.packed
+    d = args.d
+    for tokens in [t for t in args.tokens if t <= 16]:
+        x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
+        tiles = _tpu_frozen_gemm.default_tiles(tokens)
+        fns = {}
+        mms = {
+            "kernel": functools.partial(
+                _tpu_frozen_gemm.frozen_matmul,
+                block=tuple(w.block),
+                n=d,
+                operand="bfloat16",
+                tiles=tiles,
+                interpret=jax.default_backend() != "tpu",
+                layout="planes",
+            )
+        }
+        for variant in ATTRIBUTION:
+            mms[variant] = functools.partial(
+                attribution_matmul,
+                block=tuple(w.block),
+                variant=variant,
+                tiles=tiles,
+                interpret=jax.default_backend() != "tpu",
+            )
+        for name, mm in mms.items():
+            try:
+                body = lambda h, cs, mm=mm: (mm(h, cs[0], cs[1]).astype(h.dtype), None)
+                f = jax.jit(lambda h, c, s, body=body: jax.lax.scan(body, h, (c, s))[0])
+                jax.block_until_ready(f(x, w.codes, w.scale_bits))
+                fns[name] = functools.partial(f, x, w.codes, w.scale_bits)
+            except Exception as e:  # noqa: BLE001
+                error(rows, f"attribute {name}, {tokens} tokens", e)
+        try:
+            g = jax.jit(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0])
+            jax.block_until_ready(g(x, bf16.weight))
+            fns["bf16 weights (XLA dot)"] = functools.partial(g, x, bf16.weight)
+        except Exception as e:  # noqa: BLE001
+            error(rows, f"attribute bf16 weights, {tokens} tokens", e)
+        times = interleaved(fns, args.repeats)
+        base = times.get("kernel")
+        nbytes = packed_bytes(fz)
+        for name, secs in times.items():
+            note = ATTRIBUTION.get(name, "")
+            ratio = f", {secs / base:.2f}x the kernel" if base else ""
+            rows.add(
+                f"attribute {name}, {tokens} tokens, tiles {tuple(tiles)}",
+                f"{secs * 1e3:.3f} ms",
+                f"{nbytes / secs / 1e9:,.0f} GB/s packed{ratio}; {note}".rstrip("; "),
+            )
+
+
 def main(argv: list[str] | None = None) -> Rows:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16)
@@ -266,6 +430,9 @@ def main(argv: list[str] | None = None) -> Rows:
     p.add_argument("--recipes", type=lambda s: tuple(s.split(",")), default=tuple(RECIPES))
     p.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=tuple(DTYPES))
     p.add_argument("--sweep", action="store_true", help="time SWEEP_TILES per token bucket")
+    p.add_argument(
+        "--attribute", action="store_true", help="the kernel against variants doing part of it"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table there")
     args = p.parse_args(argv)

@@ -214,6 +214,28 @@ def test_kernel_lowers_for_tpu():
         assert "nvfp4_frozen_matmul_tpu" in text, (tiles, block, operand)
 
 
+def test_attribution_variants_lower_for_tpu():
+    """`benchmarks/tpu_frozen_check.py --attribute`'s diagnostic kernels lower for a TPU
+    (1 and 16 tokens' tiles, both weight blocks), so that a device call is not spent on
+    an error the CPU can show."""
+    from benchmarks import tpu_frozen_check
+
+    for tokens in (1, 16):
+        tiles = _tpu_frozen_gemm.default_tiles(tokens)
+        for block in ((1, 16), (16, 16)):
+            args = (
+                jax.ShapeDtypeStruct((tokens, 4096), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4096, 2048), jnp.uint8),
+                jax.ShapeDtypeStruct((4096 // block[0], 256), jnp.uint8),
+            )
+            for variant in tpu_frozen_check.ATTRIBUTION:
+                fn = functools.partial(
+                    tpu_frozen_check.attribution_matmul, block=block, variant=variant, tiles=tiles
+                )
+                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+                assert "frozen_attribution_" in lowered.as_text(), (tokens, block, variant)
+
+
 @pytest.mark.slow
 def test_device_check_smoke(tmp_path):
     """`benchmarks/tpu_frozen_check.py --smoke` (tiny shapes, interpreted off a TPU):
