@@ -16,10 +16,11 @@
 #       $OUT/bench.md --only quantize`), killed after BENCH_SECONDS (default 300).
 #
 # Each chunk is sized to end well inside one 10-minute device command, from what was
-# measured on a TPU v5e (2026-12-05, third session, pytest's own times): chunk 1 about
-# 320 s (hypothesis' examples each compile the Mosaic quantiser), chunk 2 about 200 s,
-# chunk 3 210 s, chunk 4's first two files 132 s; chunks 5-9 not yet measured there (run
-# them with a generous TEST_SECONDS; each test file's times are in the JUnit file). The
+# measured on a TPU v5e (2026-12-05, fourth session, pytest's own times): chunk 1 244 s
+# (hypothesis' examples each compile the Mosaic quantiser), chunk 2 146 s, chunk 3 about
+# 300 s (240 s reached 7 tests into `test_gemm_jax.py`), chunk 4 251 s; chunks 5-9 not yet
+# measured there (run them with a generous TEST_SECONDS; each test file's times are in
+# the JUnit file). Two chunks fit one command where their times add up to ~540 s. The
 # first start of a machine adds 1-2 minutes before this script, the installs here 20 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
 # (JUnit: every test's outcome and time), $OUT/script.log.
