@@ -131,6 +131,30 @@ def test_w4a4_round_trip_is_bit_identical(w4a4):
     np.testing.assert_array_equal(forward(back, x), forward(frozen, x))
 
 
+def test_bf16_twin_of_the_export_is_the_same_model_in_bfloat16(w4a4):
+    """`--generate-from DIR --compare-bf16`'s baseline: every frozen layer of the read
+    checkpoint a `Bf16Linear` holding its decoded weight in bfloat16, the logits close
+    to the packed model's; and both generate."""
+    frozen, directory, _ = w4a4
+    back = nvfp4x.import_hf(directory, like_of(w4a4_policy()), names=NAMES)
+    twin = lm.bf16_twin(back)
+    is_frozen = lambda n: isinstance(n, nvfp4x.FrozenLinear)  # noqa: E731
+    frozen_layers = [n for n in jax.tree.leaves(back, is_leaf=is_frozen) if is_frozen(n)]
+    is_twin = lambda n: isinstance(n, lm.Bf16Linear)  # noqa: E731
+    twins = [n for n in jax.tree.leaves(twin, is_leaf=is_twin) if is_twin(n)]
+    assert frozen_layers and len(twins) == len(frozen_layers)
+    assert not any(map(is_frozen, jax.tree.leaves(twin, is_leaf=is_frozen)))
+    assert all(t.weight.dtype == jnp.bfloat16 for t in twins)
+    wq = back.blocks[0].attn.wq
+    want = np.asarray(wq.weight.packed.dequantize().astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(twin.blocks[0].attn.wq.weight, np.float32), want)
+    x = jnp.arange(CFG.seq, dtype=jnp.int32) * 7 % CFG.vocab
+    got, ref = np.asarray(twin(x), np.float32), np.asarray(back(x), np.float32)
+    assert np.linalg.norm(got - ref) <= 0.1 * np.linalg.norm(ref)
+    for model in (back, twin):
+        assert lm.generation_speed(model, CFG, 2) > 0
+
+
 def test_w4a4_files_follow_model_optimizer(w4a4):
     frozen, directory, amax = w4a4
     hq = json.loads((directory / "hf_quant_config.json").read_text())

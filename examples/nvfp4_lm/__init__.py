@@ -27,10 +27,13 @@ from .data import (
     windows as windows,
 )
 from .deploy import (
+    Bf16Linear as Bf16Linear,
+    bf16_twin as bf16_twin,
     calibrate_input_amax as calibrate_input_amax,
     config_from_hf as config_from_hf,
     export as export,
     generate as generate,
+    generation_speed as generation_speed,
     hf_config as hf_config,
     load_export as load_export,
 )

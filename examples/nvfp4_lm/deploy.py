@@ -120,6 +120,49 @@ def generate(model: Any, cfg: Config, prompt: bytes, n: int) -> bytes:
     return bytes(text[-n:]) if n else b""
 
 
+class Bf16Linear(eqx.Module):
+    """A linear layer with its weight in bfloat16: `x` cast to bfloat16, multiplied with
+    float32 accumulation, the bias added, cast back to `x`'s dtype (a bf16 serving
+    stack's GEMM)."""
+
+    weight: Any
+    bias: Any
+
+    def __call__(self, x: Any) -> Any:
+        y = jnp.matmul(x.astype(jnp.bfloat16), self.weight.T, preferred_element_type=jnp.float32)
+        return (y if self.bias is None else y + self.bias).astype(x.dtype)
+
+
+def bf16_twin(model: Any) -> Any:
+    """The same model with bfloat16 weights, the baseline of `generation_speed`: every
+    frozen layer a `Bf16Linear` holding its packed weight decoded (`dequantize()`,
+    tensor scale included) and rounded to bfloat16; the rest (embedding, norms,
+    attention) as it is. Its numbers are close to the frozen model's, not the same."""
+
+    def unpack(node: Any) -> Any:
+        if not isinstance(node, nvfp4x.FrozenLinear):
+            return node
+        if len(node.weight_shape) != 2:
+            raise ValueError(f"a stacked frozen layer {node.weight_shape}: not this model's")
+        packed = getattr(node.weight, "packed", node.weight)  # (an array where not packed)
+        weight = packed.dequantize() if hasattr(packed, "dequantize") else packed
+        bias = None if node.bias is None else node.bias.astype(jnp.float32)
+        return Bf16Linear(jnp.asarray(weight).astype(jnp.bfloat16), bias)
+
+    return jax.tree.map(unpack, model, is_leaf=lambda n: isinstance(n, nvfp4x.FrozenLinear))
+
+
+def generation_speed(model: Any, cfg: Config, n: int, prompt: bytes = b"def ") -> float:
+    """Bytes per second of `generate` over `n` bytes (at least 2), after one byte that
+    compiles the step (not counted)."""
+    import time
+
+    generate(model, cfg, prompt, 1)  # compiles
+    t0 = time.perf_counter()
+    generate(model, cfg, prompt, max(2, n))
+    return max(2, n) / (time.perf_counter() - t0)
+
+
 @functools.cache
 def _next_byte(seq: int):
     del seq  # one compiled step per context length
