@@ -220,6 +220,31 @@ def run(args) -> Rows:
     return rows
 
 
+def kernel_over_stack(w, x, tiles, layout: str = "planes") -> Callable[[], Any]:
+    """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`) alone over
+    the stacked packed weight `w`, each layer's output the next one's input; compiled
+    and run once."""
+    mm = functools.partial(
+        _tpu_frozen_gemm.frozen_matmul,
+        block=tuple(w.block),
+        n=x.shape[-1],
+        operand="bfloat16",
+        tiles=tiles,
+        interpret=jax.default_backend() != "tpu",
+        layout=layout,
+    )
+    return over_stack(mm, x, w.codes, w.scale_bits)
+
+
+def over_stack(mm, x, codes, scale_bits) -> Callable[[], Any]:
+    """A thunk running `mm(h, codes_l, scale_bits_l)` layer after layer by `lax.scan`
+    from `x`; compiled and run once."""
+    body = lambda h, cs: (mm(h, cs[0], cs[1]).astype(h.dtype), None)  # noqa: E731
+    f = jax.jit(lambda h, c, s: jax.lax.scan(body, h, (c, s))[0])
+    jax.block_until_ready(f(x, codes, scale_bits))
+    return functools.partial(f, x, codes, scale_bits)
+
+
 def sweep(rows: Rows, fz, args) -> None:
     """The kernel alone over the stacked layers (bfloat16 activations, each layer's
     output the next one's input), per tile and, where the tile allows both, per layout
@@ -235,21 +260,8 @@ def sweep(rows: Rows, fz, args) -> None:
             wide = tiles.tokens % 128 == 0 and tokens >= 128
             for layout in ("planes", "wide") if wide else ("planes",):
                 try:
-                    mm = functools.partial(
-                        _tpu_frozen_gemm.frozen_matmul,
-                        block=tuple(w.block),
-                        n=d,
-                        operand="bfloat16",
-                        tiles=tiles,
-                        interpret=jax.default_backend() != "tpu",
-                        layout=layout,
-                    )
-                    body = lambda h, cs, mm=mm: (mm(h, cs[0], cs[1]).astype(h.dtype), None)
-                    f = jax.jit(lambda h, c, s, body=body: jax.lax.scan(body, h, (c, s))[0])
-                    jax.block_until_ready(f(x, w.codes, w.scale_bits))
-                    times[tiles, layout] = interleaved(
-                        {"k": functools.partial(f, x, w.codes, w.scale_bits)}, args.repeats
-                    )["k"]
+                    thunk_ = kernel_over_stack(w, x, tiles, layout)
+                    times[tiles, layout] = interleaved({"k": thunk_}, args.repeats)["k"]
                 except Exception as e:  # noqa: BLE001
                     error(rows, f"sweep {tuple(tiles)} {layout}, {tokens} tokens", e)
         best = min(times, key=times.__getitem__) if times else None
@@ -373,33 +385,22 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
         x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
         tiles = _tpu_frozen_gemm.default_tiles(tokens)
         fns = {}
-        mms = {
-            "kernel": functools.partial(
-                _tpu_frozen_gemm.frozen_matmul,
-                block=tuple(w.block),
-                n=d,
-                operand="bfloat16",
-                tiles=tiles,
-                interpret=jax.default_backend() != "tpu",
-                layout="planes",
-            )
-        }
+        try:
+            fns["kernel"] = kernel_over_stack(w, x, tiles)
+        except Exception as e:  # noqa: BLE001
+            error(rows, f"attribute kernel, {tokens} tokens", e)
         for variant in ATTRIBUTION:
-            mms[variant] = functools.partial(
+            mm = functools.partial(
                 attribution_matmul,
                 block=tuple(w.block),
                 variant=variant,
                 tiles=tiles,
                 interpret=jax.default_backend() != "tpu",
             )
-        for name, mm in mms.items():
             try:
-                body = lambda h, cs, mm=mm: (mm(h, cs[0], cs[1]).astype(h.dtype), None)
-                f = jax.jit(lambda h, c, s, body=body: jax.lax.scan(body, h, (c, s))[0])
-                jax.block_until_ready(f(x, w.codes, w.scale_bits))
-                fns[name] = functools.partial(f, x, w.codes, w.scale_bits)
+                fns[variant] = over_stack(mm, x, w.codes, w.scale_bits)
             except Exception as e:  # noqa: BLE001
-                error(rows, f"attribute {name}, {tokens} tokens", e)
+                error(rows, f"attribute {variant}, {tokens} tokens", e)
         try:
             g = jax.jit(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0])
             jax.block_until_ready(g(x, bf16.weight))
