@@ -95,6 +95,31 @@ def test_kernel_equals_reference(case):
     assert m == 1 or np.isfinite(np.asarray(got)[1:-1]).mean() > 0.5
 
 
+@pytest.mark.parametrize(
+    "case", ["1x16_1_token_float32_small_weight", "16x16_17_tokens_bfloat16_overhangs"]
+)
+def test_chunks_layout_equals_reference(case):
+    """The opt-in "chunks" layout (the planes decoded and multiplied a `CHUNK` at a time):
+    a padded small weight with float32 activations (three parts), and 16x16 tiles that
+    overhang the features and the contraction (its last step masked)."""
+    block, m, n, k, operand, tiles = CASES[case]
+    q = weight(n, k, block, nan=True)
+    dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
+    x = activations(m, k, dtype, inf=True)
+    call = functools.partial(
+        _tpu_frozen_gemm.frozen_matmul,
+        block=block,
+        n=n,
+        operand=operand,
+        tiles=tiles,
+        interpret=INTERPRET,
+    )
+    got = call(x, q.codes, q.scale_bits, layout="chunks")
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    check_close(got, reference(x, q, operand), x, q.operand()[0], k)
+    assert np.isnan(np.asarray(got)).any() and np.isinf(np.asarray(got)).any()
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The operands of every call of the kernel (a spy)."""

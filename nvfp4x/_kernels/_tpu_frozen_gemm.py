@@ -236,6 +236,66 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
             out_ref[q] += _sum_parts(d[0] + d[1], bm, parts)
 
 
+#: The "chunks" layout's `(depth / 2, features / 4)` chunk of a plane: what one step of
+#: its loop decodes and multiplies (see `_kernel_chunks`).
+CHUNK = (256, 128)
+
+
+def _kernel_chunks(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, parts, tail):
+    """One step of the "chunks" layout: `_kernel`'s planes, decoded and multiplied a
+    `CHUNK` at a time (a loop over the features, the contraction unrolled), so that a
+    chunk's codes, values and products can stay in vector registers instead of whole
+    `(depth/2, features/4)` planes passing through VMEM between operations. The half
+    scales are decoded once per step into `sc_ref` `(4, features/4/L, depth/16, L)`;
+    each feature chunk's four products (by byte `q`) go to `acc_ref` `(4, features/4/L,
+    parts*tokens, L)`, added into the output block at the end of the step."""
+    rc, lc = CHUNK
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    _, bm, half = xe_ref.shape
+    groups = out_ref.shape[2] // lc
+    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    for q in range(4):
+        sq = half_scales((swords >> (8 * q)) & 0xFF)
+        for g in range(groups):
+            sc_ref[q, g] = sq[:, g * lc : (g + 1) * lc]
+    xs = [
+        [ref[:, :, c0 : c0 + rc].reshape(parts * bm, rc) for c0 in range(0, half, rc)]
+        for ref in (xe_ref, xo_ref)
+    ]
+
+    def feature_chunk(g, carry):
+        rows = pl.ds(pl.multiple_of(g * 4 * lc, 4 * lc), 4 * lc)
+        accs = [jnp.zeros((parts * bm, lc), jnp.float32) for _ in range(4)]
+        for c, c0 in enumerate(range(0, half, rc)):
+            words = pltpu.bitcast(codes_ref[rows, c0 : c0 + rc], jnp.int32).T  # (rc, lc)
+            valid = None
+            if tail is not None:
+                byte = kk * half + c0 + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)
+                valid = byte < tail
+            for q in range(4):
+                s = sc_ref[q, g, c0 // 8 : (c0 + rc) // 8, :]  # (rc/8, lc)
+                s = jnp.broadcast_to(s[:, None, :], (rc // 8, 8, lc)).reshape(rc, lc)
+                for h in range(2):
+                    w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
+                    if valid is not None:
+                        w = jnp.where(valid, w, 0.0)
+                    w = w.astype(jnp.bfloat16)
+                    accs[q] += jnp.dot(xs[h][c], w, preferred_element_type=jnp.float32)
+        for q in range(4):
+            acc_ref[q, g] = accs[q]
+        return carry
+
+    lax.fori_loop(0, groups, feature_chunk, 0)
+    for q in range(4):
+        for g in range(groups):
+            out_ref[q, :, g * lc : (g + 1) * lc] += _sum_parts(acc_ref[q, g], bm, parts)
+
+
 def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref, *, parts, tail):
     """One step of the many-token layout: each plane pair (byte `q`, low and high
     nibble) interleaved back along the contraction in VMEM (strided sublane stores into
@@ -272,13 +332,15 @@ def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref,
             out_ref[rows, :] = ot_ref[...].T
 
 
-def _vmem_bytes(parts: int, tiles: Tiles, wide: bool = False) -> int:
+def _vmem_bytes(parts: int, tiles: Tiles, wide: bool = False, chunks: bool = False) -> int:
     """A bound on the kernel's VMEM: double-buffered blocks, scratch (the many-token
-    layout's) and the step's temporaries."""
+    layout's, the "chunks" layout's) and the step's temporaries."""
     bm, bn, bk = tiles
     blocks = 2 * (2 * parts * bm * (bk // 2) * 2 + bn * bk // 2 + bn * bk // 16 + bm * bn * 4)
     temps = 4 * (bk // 2) * (bn // 4) * 4 + 3 * parts * bm * (bn // 4) * 4
     scratch = (bm * bn + bk * bn // 4 + bn * _LANES) * 4 if wide else 0
+    if chunks:  # the half scales, the products
+        scratch = bk * bn // 4 + parts * bm * bn * 4
     return blocks + temps + scratch
 
 
@@ -315,7 +377,9 @@ def frozen_matmul(
       generic interpreter, which runs inside nvfp4x's primitives under `lax.scan` (their
       lowering has no token for the TPU interpreter's ordered callbacks).
     - `layout`: `"planes"` (the activations' even and odd columns apart, the output
-      interleaved after the call: cheap at a few tokens) or `"wide"` (both interleaves
+      interleaved after the call: cheap at a few tokens), `"chunks"` (as `"planes"`,
+      decoded and multiplied a `CHUNK` at a time; opt-in, not yet timed on a TPU) or
+      `"wide"` (both interleaves
       in VMEM: at many tokens XLA's strided copies of the activations and the output
       cost more than the kernel); by default `"wide"` where the tile's tokens are a
       multiple of 128 and there are at least 128 tokens.
@@ -330,17 +394,17 @@ def frozen_matmul(
     check_tiles(tiles)
     if layout is None:
         layout = "wide" if tiles.tokens % _LANES == 0 and m >= _LANES else "planes"
-    if layout not in ("planes", "wide") or (layout == "wide" and tiles.tokens % _LANES):
+    if layout not in ("planes", "wide", "chunks") or (layout == "wide" and tiles.tokens % _LANES):
         raise ValueError(
-            f"`layout={layout!r}` with tiles {tiles}: `layout` is 'planes' or 'wide' "
-            f"(tiles' tokens a multiple of {_LANES})."
+            f"`layout={layout!r}` with tiles {tiles}: `layout` is 'planes', 'chunks' or "
+            f"'wide' (tiles' tokens a multiple of {_LANES})."
         )
     step = _LANES if layout == "wide" else TOKENS_STEP
     bm = min(tiles.tokens, -(-m // step) * step)
     bn, bk = tiles.features, tiles.depth
     parts = 3 if operand == "float32" else 1
-    wide = layout == "wide"
-    while bm > step and _vmem_bytes(parts, Tiles(bm, bn, bk), wide) > VMEM_BUDGET:
+    wide, chunks = layout == "wide", layout == "chunks"
+    while bm > step and _vmem_bytes(parts, Tiles(bm, bn, bk), wide, chunks) > VMEM_BUDGET:
         bm = max(step, bm // 2 // step * step)  # (float32 activations: three parts)
     if block == TILE:  # one scale row per weight row (see the module docstring)
         scale_bits = jnp.repeat(scale_bits, BLOCK, axis=0)
@@ -364,7 +428,7 @@ def frozen_matmul(
         stacked = xp.astype(jnp.bfloat16)[None]
     codes_spec = pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk))
     scales_spec = pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk))
-    limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk), wide)), 100 << 20)
+    limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk), wide, chunks)), 100 << 20)
     params = pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=limit
     )
@@ -392,15 +456,24 @@ def frozen_matmul(
 
     xe, xo = stacked[:, :, 0::2], stacked[:, :, 1::2]
     x_spec = pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))
+    kernel, scratch = functools.partial(_kernel, parts=parts, tail=tail), []
+    if chunks:
+        kernel = functools.partial(_kernel_chunks, parts=parts, tail=tail)
+        groups = bn // 4 // CHUNK[1]
+        scratch = [
+            pltpu.VMEM((4, groups, bk // BLOCK, CHUNK[1]), jnp.float32),
+            pltpu.VMEM((4, groups, parts * bm, CHUNK[1]), jnp.float32),
+        ]
     call = pl.pallas_call(
-        functools.partial(_kernel, parts=parts, tail=tail),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, n_tiles * bn // 4), jnp.float32),
         grid=(m_tiles, n_tiles, k_tiles),
         in_specs=[x_spec, x_spec, codes_spec, scales_spec],
         out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
+        scratch_shapes=scratch,
         compiler_params=params,
         interpret=_INTERPRETERS[interpret],
-        name="nvfp4_frozen_matmul_tpu",
+        name="nvfp4_frozen_matmul_tpu" + ("_chunks" if chunks else ""),
     )
     out = one_problem_at_a_time(call)(xe, xo, codes, scale_bits)
     # out[q, t, r] is column 4r + q of the tile's rows.
