@@ -19,8 +19,9 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   tokens reads its packed weights at ~100 GB/s): the kernel alone over the stack against
   variants of it that do part of its work, with the same tiles, blocks and pipeline
   (`ATTRIBUTION`): only the DMAs, the decode without the MXU dots, the dots without the
-  decode, the decode without the block scales; and XLA's dot of bf16 weights of the
-  same shape. Diagnostic kernels, here only: not part of nvfp4x.
+  decode, the decode without the block scales; the kernel's opt-in "chunks" layout; and
+  XLA's dot of bf16 weights of the same shape. Diagnostic kernels, here only: not part
+  of nvfp4x.
 
 Every configuration runs in its own `try` (a Mosaic compile failure is printed in full
 and the rest goes on). `--out PATH` writes the markdown table. `--smoke` runs tiny
@@ -385,10 +386,11 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
         x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
         tiles = _tpu_frozen_gemm.default_tiles(tokens)
         fns = {}
-        try:
-            fns["kernel"] = kernel_over_stack(w, x, tiles)
-        except Exception as e:  # noqa: BLE001
-            error(rows, f"attribute kernel, {tokens} tokens", e)
+        for layout, name in (("planes", "kernel"), ("chunks", "kernel, chunks layout")):
+            try:
+                fns[name] = kernel_over_stack(w, x, tiles, layout)
+            except Exception as e:  # noqa: BLE001
+                error(rows, f"attribute {name}, {tokens} tokens", e)
         for variant in ATTRIBUTION:
             mm = functools.partial(
                 attribution_matmul,

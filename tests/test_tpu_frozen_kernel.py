@@ -239,6 +239,32 @@ def test_kernel_lowers_for_tpu():
         assert "nvfp4_frozen_matmul_tpu" in text, (tiles, block, operand)
 
 
+def test_chunks_layout_lowers_for_tpu():
+    """The "chunks" layout lowers for a TPU with the few-token default tiles, both
+    weight blocks and operands, a weight that overhangs the tiles."""
+    for tokens in (1, 16):
+        tiles = _tpu_frozen_gemm.default_tiles(tokens)
+        for block in ((1, 16), (16, 16)):
+            for operand, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
+                n, k = 8200, 8200
+                rows = n if block == (1, 16) else -(-n // 16) * 16
+                args = (
+                    jax.ShapeDtypeStruct((tokens, k), dtype),
+                    jax.ShapeDtypeStruct((rows, -(-k // 16) * 8), jnp.uint8),
+                    jax.ShapeDtypeStruct((rows // block[0], -(-k // 16)), jnp.uint8),
+                )
+                fn = functools.partial(
+                    _tpu_frozen_gemm.frozen_matmul,
+                    block=block,
+                    n=n,
+                    operand=operand,
+                    tiles=tiles,
+                    layout="chunks",
+                )
+                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+                assert "nvfp4_frozen_matmul_tpu_chunks" in lowered.as_text()
+
+
 def test_attribution_variants_lower_for_tpu():
     """`benchmarks/tpu_frozen_check.py --attribute`'s diagnostic kernels lower for a TPU
     (1 and 16 tokens' tiles, both weight blocks), so that a device call is not spent on
