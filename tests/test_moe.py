@@ -106,6 +106,22 @@ def test_eager_grouped_qdot_and_its_gradients_match_reference():
     assert np.flatnonzero(np.isnan(np.asarray(dw)).any((1, 2))).tolist() == [0]
 
 
+def test_grouped_gemms_multiply_float32_operands_in_float32():
+    """Operands a recipe leaves unquantised (`nvfp4_weight_only`: x and dy as they are)
+    are multiplied in float32 by the grouped GEMMs as by the dense ones
+    (`precision=HIGHEST`): at DEFAULT a TPU multiplies float32 in one bfloat16 pass.
+    (On a CPU `ragged_dot` lowers to `dot_general`; on a TPU to `ragged_dot`.)"""
+    recipe = nvfp4x.recipes.nvfp4_weight_only()
+    x, w, g = normal(0, (T, K)), normal(1, (G, N, K)), normal(2, (T, N))
+    s = jnp.asarray(SIZES["uneven"], jnp.int32)
+    f = lambda x, w: _ragged.grouped_qdot(x, w, s, recipe=recipe)
+    step = lambda x, w: (f(x, w), jax.grad(lambda x, w: jnp.sum(f(x, w) * g), (0, 1))(x, w))
+    text = jax.jit(step).lower(x, w).as_text()
+    dots = [ln for ln in text.splitlines() if "dot_general" in ln or "ragged_dot" in ln]
+    assert len(dots) == 3, dots  # fprop, dgrad, wgrad
+    assert all("HIGHEST" in ln for ln in dots if "xf32>" in ln.split(":")[-1]), dots
+
+
 def test_grouped_gemm_keeps_groups_apart():
     """A group's outputs do not depend on another group's tokens (its own tensor scale,
     blocks and RHT chunks): scaling up group 2's tokens changes group 0's nothing."""
