@@ -49,6 +49,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int, UInt32
 
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, widest_float
+from ._formats._dot import dot_precision
 from ._gemm import (
     batched_problem,
     dgrad,
@@ -211,7 +212,9 @@ def _fast(recipe: Recipe) -> bool:
 def _ragged(a: Array, b: Array, sizes: Array, contract: int, dtype) -> Array:
     """`a[t] @ b[g(t)]` contracting `a`'s last axis with `b`'s axis `contract` (1 or 2
     of `(G, ., .)`), accumulated in float32 on `dtype` operands (float32: the reference
-    dtype, or wider)."""
+    dtype, or wider), at the dense GEMM's precision (`dot_precision`: float32 operands
+    multiplied in float32 on every backend, not in one bfloat16 pass as a TPU's
+    DEFAULT does)."""
     dtype = _operand_dtype(a, b, dtype)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (contract,)), ((), ())),
@@ -219,7 +222,12 @@ def _ragged(a: Array, b: Array, sizes: Array, contract: int, dtype) -> Array:
         rhs_group_dimensions=(0,),
     )
     return lax.ragged_dot_general(
-        a.astype(dtype), b.astype(dtype), sizes, dims, preferred_element_type=jnp.float32
+        a.astype(dtype),
+        b.astype(dtype),
+        sizes,
+        dims,
+        precision=dot_precision(dtype),
+        preferred_element_type=jnp.float32,
     )
 
 
@@ -289,7 +297,7 @@ def grouped_wgrad(dy, x, sizes, seeds, *, recipe: Recipe, dtype) -> Float[Array,
     dtype = _operand_dtype(gv, xv, dtype)
     out = lax.ragged_dot_general(
         gv.astype(dtype), xv.astype(dtype), g.padded_sizes, dims,
-        preferred_element_type=jnp.float32,
+        precision=dot_precision(dtype), preferred_element_type=jnp.float32,
     )  # fmt: skip
     scales = [s for s in (gs, xs) if s is not None]
     if len(scales) == 2:

@@ -167,15 +167,35 @@ def only_on(*backends: str, reason: str):
 def assert_same_sums(a: Any, b: Any, what: str) -> None:
     """Two programs' results, leaf by leaf: bit for bit where
     `SAME_SUMS_ACROSS_PROGRAMS`, else up to float32 summation order (`RTOL`: a code or
-    scale that differed would move a leaf far more)."""
+    scale that differed would move a leaf far more). There NaN and ±inf must sit where
+    they sit in `b` (a sum's order does not make or remove them), the finite values are
+    compared by `assert_close`, and a leaf whose finite values are all zero must be
+    zero in `a` too; integer and boolean leaves are compared bit for bit."""
     if SAME_SUMS_ACROSS_PROGRAMS:
         assert_trees_same(a, b, what)
         return
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb), what
     for i, (u, v) in enumerate(zip(la, lb, strict=True)):
-        assert u.dtype == v.dtype and u.shape == v.shape, (what, i, u.dtype, v.dtype)
-        assert_close(u, v, f"{what} (leaf {i})")
+        u, v, where = np.asarray(u), np.asarray(v), f"{what} (leaf {i})"
+        assert u.dtype == v.dtype and u.shape == v.shape, (where, u.dtype, v.dtype)
+        if not np.issubdtype(u.dtype, np.inexact) and u.dtype not in _LOW_FLOATS:
+            assert_same(u, v, where)
+            continue
+        u, v = u.astype(np.float64), v.astype(np.float64)
+        finite = np.isfinite(v)
+        np.testing.assert_array_equal(u[~finite], v[~finite], err_msg=f"{where}: non-finite")
+        assert np.isfinite(u[finite]).all(), f"{where}: non-finite where `b` is finite"
+        if not np.any(v[finite]):
+            np.testing.assert_array_equal(u[finite], v[finite], err_msg=f"{where}: zeros")
+            continue
+        assert_close(u[finite], v[finite], where)
+
+
+#: NumPy's extension float dtypes (`ml_dtypes`), which `np.inexact` does not cover.
+_LOW_FLOATS = tuple(
+    np.dtype(t) for t in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float16)
+)
 
 
 def leaves_bits(tree: Any) -> list:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_close, assert_same, normal
+from helpers import assert_close, assert_same, assert_same_sums, normal
 from jax import lax
 
 import nvfp4x
@@ -71,22 +71,25 @@ _jit_reference = jax.jit(
 def test_grouped_gemms_match_per_group_reference_bit_for_bit(sizes):
     """fprop, dgrad (stochastic rounding, per-group keys) and wgrad (RHT, 16-token blocks
     within groups) of the fast path equal the per-group loop of dense GEMMs, under jit
-    (one compilation for every case: the group sizes are traced)."""
+    (one compilation for every case: the group sizes are traced): bit for bit on a CPU,
+    elsewhere up to float32 summation order (a TPU's grouped GEMM, `ragged_dot`, is not
+    its dense GEMMs)."""
     recipe = nvfp4x.recipes.nvfp4_training()
     x, wv, ws, dy, seeds = _operands(recipe)
     s = jnp.asarray(SIZES[sizes], jnp.int32)
     got = _jit_fast(recipe, x, wv, ws, dy, s, seeds)
     want = _jit_reference(recipe, x, wv, ws, dy, s, seeds)
     for what, a, b in zip(("fprop", "dgrad", "wgrad"), got, want, strict=True):
-        assert_same(a, b, f"{sizes} {what}")
+        assert_same_sums(a, b, f"{sizes} {what}")
     tail = int(s.sum())
     assert not np.any(np.asarray(got[0][tail:])), "tokens of no group get zeros"
 
 
 def test_eager_grouped_qdot_and_its_gradients_match_reference():
     """Eagerly, through the primitives and their derivative rules (`jax.grad`): fprop,
-    dgrad and wgrad equal the reference with the dense layer's per-expert seeds. A NaN
-    token stays in its row and its expert's weight gradient."""
+    dgrad and wgrad equal the (jitted) reference with the dense layer's per-expert seeds
+    (bit for bit on a CPU, `assert_same_sums`). A NaN token stays in its row and its
+    expert's weight gradient."""
     recipe = nvfp4x.recipes.nvfp4_training()
     x, w, g = normal(0, (T, K)).at[3, 5].set(jnp.nan), normal(1, (G, N, K)), normal(2, (T, N))
     s = jnp.asarray(SIZES["uneven"], jnp.int32)
@@ -101,9 +104,25 @@ def test_eager_grouped_qdot_and_its_gradients_match_reference():
     seeds = jax.vmap(mix_weight, in_axes=(None, 0))(jnp.zeros((2,), jnp.uint32), w)
     want = _jit_reference(recipe, x, wv.astype(jnp.float32), ws, g, s, seeds)
     for what, a, b in zip(("fprop", "dgrad", "wgrad"), (y, dx, dw), want, strict=True):
-        assert_same(a, b, f"eager {what}")
+        assert_same_sums(a, b, f"eager {what}")
     assert np.flatnonzero(np.isnan(np.asarray(y)).any(1)).tolist() == [3]
     assert np.flatnonzero(np.isnan(np.asarray(dw)).any((1, 2))).tolist() == [0]
+
+
+def test_grouped_gemms_multiply_float32_operands_in_float32():
+    """Operands a recipe leaves unquantised (`nvfp4_weight_only`: x and dy as they are)
+    are multiplied in float32 by the grouped GEMMs as by the dense ones
+    (`precision=HIGHEST`): at DEFAULT a TPU multiplies float32 in one bfloat16 pass.
+    (On a CPU `ragged_dot` lowers to `dot_general`; on a TPU to `ragged_dot`.)"""
+    recipe = nvfp4x.recipes.nvfp4_weight_only()
+    x, w, g = normal(0, (T, K)), normal(1, (G, N, K)), normal(2, (T, N))
+    s = jnp.asarray(SIZES["uneven"], jnp.int32)
+    f = lambda x, w: _ragged.grouped_qdot(x, w, s, recipe=recipe)
+    step = lambda x, w: (f(x, w), jax.grad(lambda x, w: jnp.sum(f(x, w) * g), (0, 1))(x, w))
+    text = jax.jit(step).lower(x, w).as_text()
+    dots = [ln for ln in text.splitlines() if "dot_general" in ln or "ragged_dot" in ln]
+    assert len(dots) == 3, dots  # fprop, dgrad, wgrad
+    assert all("HIGHEST" in ln for ln in dots if "xf32>" in ln.split(":")[-1]), dots
 
 
 def test_grouped_gemm_keeps_groups_apart():
@@ -222,9 +241,9 @@ def test_ragged_moe_frozen_equals_unfrozen():
     frozen = nvfp4x.freeze(qmodel)
     assert isinstance(frozen.up.weight, nvfp4x.FrozenWeight)
     x, s = normal(5, (T, K)), jnp.asarray(SIZES["uneven"], jnp.int32)
-    assert_same(frozen.up(x, s), qmodel.up(x, s), "frozen experts, eager")
+    assert_same_sums(frozen.up(x, s), qmodel.up(x, s), "frozen experts, eager")
     call = eqx.filter_jit(lambda m, x: m.down(m.up(x, s), s))
-    assert_same(call(frozen, x), call(qmodel, x), "frozen experts, jit")
+    assert_same_sums(call(frozen, x), call(qmodel, x), "frozen experts, jit")
 
 
 class OutInExperts(eqx.Module):
@@ -248,9 +267,9 @@ def test_experts_stored_out_in_freeze_to_the_trained_numbers(read):
     x, s = normal(5, (T, K)), jnp.asarray(SIZES["uneven"], jnp.int32)
     assert _count(jax.make_jaxpr(qmodel)(x, s), "nvfp4x_grouped_qdot") == 1
     frozen = nvfp4x.freeze(qmodel)
-    assert_same(frozen(x, s), qmodel(x, s), "frozen (E, out, in) experts, eager")
+    assert_same_sums(frozen(x, s), qmodel(x, s), "frozen (E, out, in) experts, eager")
     call = eqx.filter_jit(lambda m, x: m(x, s))
-    assert_same(call(frozen, x), call(qmodel, x), "frozen (E, out, in) experts, jit")
+    assert_same_sums(call(frozen, x), call(qmodel, x), "frozen (E, out, in) experts, jit")
     assert np.asarray(frozen.weight).shape == (G, 48, K)
 
 
@@ -268,7 +287,7 @@ def test_unsupported_ragged_layout_warns_and_runs_float():
     f = lambda m: lax.ragged_dot_general(x, m.weight, s, dims)
     with pytest.warns(UserWarning, match="weight `` selected by the policy reached a `ragged_dot`"):
         y = nvfp4x.quantized(f)(qlayer)
-    assert_same(y, f(layer), "the float product")
+    assert_same_sums(y, f(layer), "the float product")
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,8 +323,9 @@ def _vmapped_model():
 
 def test_vmapped_experts_are_independent_problems():
     """Each expert computes inside the module what it computes alone (its own scales):
-    the forward bit for bit, the weight gradient to float32 summation order (the
-    expert alone multiplies on bfloat16 operands, the stack on float32 ones)."""
+    the forward bit for bit on a CPU (`assert_same_sums`: elsewhere the batched and
+    the single GEMM may sum in other orders), the weight gradient to float32 summation
+    order (the expert alone multiplies on bfloat16 operands, the stack on float32 ones)."""
     qmodel = _vmapped_model()
     x, g = normal(9, (T, K)), normal(10, (G, T, 48))
     inside = nvfp4x.quantized(lambda m: jax.vmap(lambda e: e(x))(m.experts))
@@ -320,7 +340,7 @@ def test_vmapped_experts_are_independent_problems():
 
     ys, grads, ys_alone, grads_alone = both(qmodel)
     for i in range(G):
-        assert_same(ys[i], ys_alone[i], f"expert {i} forward")
+        assert_same_sums(ys[i], ys_alone[i], f"expert {i} forward")
         assert_close(grads[i], grads_alone[i], f"expert {i} weight gradient", rtol=1e-6)
     fwd = jax.make_jaxpr(lambda m, x: m(x))(qmodel, x)
     grad = jax.make_jaxpr(eqx.filter_grad(_loss))(qmodel, x)
@@ -334,7 +354,7 @@ def test_vmapped_experts_are_independent_problems():
 def test_vmapped_experts_frozen_and_telemetry():
     qmodel = _vmapped_model()
     x = normal(11, (T, K))
-    assert_same(_call(nvfp4x.freeze(qmodel), x), _call(qmodel, x), "frozen vmapped experts")
+    assert_same_sums(_call(nvfp4x.freeze(qmodel), x), _call(qmodel, x), "frozen vmapped experts")
     probed = nvfp4x.telemetry.enable(qmodel)
     stats = nvfp4x.telemetry.collect(eqx.filter_jit(eqx.filter_grad(_loss))(probed, x))
     sqnr = np.asarray(stats["experts"]["fprop_x"]["sqnr_db"])
@@ -356,8 +376,8 @@ def test_einsum_expert_axis_frozen_equals_unfrozen():
     recipe = qmodel.weight.recipe
     alone = jax.jit(jax.vmap(lambda w: nvfp4x.qdot(x, w, recipe=recipe), out_axes=1))
     y = _call(qmodel, x)
-    assert_same(y, alone(qmodel.weight.array), "each expert its own problem")
-    assert_same(_call(nvfp4x.freeze(qmodel), x), y, "frozen einsum experts")
+    assert_same_sums(y, alone(qmodel.weight.array), "each expert its own problem")
+    assert_same_sums(_call(nvfp4x.freeze(qmodel), x), y, "frozen einsum experts")
 
 
 # ---------------------------------------------------------------------------------------

@@ -371,8 +371,11 @@ def test_save_killed_mid_write_leaves_a_complete_checkpoint(tmp_path):
     moment: the file at the path is one complete save (all its values from one `i`).
     (This also checks that `import nvfp4x` does not import Orbax.)"""
     path = tmp_path / "model.nvfp4x"
+    # On the CPU: on a TPU host this process holds the chip, which one process at a time
+    # can open (the saver's arrays are the file's contents, wherever they were made).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True, env=env
     )
     delay = random.uniform(0.0, 0.3)
     try:

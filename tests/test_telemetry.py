@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import assert_same_sums
 
 import nvfp4x
 from nvfp4x._probe import operand_stats
@@ -80,11 +81,9 @@ def test_probes_change_neither_loss_nor_gradients():
     qt = nvfp4x.telemetry.enable(q)
     l0, g0 = eqx.filter_value_and_grad(_loss)(q, _x())
     l1, g1 = eqx.filter_value_and_grad(_loss)(qt, _x())
-    assert l0 == l1
-    for a, b in zip(
-        jax.tree.leaves(g0), jax.tree.leaves(nvfp4x.telemetry.disable(g1)), strict=True
-    ):
-        assert jnp.array_equal(a, b)
+    # The probed GEMMs are other programs (their statistics are extra outputs): bit for
+    # bit on a CPU, up to float32 summation order where XLA may order them otherwise.
+    assert_same_sums((l1, nvfp4x.telemetry.disable(g1)), (l0, g0), "with probes vs without")
     assert eqx.tree_equal(nvfp4x.telemetry.disable(qt), q)
 
 
