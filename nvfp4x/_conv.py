@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+from . import _kernels
 from ._checks import layer_name, layer_operand
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot, widest_float
 from ._formats._dot import apply_scales, dot_precision
@@ -432,7 +433,10 @@ def conv_wgrad_operands(
     `plan`'s layout (dense: `(nchunks x unit, window x C)`, the reference's `Q(H
     patches)` with the same padding; compact: `(window, slots x unit, C)`), `gs`, `xs`
     the tensor scales. The distinct chunks of the patches are gathered from `x`,
-    transformed and quantised once each (`WgradPlan`), then gathered into `operand`."""
+    transformed and quantised once each (`WgradPlan`), then gathered into `operand`;
+    where that gather reads chunks several times (the neighbouring taps of a stride-1
+    convolution), the quantised chunks are materialised before it
+    (`_kernels.materialized`: XLA:CPU would run the quantiser in each read)."""
     nsp = len(geom.window)
     images = math.prod(x.shape[: x.ndim - 1 - nsp])
     plan = wgrad_plan(geom, images, token_unit(recipe))
@@ -440,6 +444,8 @@ def conv_wgrad_operands(
     x_rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
     distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
     gv, gs, xv, xs = wgrad_quantised(dy, distinct, seed, recipe)
+    if plan.rows.size > 1.5 * plan.pixels.size:  # the gather reads chunks several times
+        xv = _kernels.materialized(xv)
     operand = xv[jnp.asarray(plan.rows.reshape(-1))]
     if plan.chunks is None:
         operand = operand.reshape(plan.rows.shape[0], -1)  # (tokens, window x C)
