@@ -590,7 +590,11 @@ def _grouped(x: Array, g: int, geom: Geometry, gemm: Callable, fast: Callable | 
         p = p.reshape(p.shape[:-1] + (-1, g, c // g))  # (N, out..., window, groups, C/g)
         p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
         p = p.reshape(p.shape[:-2] + (-1,))  # (groups..., N, out..., K)
-        y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
+        # The tokens as one axis (the batch major: its sharding carries over): the
+        # quantisers' block grids then have a long minor axis, which XLA:CPU vectorises.
+        lead = p.shape[: 1 if g > 1 else 0]
+        y = gemm(p.reshape(lead + (-1, p.shape[-1])), 1 if g > 1 else 0)
+        y = y.reshape(p.shape[:-1] + y.shape[-1:])  # (groups..., N, out..., out / groups)
     if g > 1:
         y = jnp.moveaxis(y, 0, -2)
         y = y.reshape(y.shape[:-2] + (-1,))

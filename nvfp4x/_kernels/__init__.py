@@ -214,8 +214,8 @@ def materialized(a: Array) -> Array:
     gather that reads it, so a gather that reads each value several times (a
     convolution's wgrad operand) runs the quantiser as often; it does not fuse a
     `reduce_window`, through which `a` goes there (a max of each value's bits with the
-    lowest integer). Elsewhere `a` as it is: their quantisers are kernels, which XLA
-    does not fuse."""
+    lowest integer). Elsewhere `a` as it is: there the NVFP4 quantisers are kernels,
+    which XLA does not fuse (other formats' there: not measured)."""
     if backend() != "cpu":
         return a
     itype = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[a.dtype.itemsize]

@@ -147,11 +147,19 @@ def _block_scales(
         raise ValueError(
             f"`scale_rounding={scale_rounding!r}` is unknown; use one of {SCALE_ROUNDINGS}."
         )
-    # On the flat grid: XLA:CPU vectorises a loop along its minor axis, and a grid's
-    # minor axis may hold 1 or 2 blocks (a few channels per token).
-    flat = bamax.reshape(-1)
-    scale_b, inv_b, inv_sub = _materialize(*_BLOCK_SCALES[scale_rounding](flat, s_enc, s_dec))
-    return tuple(a.reshape(bamax.shape) for a in (scale_b, inv_b, inv_sub))
+    # XLA:CPU vectorises a loop along its minor axis: a grid whose minor axis holds a
+    # few blocks (a few channels per token) is computed with that axis first (moved,
+    # not reshaped: a reshape would merge axes that may be sharded differently).
+    moved = bamax.ndim > 1 and bamax.shape[-1] < _MINOR_BLOCKS
+    grid = jnp.moveaxis(bamax, -1, 0) if moved else bamax
+    scales = _materialize(*_BLOCK_SCALES[scale_rounding](grid, s_enc, s_dec))
+    scale_b, inv_b, inv_sub = (jnp.moveaxis(a, 0, -1) if moved else a for a in scales)
+    return scale_b, inv_b, inv_sub
+
+
+#: Block grids whose minor axis holds fewer blocks than this have their block scales
+#: computed with that axis first (`_block_scales`).
+_MINOR_BLOCKS = 8
 
 
 def _materialize(*arrays: Array) -> tuple[Array, ...]:
@@ -325,10 +333,8 @@ def _block_max(block: Block, *bits: Array) -> list[Array]:
         zeros = [jnp.int32(0)] * len(arrays)
         return jax.lax.reduce(arrays, zeros, _maxima, (axis % arrays[0].ndim,))
 
-    if block[0] == 1:  # on the flat grid, as `_block_scales` (minor axes of 1 or 2 blocks)
-        grid = bits[0].shape[:-1] + (bits[0].shape[-1] // BLOCK,)
-        out = reduce([b.reshape(-1, BLOCK) for b in bits], -1)
-        return [m.reshape(grid) for m in out]
+    if block[0] == 1:
+        return reduce([to_blocks(b, block) for b in bits], -1)
     *lead, r, c = bits[0].shape
     if block[1] == 1:
         return reduce([b.reshape(*lead, r // BLOCK, BLOCK, c) for b in bits], -2)
