@@ -41,6 +41,25 @@ XLA:CPU fuses the quantiser into the gather, computing it once for each of the t
 taps that read a chunk: about 1.4 of 3 ms in a trace; `lax.optimization_barrier` does
 not stop it, XLA:CPU expands the barrier before fusing).
 
+Issue 34 item 7, the quantiser's fixed costs (main `64ea818` then this branch, same
+session, one process each, `--repeats 7`, 2-core CPU at load 0.5-1.5): small `Conv2d`
+2.63x -> 1.80x, `ConvTranspose2d` k4 s4 2.42x -> 2.13x, k2 s2 1.62x -> 1.76x, k4 s2 p1
+1.42x -> 1.18x, `Conv1d` 2.39x -> 2.02x, depthwise `Conv1d` 0.96x -> 1.06x,
+`ConvTranspose1d` s2 2.00x -> 1.84x, s4 2.48x -> 2.01x, medium grouped 0.44x -> 0.33x,
+medium `Conv2d` 2.91x -> 2.23x, large 2.00x -> 1.61x, 0.64x -> 0.59x, 0.41x -> 0.39x
+(the float32 times moved by up to 50% between the two runs). Both programs compiled
+in one process and timed interleaved (40 rounds, medians, executables without
+`filter_jit`'s dispatch, so harsher ratios): small `Conv2d` 2.21x -> 1.91x, medium
+2.92x -> 2.35x, large 1.94x -> 1.73x, `Conv1d` 2.60x -> 2.49x; the small transposed
+and 1-D layers unchanged within the noise (+-10%). What changed: block scales of
+grids with 1-2 blocks per token computed with that axis first (XLA:CPU vectorised them
+2 wide: 351 us of the small `Conv2d`'s step), one int32 tensor-amax reduction instead
+of two float ones (4 kernels fewer per quantisation), and wgrad's quantised chunks
+materialised before the gather that reads each 3 times (medium `Conv2d`: 1.45 ms ->
+0.35 ms in a single-threaded trace). Still over 2x: the small fast-path layers, whose
+step is the quantisers' element loops (dy's transposed reads in dgrad, SR's hash) and
+the two RHTs (a `cond` each), about 250 us against the float layer's 120 us.
+
 Expected on a (loaded) 2-core CPU, issue 23 item 13 (wgrad from the distinct patch
 chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` about
 1.6x, `ConvTranspose2d` k4 s4 about 0.9x, k4 s2 p1 about 0.3x (before: 2.05-2.45x,

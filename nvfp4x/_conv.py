@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+from . import _kernels
 from ._checks import layer_name, layer_operand
 from ._formats import batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot, widest_float
 from ._formats._dot import apply_scales, dot_precision
@@ -432,7 +433,10 @@ def conv_wgrad_operands(
     `plan`'s layout (dense: `(nchunks x unit, window x C)`, the reference's `Q(H
     patches)` with the same padding; compact: `(window, slots x unit, C)`), `gs`, `xs`
     the tensor scales. The distinct chunks of the patches are gathered from `x`,
-    transformed and quantised once each (`WgradPlan`), then gathered into `operand`."""
+    transformed and quantised once each (`WgradPlan`), then gathered into `operand`;
+    where that gather reads chunks several times (the neighbouring taps of a stride-1
+    convolution), the quantised chunks are materialised before it
+    (`_kernels.materialized`: XLA:CPU would run the quantiser in each read)."""
     nsp = len(geom.window)
     images = math.prod(x.shape[: x.ndim - 1 - nsp])
     plan = wgrad_plan(geom, images, token_unit(recipe))
@@ -440,6 +444,8 @@ def conv_wgrad_operands(
     x_rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
     distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
     gv, gs, xv, xs = wgrad_quantised(dy, distinct, seed, recipe)
+    if plan.rows.size > 1.5 * plan.pixels.size:  # the gather reads chunks several times
+        xv = _kernels.materialized(xv)
     operand = xv[jnp.asarray(plan.rows.reshape(-1))]
     if plan.chunks is None:
         operand = operand.reshape(plan.rows.shape[0], -1)  # (tokens, window x C)
@@ -584,7 +590,11 @@ def _grouped(x: Array, g: int, geom: Geometry, gemm: Callable, fast: Callable | 
         p = p.reshape(p.shape[:-1] + (-1, g, c // g))  # (N, out..., window, groups, C/g)
         p = jnp.moveaxis(p, -2, 0) if g > 1 else p[..., 0, :]
         p = p.reshape(p.shape[:-2] + (-1,))  # (groups..., N, out..., K)
-        y = gemm(p, 1 if g > 1 else 0)  # (groups..., N, out..., out channels / groups)
+        # The tokens as one axis (the batch major: its sharding carries over): the
+        # quantisers' block grids then have a long minor axis, which XLA:CPU vectorises.
+        lead = p.shape[: 1 if g > 1 else 0]
+        y = gemm(p.reshape(lead + (-1, p.shape[-1])), 1 if g > 1 else 0)
+        y = y.reshape(p.shape[:-1] + y.shape[-1:])  # (groups..., N, out..., out / groups)
     if g > 1:
         y = jnp.moveaxis(y, 0, -2)
         y = y.reshape(y.shape[:-2] + (-1,))

@@ -208,6 +208,25 @@ def backend() -> str:
     return "gpu" if name in ("gpu", "cuda", "rocm") else name
 
 
+def materialized(a: Array) -> Array:
+    """`a`, bit for bit, computed once for readers that would each compute it again.
+    XLA:CPU fuses an elementwise producer (the XLA quantiser's element loop) into every
+    gather that reads it, so a gather that reads each value several times (a
+    convolution's wgrad operand) runs the quantiser as often; it does not fuse a
+    `reduce_window`, through which `a` goes there (a max of each value's bits with the
+    lowest integer). Elsewhere `a` as it is: there the NVFP4 quantisers are kernels,
+    which XLA does not fuse (other formats' there: not measured)."""
+    if backend() != "cpu":
+        return a
+    itype = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[a.dtype.itemsize]
+    lowest = jnp.iinfo(itype).min
+    b = jax.lax.bitcast_convert_type(a, itype)
+    pair = jnp.stack([b, jnp.full_like(b, lowest)], axis=-1)
+    window = (1,) * b.ndim + (2,)
+    m = jax.lax.reduce_window(pair, jnp.array(lowest, itype), jax.lax.max, window, window, "VALID")
+    return jax.lax.bitcast_convert_type(m[..., 0], a.dtype)
+
+
 def pick(op: str, on: str | None = None) -> str:
     """The implementation of `op` for backend `on` (default: `backend()`): an override
     from `use`, else (`"gemm_operands"`) the environment's, else `DEFAULTS`, else
