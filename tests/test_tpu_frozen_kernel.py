@@ -71,9 +71,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_kernel_equals_reference(case):
-    block, m, n, k, operand, tiles = case
+#: The layouts each case runs in: the default one (None), and the opt-in "chunks"
+#: (the planes decoded and multiplied a `CHUNK` at a time) on the few-token cases.
+LAYOUTS = [(name, None) for name in CASES] + [
+    ("1x16_1_token_float32_small_weight", "chunks"),
+    ("16x16_17_tokens_bfloat16_overhangs", "chunks"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, layout", LAYOUTS, ids=[f"{n}-{layout or 'default'}" for n, layout in LAYOUTS]
+)
+def test_kernel_equals_reference(name, layout):
+    block, m, n, k, operand, tiles = CASES[name]
     q = weight(n, k, block, nan=True)
     dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
     x = activations(m, k, dtype, inf=True)
@@ -86,6 +96,7 @@ def test_kernel_equals_reference(case):
         operand=operand,
         tiles=tiles,
         interpret=INTERPRET,
+        layout=layout,
     )
     assert got.shape == (m, n) and got.dtype == jnp.float32
     check_close(got, reference(x, q, operand), x, q.operand()[0], k)
@@ -93,31 +104,6 @@ def test_kernel_equals_reference(case):
     # more than one token: the infinities are in the first and last tokens)
     assert np.isnan(np.asarray(got)).any() and np.isinf(np.asarray(got)).any()
     assert m == 1 or np.isfinite(np.asarray(got)[1:-1]).mean() > 0.5
-
-
-@pytest.mark.parametrize(
-    "case", ["1x16_1_token_float32_small_weight", "16x16_17_tokens_bfloat16_overhangs"]
-)
-def test_chunks_layout_equals_reference(case):
-    """The opt-in "chunks" layout (the planes decoded and multiplied a `CHUNK` at a time):
-    a padded small weight with float32 activations (three parts), and 16x16 tiles that
-    overhang the features and the contraction (its last step masked)."""
-    block, m, n, k, operand, tiles = CASES[case]
-    q = weight(n, k, block, nan=True)
-    dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
-    x = activations(m, k, dtype, inf=True)
-    call = functools.partial(
-        _tpu_frozen_gemm.frozen_matmul,
-        block=block,
-        n=n,
-        operand=operand,
-        tiles=tiles,
-        interpret=INTERPRET,
-    )
-    got = call(x, q.codes, q.scale_bits, layout="chunks")
-    assert got.shape == (m, n) and got.dtype == jnp.float32
-    check_close(got, reference(x, q, operand), x, q.operand()[0], k)
-    assert np.isnan(np.asarray(got)).any() and np.isinf(np.asarray(got)).any()
 
 
 @pytest.fixture
@@ -218,13 +204,23 @@ LOWERED = [
     for bucket in _tpu_frozen_gemm.SWEEP_TILES.values()
     for tiles in bucket
 ]
+#: The opt-in "chunks" layout: the few-token default tiles, both blocks and operands,
+#: a weight that overhangs the tiles.
+LOWERED_CHUNKS = [
+    (tiles, block, operand, (8200, 8200))
+    for most, tiles in _tpu_frozen_gemm.DEFAULT_TILES
+    if most is not None and most <= 16
+    for block in ((1, 16), (16, 16))
+    for operand in ("bfloat16", "float32")
+]
 
 
 def test_kernel_lowers_for_tpu():
     """Mosaic lowering (on this machine; Mosaic's own compile runs on a TPU) of the
     default tiles (both block layouts and operands, weights that fit and overhang, tokens
-    over a tile) and of every tile the sweep times."""
-    for tiles, block, operand, (n, k) in LOWERED:
+    over a tile), of every tile the sweep times, and of the "chunks" layout."""
+    cases = [(*c, None) for c in LOWERED] + [(*c, "chunks") for c in LOWERED_CHUNKS]
+    for tiles, block, operand, (n, k), layout in cases:
         rows = n if block == (1, 16) else -(-n // 16) * 16
         dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
         args = (
@@ -233,36 +229,16 @@ def test_kernel_lowers_for_tpu():
             jax.ShapeDtypeStruct((rows // block[0], -(-k // 16)), jnp.uint8),
         )
         fn = functools.partial(
-            _tpu_frozen_gemm.frozen_matmul, block=block, n=n, operand=operand, tiles=tiles
+            _tpu_frozen_gemm.frozen_matmul,
+            block=block,
+            n=n,
+            operand=operand,
+            tiles=tiles,
+            layout=layout,
         )
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-        assert "nvfp4_frozen_matmul_tpu" in text, (tiles, block, operand)
-
-
-def test_chunks_layout_lowers_for_tpu():
-    """The "chunks" layout lowers for a TPU with the few-token default tiles, both
-    weight blocks and operands, a weight that overhangs the tiles."""
-    for tokens in (1, 16):
-        tiles = _tpu_frozen_gemm.default_tiles(tokens)
-        for block in ((1, 16), (16, 16)):
-            for operand, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
-                n, k = 8200, 8200
-                rows = n if block == (1, 16) else -(-n // 16) * 16
-                args = (
-                    jax.ShapeDtypeStruct((tokens, k), dtype),
-                    jax.ShapeDtypeStruct((rows, -(-k // 16) * 8), jnp.uint8),
-                    jax.ShapeDtypeStruct((rows // block[0], -(-k // 16)), jnp.uint8),
-                )
-                fn = functools.partial(
-                    _tpu_frozen_gemm.frozen_matmul,
-                    block=block,
-                    n=n,
-                    operand=operand,
-                    tiles=tiles,
-                    layout="chunks",
-                )
-                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
-                assert "nvfp4_frozen_matmul_tpu_chunks" in lowered.as_text()
+        name = "nvfp4_frozen_matmul_tpu" + ("_chunks" if layout == "chunks" else "")
+        assert name in text, (tiles, block, operand, layout)
 
 
 def test_attribution_variants_lower_for_tpu():
