@@ -13,7 +13,7 @@ from jax._src import source_info_util
 
 from ._conv import CONV_PASS, conv_tw_p, conv_tx_p
 from ._dispatch import LAYOUT, NORMALISER, record_unquantised
-from ._frozen import frozen_p
+from ._frozen import frozen_grouped_p, frozen_p
 from ._gemm import dgrad_p, qdot_p, tw_p, tx_p, wgrad_p
 from ._policy import Recipe
 from ._prims import GEMM_PRIMITIVES, Literal, jaxprs_in_params, ragged_dot_general_p
@@ -249,6 +249,22 @@ def _frozen_row(eqn, repeats: int) -> CoverageRow:
     return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts, "(frozen)")
 
 
+def _frozen_grouped_row(eqn, repeats: int) -> CoverageRow:
+    """Frozen experts' grouped GEMM (`ragged_dot`), counted as `_grouped_row` counts
+    the unfrozen one: each token meets one expert (however the kernel computes it)."""
+    p = eqn.params
+    recipe: Recipe = p["recipe"]
+    x = eqn.invars[0].aval
+    w = jax.tree_util.tree_unflatten(p["wdef"], [v.aval for v in eqn.invars[2:]])
+    g, rows, cols = w.shape[-3:]
+    n, k = (cols, rows) if p["experts_kn"] else (rows, cols)
+    nb = p["nbatch"]
+    m, batch = x.shape[-2], math.prod(x.shape[:nb])
+    shape = f"({m}, {k}) x ({k}, {n}) [{g} experts]"
+    fmts = (recipe.input, recipe.weight)
+    return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts)
+
+
 def _plain_row(eqn, repeats: int, origin: dict, named: dict) -> CoverageRow:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     if eqn.primitive is lax.dot_general_p:
@@ -308,6 +324,7 @@ def _source_call(eqn) -> tuple | None:
 _RECIPE_ROWS: dict[Any, Callable[[Any, int], CoverageRow]] = {
     **dict.fromkeys(_PASS, _quantised_row),
     frozen_p: _frozen_row,
+    frozen_grouped_p: _frozen_grouped_row,
     **dict.fromkeys(_GROUPED_PASS, _grouped_row),
     **dict.fromkeys(CONV_PASS, _conv_row),
 }

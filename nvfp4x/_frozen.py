@@ -47,7 +47,7 @@ from ._prims import (
     zero_tangent,
 )
 from ._qweight import QWeight, WeightValue
-from ._ragged import frozen_grouped_qdot
+from ._ragged import every_expert_fprop, grouped_fprop
 
 PackedWeight = PackedArray | Array
 
@@ -347,14 +347,14 @@ def _frozen_abstract(x, *leaves, wdef, recipe, dtype, gemm, nbatch):
     return x.shape[:-1] + (n,), jnp.float32
 
 
-def _frozen_jvp(primals, tangents, **params):
+def _frozen_jvp(primals, tangents, *, prim, **params):
     if any(not is_zero(t) for t in tangents):
         raise TypeError(
             "nvfp4x: a frozen model (`FrozenLinear`, made by `nvfp4x.freeze`) holds packed "
             "weights without master copies and cannot be differentiated. Differentiate the "
             "`QuantizedLinear` model before freezing it."
         )
-    y = frozen_p.bind(*primals, **params)
+    y = prim.bind(*primals, **params)
     return y, zero_tangent(y)
 
 
@@ -363,7 +363,7 @@ def _frozen_jvp(primals, tangents, **params):
 frozen_p = primitive(
     "nvfp4x_frozen_qdot", _frozen_fprop, _frozen_abstract, act=1, problem=batched_problem
 )
-def_jvp(frozen_p, _frozen_jvp)
+def_jvp(frozen_p, functools.partial(_frozen_jvp, prim=frozen_p))
 
 
 def _frozen_weight_gemm(w: FrozenWeight, x: Array, layout: Layout, nb: int) -> Array:
@@ -475,9 +475,60 @@ def _(lhs: ArrayLike, rhs: FrozenWeight, **params):
     return kernel_conv(lhs, kernel, gemm, fast, fast_ok, params)
 
 
+#: The most tokens (of one grouped GEMM, all experts together) for which frozen experts
+#: stored `(G, n, k)` run the frozen GEMM kernel (`_kernels.frozen_gemm`, where it is
+#: picked) on every expert over every token, each token keeping its own expert's row:
+#: a few tokens' GEMMs take the time of reading the packed weights, which the grouped
+#: GEMM reads whole anyway, and no decoded copy of the experts is made. More tokens
+#: decode the experts and run `lax.ragged_dot_general` (each token multiplied once).
+#: Not yet timed on a TPU.
+FEW_EXPERT_TOKENS = 64
+
+
+def _frozen_grouped_fprop(x, sizes, *leaves, wdef, recipe, dtype, gemm, experts_kn):
+    """fprop of frozen experts on their packed leaves: at a few tokens, experts stored
+    `(G, n, k)` and a kernel picked (`gemm`), every expert's GEMM by the kernel
+    (`every_expert_fprop`); else (and where the kernel does not apply) `grouped_fprop`
+    on the decoded experts, the values of the unfrozen experts' quantised weights."""
+    spec = None if recipe.weight is None else recipe.weight.spec
+    if spec is not None and gemm != "xla" and not experts_kn and x.shape[0] <= FEW_EXPERT_TOKENS:
+
+        def products(xv):
+            def one(*expert):
+                return spec.packed_product(xv, jax.tree_util.tree_unflatten(wdef, expert), gemm)
+
+            return jax.vmap(one)(*leaves)  # (the kernel runs one expert at a time)
+
+        out = every_expert_fprop(x, sizes, products, recipe=recipe)
+        if out is not None:
+            return out
+    wv, ws = weight_operand(jax.tree_util.tree_unflatten(wdef, leaves), recipe)
+    if experts_kn:
+        wv = jnp.swapaxes(wv, 1, 2)
+    ws = jnp.ones(wv.shape[:1], jnp.float32) if ws is None else ws
+    return grouped_fprop(x, wv, ws, sizes, recipe=recipe, dtype=dtype)
+
+
+def _frozen_grouped_abstract(x, sizes, *leaves, wdef, experts_kn, **_):
+    shape = jax.tree_util.tree_unflatten(wdef, leaves).shape  # avals stand in for arrays
+    return x.shape[:-1] + (shape[-1] if experts_kn else shape[-2],), jnp.float32
+
+
+#: `frozen_grouped_p(x, sizes, *leaves)`: tokens sorted by expert, the group sizes, the
+#: packed experts' leaves `(G, n, k)` (`experts_kn`: `(G, k, n)`); every vmapped axis
+#: makes independent problems, as for `grouped_qdot_p`. Its `gemm` parameter is the
+#: picked `"frozen_gemm"`, so that a program traced under another choice is not reused.
+frozen_grouped_p = primitive(
+    "nvfp4x_frozen_grouped_qdot", _frozen_grouped_fprop, _frozen_grouped_abstract, act=1,
+    stack=True, labels=("name",), problem=batched_problem,
+)  # fmt: skip
+def_jvp(frozen_grouped_p, functools.partial(_frozen_jvp, prim=frozen_grouped_p))
+
+
 def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -> Array:
-    """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on the decoded
-    values of each expert's packed weight, the same values as the unfrozen experts'."""
+    """The grouped GEMM (`lax.ragged_dot`) of frozen experts: fprop on each expert's
+    packed weight (`frozen_grouped_p`), the values of the unfrozen experts' quantised
+    weights."""
     fmt = w.recipe.weight
     experts_kn = experts_kn != w.transposed  # (the layout of the stored experts)
     if fmt is not None and not fmt.spec.layouts_agree(fmt):
@@ -486,11 +537,11 @@ def _frozen_grouped(w: FrozenWeight, x: Array, experts_kn: bool, sizes: Array) -
             f"({w.recipe.weight}); a frozen `ragged_dot` needs 16x16 tiles (or a format "
             "without blocks), read the same in either layout. Use such a recipe for them."
         )
-    wv, ws = weight_operand(w.packed, w.recipe)
-    if experts_kn:
-        wv = jnp.swapaxes(wv, 1, 2)
-    ws = jnp.ones(wv.shape[:1], jnp.float32) if ws is None else ws
-    return frozen_grouped_qdot(x, wv, ws, sizes, recipe=w.recipe, fast=w.fast, name=w.path)
+    leaves, wdef = jax.tree_util.tree_flatten(w.packed)
+    return frozen_grouped_p.bind(
+        x, sizes, *leaves, wdef=wdef, recipe=w.recipe, dtype=gemm_dtype(w.fast),
+        gemm=pick("frozen_gemm"), experts_kn=experts_kn, nbatch=0, name=w.path,
+    )  # fmt: skip
 
 
 @quax.register(ragged_dot_general_p)

@@ -264,6 +264,30 @@ def grouped_fprop(x, wv, ws, sizes, *, recipe: Recipe, dtype) -> Float[Array, "T
     return _scaled_rows(out, _row_scales(xs, ws, inside))
 
 
+def every_expert_fprop(x, sizes, products, *, recipe: Recipe) -> Float[Array, "T n"] | None:
+    """`grouped_fprop` by every expert's GEMM on every token, each token keeping its own
+    group's row (zeros for a token of no group, as `ragged_dot` gives): for frozen
+    experts at a few tokens, where `products(xv) -> (ys, ws)` is a kernel that decodes
+    each expert's packed weight inside its GEMM (`ys`: `(G, T, n)` float32 products
+    before the tensor scales, `ws`: `(G,)` the experts' tensor scales or None). x is
+    quantised, and each row scaled, as `grouped_fprop` does: the same values up to
+    float32 summation order (the products are exact). None where `products` gives None
+    or the recipe's formats run the reference (the caller runs `grouped_fprop`)."""
+    if not _fast(recipe):
+        return None
+    g = groups(sizes, x.shape[0])
+    ng = sizes.shape[0]
+    inside = jnp.minimum(g.gid, ng - 1)
+    xv, xs = quantize_rows(x, recipe.input, g, None)
+    got = products(xv)
+    if got is None:
+        return None
+    ys, ws = got
+    rows = ys[inside, jnp.arange(x.shape[0])]
+    out = jnp.where((g.gid < ng)[:, None], rows, jnp.zeros((), rows.dtype))
+    return _scaled_rows(out, _row_scales(xs, ws, inside))
+
+
 def grouped_dgrad(dy, wv, ws, sizes, seeds, *, recipe: Recipe, dtype) -> Float[Array, "T k"]:
     """dgrad: `Q(dy[t]) @ Q(W[g])` per group, dy along n (its group's key)."""
     if not _fast(recipe):
@@ -507,13 +531,3 @@ def grouped_qdot(
     return grouped_qdot_p.bind(
         x, w, wv, ws, sizes, seed, recipe=recipe, dtype=dtype, nbatch=0, name=name
     )
-
-
-def frozen_grouped_qdot(x, wv, ws, sizes, *, recipe: Recipe, fast: bool, name: str) -> Array:
-    """fprop of frozen experts, from their decoded weight `(wv, ws)`: `grouped_qdot`'s
-    primitive on the same values (a frozen model is not differentiated)."""
-    seed = jnp.zeros((2,), jnp.uint32)
-    return grouped_qdot_p.bind(
-        x, wv.astype(jnp.float32), wv, ws, sizes, seed, recipe=recipe, dtype=gemm_dtype(fast),
-        nbatch=0, name=name,
-    )  # fmt: skip

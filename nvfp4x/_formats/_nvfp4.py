@@ -150,10 +150,16 @@ class NVFP4Spec(FormatSpec):
     def packed_gemm(
         self, x: Array, x_scale: Array | None, w: Any, implementation: str
     ) -> Float[Array, "*m n"] | None:
+        got = self.packed_product(x, w, implementation)
+        return None if got is None else apply_scales(got[0], x_scale, got[1])
+
+    def packed_product(
+        self, x: Array, w: Any, implementation: str
+    ) -> tuple[Float[Array, "*m n"], Array | None] | None:
         if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
             return None
         out = _kernels.frozen_gemm(x, w.codes, w.scale_bits, w.block, w.shape, implementation)
-        return None if out is None else apply_scales(out, x_scale, w.tensor_scale)
+        return None if out is None else (out, w.tensor_scale)
 
     def chunked_gemm(
         self, x: Array, x_scale: Array | None, w: Any, tie: Callable[[Array], Array]

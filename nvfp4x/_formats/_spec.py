@@ -127,6 +127,16 @@ class FormatSpec:
         format or the case has none (the caller decodes the weight)."""
         return None
 
+    def packed_product(
+        self, x: Array, w: Any, implementation: str
+    ) -> tuple[Float[Array, "*m n"], Array | None] | None:
+        """`packed_gemm` before its scales: `(x @ w.T, w's tensor scale)` (the product in
+        float32 up to float32 summation order; the scale None for a format without one),
+        for the 2-D packed weight `w` by a kernel decoding it inside the GEMM; None where
+        the format or the case has none. (Frozen experts run it per expert, then scale
+        each token's row by its own group's scales.)"""
+        return None
+
     def chunked_gemm(
         self, x: Array, x_scale: Array | None, w: Any, tie: Callable[[Array], Array]
     ) -> Float[Array, "*m n"] | None:
