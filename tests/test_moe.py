@@ -231,6 +231,22 @@ def test_coverage_counts_grouped_gemms_by_tokens():
     assert not any(r.quantised for r in ragged)
 
 
+def test_coverage_counts_frozen_experts_as_grouped_gemms():
+    """Frozen experts' `ragged_dot` (`nvfp4x_frozen_grouped_qdot`, whichever GEMM runs
+    it) is reported as the unfrozen grouped GEMM's fprop: quantised, by tokens."""
+    _, qmodel = _ragged_models()
+    frozen = nvfp4x.freeze(qmodel)
+    x = normal(4, (T, K))
+    for implementation in ("xla", "mosaic"):
+        with nvfp4x._kernels.use("frozen_gemm", implementation):
+            report = nvfp4x.coverage(lambda m, x: m(x), frozen, x)
+        assert report.share("nvfp4") == 1.0 and not report.unquantised
+        rows = {(r.path, r.pass_): r for r in report.rows}
+        up = rows[("up", "fprop")]
+        assert up.quantised and up.flops == 2 * (T * 2) * K * 48, implementation
+        assert up.shape == f"({T * 2}, {K}) x ({K}, 48) [{G} experts]"
+
+
 _call = eqx.filter_jit(lambda m, x: m(x))
 
 

@@ -17,6 +17,7 @@ Equality is `tests/test_frozen_kernel.py`'s: exact products, float32 summation o
 only (`check_close`).
 """
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -28,7 +29,7 @@ from helpers import Stack
 from test_frozen_kernel import activations, check_close, reference, weight
 
 import nvfp4x
-from nvfp4x import _kernels
+from nvfp4x import _kernels, _prims, _ragged
 from nvfp4x._formats import quantize_operand
 from nvfp4x._kernels import _tpu_frozen_gemm
 from nvfp4x._kernels._tpu_frozen_gemm import Tiles
@@ -289,3 +290,131 @@ def test_tiles_fit_the_vmem_budget():
             _tpu_frozen_gemm.frozen_matmul, block=(1, 16), n=8192, operand=operand
         )
         assert f"grid={grid}" in str(jax.make_jaxpr(mm)(x, *weight)), operand
+
+
+# --- frozen experts (`ragged_dot`): every expert's GEMM by the kernel at a few tokens ---
+
+#: Experts `(G, out, in)`, tokens sorted by expert: uneven groups, an empty one, and
+#: 5 tokens past every group; a NaN token inside a group and one past them.
+EXPERTS, OUT, IN, TOKENS = 4, 40, 48, 24
+EXPERT_SIZES = (5, 0, 11, 3)
+#: The two ways a model reads experts stored `(G, out, in)` with a grouped GEMM: read
+#: transposed by `ragged_dot` (PyTorch's layout), or contracted on their last axis.
+_EXPERT_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,),
+)
+
+
+class OutInExperts(eqx.Module):
+    weight: jax.Array
+    read: str = eqx.field(static=True)
+
+    def __call__(self, x, sizes):
+        if self.read == "ragged_dot":
+            return jax.lax.ragged_dot(x, jnp.swapaxes(self.weight, 1, 2), sizes)
+        return jax.lax.ragged_dot_general(x, self.weight, sizes, _EXPERT_DIMS)
+
+
+def _experts(read: str, activations: str):
+    """Frozen experts; `activations`: `"nvfp4"` (W4A4, `nvfp4_training`'s 16x16 tiles,
+    which a frozen `ragged_dot` needs) or `"float"` (W4A16: the same weights)."""
+    recipe = nvfp4x.recipes.nvfp4_training()
+    if activations == "float":
+        recipe = dataclasses.replace(recipe, input=None)
+    w = jax.random.normal(jax.random.key(6), (EXPERTS, OUT, IN))
+    return nvfp4x.freeze(nvfp4x.quantize(OutInExperts(w, read), recipe))
+
+
+def _tokens(m: int = TOKENS) -> jax.Array:
+    x = activations(m, IN, jnp.float32)
+    return x.at[2].set(jnp.nan).at[m - 2].set(jnp.nan)
+
+
+def _check_experts(got, want, frozen, x, sizes) -> None:
+    """Each group's rows within `check_close`'s bound of the XLA path's (the operands
+    the kernel multiplies: `grouped_fprop`'s quantised rows, each expert's block
+    values); rows past every group zero in both."""
+    recipe, w = frozen.weight.recipe, frozen.weight.packed
+    g = _ragged.groups(sizes, x.shape[0])
+    xv, xs = _ragged.quantize_rows(x, recipe.input, g, None)
+    xs = jnp.ones(x.shape[:1]) if xs is None else xs
+    wv = w.operand()[0]
+    start = 0
+    for e, size in enumerate(np.asarray(sizes)):
+        rows = slice(start, start + size)
+        scale = (xs[rows] * w.tensor_scale[e])[:, None]
+        check_close(got[rows], want[rows], xv[rows], wv[e], IN, scale=scale)
+        start += size
+    assert np.all(np.asarray(got[start:]) == 0) and np.all(np.asarray(want[start:]) == 0)
+
+
+@pytest.mark.parametrize("read", ["ragged_dot", "ragged_dot_general"])
+@pytest.mark.parametrize("activations", ["nvfp4", "float"])
+def test_frozen_experts_run_the_kernel_at_few_tokens(read, activations, kernel_calls):
+    """Frozen experts stored `(G, out, in)` at a few tokens: every expert's GEMM by the
+    kernel, each token its own expert's row; the XLA path's results up to float32
+    summation order, eagerly and under jit, NaN tokens where they were (a NaN token
+    past every group gives zeros, as `ragged_dot` does)."""
+    frozen = _experts(read, activations)
+    x, sizes = _tokens(), jnp.asarray(EXPERT_SIZES, jnp.int32)
+    _prims._compiled.cache_clear()  # (the spy counts traces: a cached program has none)
+    call = lambda: eqx.filter_jit(lambda m, x, s: m(x, s))  # (one per choice: a jitted
+    with _kernels.use("frozen_gemm", "xla"):  # function keeps what it was traced with)
+        want, want_jit = frozen(x, sizes), call()(frozen, x, sizes)
+    assert kernel_calls == []
+    with _kernels.use("frozen_gemm", "mosaic"):
+        got_jit = call()(frozen, x, sizes)  # (the primitive's program, traced once here,
+        assert kernel_calls  # then cached: the eager call runs it again)
+        got = frozen(x, sizes)
+    operand = "bfloat16" if activations == "nvfp4" else "float32"
+    assert set(kernel_calls) == {operand}
+    assert np.isnan(np.asarray(got[2])).all() and not np.isnan(np.asarray(got[3:])).any()
+    _check_experts(got, want, frozen, x, sizes)
+    _check_experts(got_jit, want_jit, frozen, x, sizes)
+
+
+def test_frozen_experts_many_tokens_or_stored_in_out_keep_xla(kernel_calls):
+    """Past `FEW_EXPERT_TOKENS` tokens, or for experts stored `(G, in, out)` (packed
+    along the outputs), the decoded experts' `ragged_dot` runs, as before."""
+    frozen = _experts("ragged_dot", "float")
+    _prims._compiled.cache_clear()  # (the spy counts traces: a cached program has none)
+    many = nvfp4x._frozen.FEW_EXPERT_TOKENS + 1
+    x, sizes = _tokens(many), jnp.asarray([many - 20, 0, 20, 0], jnp.int32)
+    with _kernels.use("frozen_gemm", "mosaic"):
+        jaxpr = str(jax.make_jaxpr(frozen)(x, sizes).eqns[0].params)
+        got = frozen(x, sizes)
+    with _kernels.use("frozen_gemm", "xla"):
+        want = frozen(x, sizes)
+    assert kernel_calls == [] and "mosaic" in jaxpr
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    in_out = nvfp4x.freeze(nvfp4x.quantize(_InOut(EXPERTS, IN, OUT), frozen.weight.recipe))
+    x = _tokens()
+    with _kernels.use("frozen_gemm", "mosaic"):
+        in_out(x, jnp.asarray(EXPERT_SIZES, jnp.int32))
+    assert kernel_calls == []
+
+
+class _InOut(eqx.Module):
+    """Experts stored `(G, in, out)`, as Levanter's MoE holds them."""
+
+    weight: jax.Array
+
+    def __init__(self, experts, din, dout):
+        self.weight = jax.random.normal(jax.random.key(7), (experts, din, dout))
+
+    def __call__(self, x, sizes):
+        return jax.lax.ragged_dot(x, self.weight, sizes)
+
+
+def test_frozen_experts_lower_for_tpu_with_the_kernel(monkeypatch):
+    """Traced for a TPU (the kernel compiled, not interpreted) and lowered here: the
+    Mosaic kernel's custom call, and no `ragged_dot` (no decoded experts)."""
+    frozen = _experts("ragged_dot", "float")
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    x = jax.ShapeDtypeStruct((TOKENS - 1, IN), jnp.float32)  # (a shape no test ran)
+    sizes = jax.ShapeDtypeStruct((EXPERTS,), jnp.int32)
+    fn = jax.jit(lambda x, s: frozen(x, s))
+    text = fn.trace(x, sizes).lower(lowering_platforms=("tpu",)).as_text()
+    assert "nvfp4_frozen_matmul_tpu" in text and "ragged_dot" not in text
