@@ -34,6 +34,12 @@ Two implementations of each GEMM, equal bit for bit (tests/test_moe.py):
   on the quantised values, times the two tensor scales of each row or group. Recipes
   with other formats (MXFP8, FP8) run the reference.
 
+Frozen experts (`_frozen.py`, their own primitive on the packed weight) run
+`grouped_fprop` on the decoded experts, or, at a few tokens with a kernel that decodes
+a packed weight inside its GEMM, `every_expert_fprop`: each expert's GEMM on every
+token, each token keeping its own group's row (the same values up to float32
+summation order).
+
 As for the dense GEMM (`_gemm.py`), each GEMM is a primitive (`grouped_qdot_p` fprop,
 `grouped_dgrad_p`, `grouped_wgrad_p`, and the JVP's two linear parts) so that traced
 programs, `nvfp4x.coverage` included, show them. Under `jax.vmap` every vmapped axis

@@ -37,7 +37,9 @@ Operations:
   is opt-in (`use("frozen_gemm", "pallas")`): it matched the reference in every test
   case on an H200, but its speed against the XLA path is not established yet (the one
   benchmark run timed both rows alike), so GPUs default to `"xla"`.
-  Off their devices both kernels run interpreted (tests).
+  Off their devices both kernels run interpreted (tests). Frozen experts
+  (`ragged_dot` on a `FrozenWeight` stored `(E, out, in)`) at a few tokens run it on
+  every expert (`_frozen.FEW_EXPERT_TOKENS`), each token keeping its expert's row.
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
