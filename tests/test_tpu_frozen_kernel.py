@@ -10,8 +10,10 @@ a tile (padded) and one that overhangs the tiles in both directions (outputs and
 contraction that is not a multiple of 16 nor of the tile's depth), 1x16 blocks and 16x16
 tiles, float32 and bfloat16 activations, NaN blocks and infinite activations; then
 `FrozenLinear` stacks with the kernel picked, eagerly, under `jax.lax.scan` (jit) and
-`jax.vmap` over the stack, W4A16 and W4A4. It also lowers for TPUs here with the
-default tiles and every tile the device sweep times.
+`jax.vmap` over the stack, W4A16 and W4A4; frozen experts (`ragged_dot`) at a few
+tokens, every expert by the kernel, alone and stacked. It also lowers for TPUs here
+with the default tiles and every tile the device sweep times, and a frozen experts'
+program with the kernel.
 
 Equality is `tests/test_frozen_kernel.py`'s: exact products, float32 summation order
 only (`check_close`).
@@ -418,3 +420,31 @@ def test_frozen_experts_lower_for_tpu_with_the_kernel(monkeypatch):
     fn = jax.jit(lambda x, s: frozen(x, s))
     text = fn.trace(x, sizes).lower(lowering_platforms=("tpu",)).as_text()
     assert "nvfp4_frozen_matmul_tpu" in text and "ragged_dot" not in text
+
+
+@pytest.mark.parametrize("mode", ["scan", "vmap"])
+def test_stacked_frozen_experts_run_the_kernel(mode, kernel_calls):
+    """A stack of expert layers (`eqx.filter_vmap`-made), called under `jax.lax.scan`
+    (jit) or `jax.vmap`: each layer's experts by the kernel, each layer its own
+    problem."""
+    recipe = nvfp4x.recipes.nvfp4_training()
+    w = jax.random.normal(jax.random.key(8), (2, EXPERTS, OUT, IN))
+    stack = eqx.filter_vmap(lambda w: OutInExperts(w, "ragged_dot"))(w)
+    frozen = nvfp4x.freeze(nvfp4x.quantize(stack, recipe))
+    x, sizes = _tokens(), jnp.asarray(EXPERT_SIZES, jnp.int32)
+    params, static = eqx.partition(frozen, eqx.is_array)
+    layer = lambda p: eqx.combine(p, static)(x, sizes)
+    run = {
+        "scan": lambda: jax.jit(lambda p: jax.lax.scan(lambda c, q: (c, layer(q)), 0, p)[1]),
+        "vmap": lambda: jax.vmap(layer),
+    }[mode]
+    _prims._compiled.cache_clear()  # (the spy counts traces: a cached program has none)
+    with _kernels.use("frozen_gemm", "xla"):
+        want = run()(params)
+    assert kernel_calls == []
+    with _kernels.use("frozen_gemm", "mosaic"):
+        got = run()(params)
+    assert kernel_calls
+    for i in range(2):
+        one = eqx.combine(jax.tree_util.tree_map(lambda a, i=i: a[i], params), static)
+        _check_experts(got[i], want[i], one, x, sizes)
