@@ -18,7 +18,8 @@
 # Each chunk is sized to end well inside one 10-minute device command, from what was
 # measured on a TPU v5e (2026-12-05, fourth session, pytest's own times): chunk 1 244 s
 # (hypothesis' examples each compile the Mosaic quantiser), chunk 2 146 s, chunk 3 about
-# 300 s (240 s reached 7 tests into `test_gemm_jax.py`), chunk 4 251 s; chunks 5-9 not yet
+# 300 s (240 s reached 7 tests into `test_gemm_jax.py`), chunk 4 251 s (before the chunks
+# layout's and the frozen experts' kernel tests were added: give it 330 s); chunks 5-9 not yet
 # measured there (run them with a generous TEST_SECONDS; each test file's times are in
 # the JUnit file). Two chunks fit one command where their times add up to ~540 s. The
 # first start of a machine adds 1-2 minutes before this script, the installs here 20 s.
