@@ -44,6 +44,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +53,7 @@ import nvfp4x  # noqa: E402
 from nvfp4x import _kernels  # noqa: E402
 from nvfp4x._formats import quantize_operand  # noqa: E402
 from nvfp4x._kernels import _tpu_frozen_gemm  # noqa: E402
+from nvfp4x._numerics._constants import BLOCK, TILE  # noqa: E402
 
 RECIPES = {"W4A16": nvfp4x.recipes.nvfp4_weight_only, "W4A4": nvfp4x.recipes.nvfp4_inference}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -288,8 +291,6 @@ ATTRIBUTION = {
 
 def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref, *, variant):
     """One step of an `ATTRIBUTION` variant (see `_tpu_frozen_gemm._kernel`)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
 
     @pl.when(pl.program_id(2) == 0)
     def _():
@@ -331,11 +332,6 @@ def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref,
 def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, interpret=False):
     """`frozen_matmul`'s "planes" call (bfloat16 activations, shapes whole tiles) with
     the `ATTRIBUTION` `variant`'s kernel; its result is not the product."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    from nvfp4x._numerics._constants import BLOCK, TILE
-
     bm, bn, bk = tiles
     m, k = x.shape
     bm = min(bm, -(-m // 16) * 16)

@@ -263,11 +263,9 @@ def grouped_fprop(x, wv, ws, sizes, *, recipe: Recipe, dtype) -> Float[Array, "T
     weights `(G, n, k)` and tensor scales `(G,)`."""
     if not _fast(recipe):
         return reference_fprop(x, wv, ws, sizes, recipe=recipe, dtype=dtype)
-    g = groups(sizes, x.shape[0])
-    inside = jnp.minimum(g.gid, sizes.shape[0] - 1)
-    xv, xs = quantize_rows(x, recipe.input, g, None)
-    out = _ragged(xv, wv, sizes, 2, dtype)
-    return _scaled_rows(out, _row_scales(xs, ws, inside))
+    out = _rows_fprop(x, sizes, recipe, lambda xv, g: (_ragged(xv, wv, sizes, 2, dtype), ws))
+    assert out is not None  # (the product above always gives one)
+    return out
 
 
 def every_expert_fprop(x, sizes, products, *, recipe: Recipe) -> Float[Array, "T n"] | None:
@@ -281,16 +279,31 @@ def every_expert_fprop(x, sizes, products, *, recipe: Recipe) -> Float[Array, "T
     or the recipe's formats run the reference (the caller runs `grouped_fprop`)."""
     if not _fast(recipe):
         return None
+
+    def own_rows(xv, g):
+        got = products(xv)
+        if got is None:
+            return None
+        ys, ws = got
+        ng = sizes.shape[0]
+        rows = ys[jnp.minimum(g.gid, ng - 1), jnp.arange(x.shape[0])]
+        return jnp.where((g.gid < ng)[:, None], rows, jnp.zeros((), rows.dtype)), ws
+
+    return _rows_fprop(x, sizes, recipe, own_rows)
+
+
+def _rows_fprop(x, sizes, recipe: Recipe, product) -> Float[Array, "T n"] | None:
+    """fprop's fast path around its GEMM: `x` quantised row by row with its group's
+    tensor scale (`quantize_rows`), `product(xv, g) -> (out, ws)` (`out` `(T, n)` float32
+    before the tensor scales, `ws` the experts' `(G,)` or None; None: no product), each
+    row scaled by its own group's scales."""
     g = groups(sizes, x.shape[0])
-    ng = sizes.shape[0]
-    inside = jnp.minimum(g.gid, ng - 1)
+    inside = jnp.minimum(g.gid, sizes.shape[0] - 1)
     xv, xs = quantize_rows(x, recipe.input, g, None)
-    got = products(xv)
+    got = product(xv, g)
     if got is None:
         return None
-    ys, ws = got
-    rows = ys[inside, jnp.arange(x.shape[0])]
-    out = jnp.where((g.gid < ng)[:, None], rows, jnp.zeros((), rows.dtype))
+    out, ws = got
     return _scaled_rows(out, _row_scales(xs, ws, inside))
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 from typing import Any
 
 import equinox as eqx
@@ -155,8 +156,6 @@ def bf16_twin(model: Any) -> Any:
 def generation_speed(model: Any, cfg: Config, n: int, prompt: bytes = b"def ") -> float:
     """Bytes per second of `generate` over `n` bytes (at least 2), after one byte that
     compiles the step (not counted)."""
-    import time
-
     generate(model, cfg, prompt, 1)  # compiles
     t0 = time.perf_counter()
     generate(model, cfg, prompt, max(2, n))
