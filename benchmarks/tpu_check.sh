@@ -10,19 +10,24 @@
 #       then names `.whl-tpu` in `carry`.
 #   There:  CHUNK=N OUT=$OUT bash benchmarks/tpu_check.sh [TEST_SECONDS] [-- SCRIPT ARGS...]
 #       CHUNK=N runs chunk N (1..9, see `chunk_files` below; CHUNK=list prints them,
-#       CHUNK=none runs no tests), TESTS="tests/a.py ..." runs those files instead, and
-#       PYTEST_ARGS adds pytest arguments (e.g. `-k name`). After `--`, a Python script
+#       CHUNK=none runs no tests), TESTS="tests/a.py ..." runs those files (or test ids)
+#       instead, SHARD=I/N only every N-th of their tests from the I-th (a chunk split over
+#       N commands), PYTEST_K an expression for pytest's `-k`, and PYTEST_ARGS adds
+#       pytest arguments (split at spaces: `-x`, `--maxfail=3`). After `--`, a Python script
 #       and its arguments run after the tests (e.g. `-- benchmarks/bench_gpu.py --out
 #       $OUT/bench.md --only quantize`), killed after BENCH_SECONDS (default 300).
 #
-# Each chunk is sized to end well inside one 10-minute device command, from what was
-# measured on a TPU v5e (2026-12-05, fourth session, pytest's own times): chunk 1 244 s
-# (hypothesis' examples each compile the Mosaic quantiser), chunk 2 146 s, chunk 3 about
-# 300 s (240 s reached 7 tests into `test_gemm_jax.py`), chunk 4 251 s (before the chunks
-# layout's and the frozen experts' kernel tests were added: give it 330 s); chunks 5-9 not yet
-# measured there (run them with a generous TEST_SECONDS; each test file's times are in
-# the JUnit file). Two chunks fit one command where their times add up to ~540 s. The
-# first start of a machine adds 1-2 minutes before this script, the installs here 20 s.
+# Times measured on a TPU v5e (pytest's own; 2026-12-05, fourth and fifth sessions):
+# chunk 1 247 s (hypothesis' examples each compile the Mosaic quantiser), chunk 2 146 s,
+# chunk 3 about 300 s (240 s reached 7 tests into `test_gemm_jax.py`), chunk 4 over 300 s
+# (72 of its 76 tests in ~290 s: give it 360 s alone), chunk 5 about 230 s (29 of its 34
+# tests in 190 s). Chunk 6 is longer than one command: `test_freeze.py`'s first 8 tests
+# took 168 s there (the Mosaic quantiser's compiles in every recipe's frozen and
+# unfrozen model), so run it as SHARD=0/4 .. SHARD=3/4 (guessed: 65 + 8 tests). Chunks
+# 7-9 not yet measured there (give them a whole command each, or shard them). Each test
+# file's times are in the JUnit file. Two chunks fit one command where their times add
+# up to ~540 s. The first start of a machine adds 1-2 minutes before this script, the
+# installs here 20 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
 # (JUnit: every test's outcome and time), $OUT/script.log.
 set -u
@@ -97,6 +102,9 @@ elif [ -n "${CHUNK:-}" ] && [ "$CHUNK" != none ]; then
 else
     files=""
 fi
+select=()
+[ -n "${SHARD:-}" ] && { select+=(--shard "$SHARD"); name=$name-shard${SHARD%/*}of${SHARD#*/}; }
+[ -n "${PYTEST_K:-}" ] && select+=(-k "$PYTEST_K")
 if [ -n "$files" ]; then
     # One process (`-o addopts=`: no xdist workers; the jaxtyping/beartype checks that
     # pyproject's addopts switch on are asked for again). At the time limit pytest gets
@@ -105,7 +113,7 @@ if [ -n "$files" ]; then
     # shellcheck disable=SC2086
     timeout -s INT -k 30 "$test_s" python3 -m pytest -o addopts= -p no:cacheprovider \
         --jaxtyping-packages=nvfp4x,beartype.beartype -q -rA --tb=short \
-        --junitxml="$OUT/$name.xml" ${PYTEST_ARGS:-} $files >"$OUT/$name.log" 2>&1
+        --junitxml="$OUT/$name.xml" "${select[@]}" ${PYTEST_ARGS:-} $files >"$OUT/$name.log" 2>&1
     echo "pytest exit $? ($name: $files)" >>"$OUT/$name.log"
     grep -E "^(FAILED|ERROR) " "$OUT/$name.log" | cut -c1-300 | head -60
     tail -2 "$OUT/$name.log"

@@ -329,7 +329,9 @@ def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref,
             out_ref[q] += d[0] + d[1]
 
 
-def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, interpret=False):
+def attribution_matmul(
+    x, codes, scale_bits, *, block, variant: str, tiles, interpret=False, fuse=False
+):
     """`frozen_matmul`'s "planes" call (bfloat16 activations, shapes whole tiles) with
     the `ATTRIBUTION` `variant`'s kernel; its result is not the product."""
     bm, bn, bk = tiles
@@ -359,6 +361,7 @@ def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, inte
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
             vmem_limit_bytes=100 << 20,
+            allow_input_fusion=[False, False, True, True] if fuse else None,
         ),
         interpret=interpret,
         name=f"frozen_attribution_{variant.replace(',', '').replace(' ', '_')}",
@@ -418,6 +421,111 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
             )
 
 
+#: `--dma`'s weight tiles `(features, depth)` (depth in weights: half as many code bytes).
+DMA_TILES = ((2048, 4096), (1024, 8192), (4096, 2048), (512, 8192), (8192, 2048), (256, 8192))
+
+
+def _dma_kernel(*refs):
+    """Touch one vreg of each of the step's code tiles and its scales: what is left is
+    the pipeline's DMAs of its tiles into VMEM."""
+    *codes_refs, scales_ref, out_ref = refs
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    acc = jnp.sum(scales_ref[0:32, 0 : min(128, scales_ref.shape[1])].astype(jnp.float32))
+    for codes_ref in codes_refs:
+        rows = 32 // codes_ref.dtype.itemsize  # (one (8, 128) word vreg)
+        acc += pltpu.bitcast(codes_ref[0:rows, 0:128], jnp.int32).astype(jnp.float32)
+    out_ref[...] += acc
+
+
+def dma_read(codes, scale_bits, *, features: int, depth: int, split: int = 1, interpret=False):
+    """A Pallas call reading `codes` `(n, w)` (uint8: `w = k / 2`; uint32: `k / 8`) and
+    `scale_bits` `(n, k / 16)` tile by tile (`features` rows, `depth` weights), doing
+    nothing else: the frozen GEMM kernel's DMAs alone; `split`: each tile of codes read
+    as that many operands of `features / split` rows (concurrent DMAs)."""
+    n, w = codes.shape
+    per_word = 2 * codes.dtype.itemsize  # weights per code element
+    bw, bs, part = depth // per_word, depth // BLOCK, features // split
+    if n % features or w % bw or features % split:
+        raise ValueError(f"--dma takes weights of whole tiles ({features}, {depth}): {codes.shape}")
+    code_specs = [
+        pl.BlockSpec((part, bw), lambda j, kk, p=p: (j * split + p, kk)) for p in range(split)
+    ]
+    call = pl.pallas_call(
+        _dma_kernel,
+        out_shape=jax.ShapeDtypeStruct((n // features * 8, 128), jnp.float32),
+        grid=(n // features, w // bw),
+        in_specs=[*code_specs, pl.BlockSpec((features, bs), lambda j, kk: (j, kk))],
+        out_specs=pl.BlockSpec((8, 128), lambda j, kk: (j, 0)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=100 << 20
+        ),
+        interpret=interpret,
+        name="frozen_dma_probe",
+    )
+    return call(*[codes] * split, scale_bits)
+
+
+def dma(rows: Rows, args) -> None:
+    """`--dma`: how fast a Pallas call's pipeline reads packed weights (issue 38: the
+    frozen GEMM kernel reads them at ~100 GB/s while XLA's dot reads bf16 weights at
+    ~400), over `--layers` layers of `--d` x `--d` random codes: per tile shape, with
+    the codes as uint8 (as stored) or viewed as uint32, each tile one DMA or 4; the layers
+    as separate arrays (unrolled) or one stacked array under `lax.scan` (a slice of the
+    stack feeding a custom call is copied first); against XLA reading the same bytes
+    (a max over the codes) and XLA's dot of bf16 weights. 1 token's worth of work."""
+    nl, d = args.layers, args.d
+    interpret = jax.default_backend() != "tpu"
+    key = jax.random.key(3)
+    codes = jax.random.randint(key, (nl, d, d // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    words = jax.vmap(lambda c: jax.lax.bitcast_convert_type(c.reshape(d, d // 8, 4), jnp.uint32))(
+        codes
+    )
+    scales = jnp.full((nl, d, d // BLOCK), 0x38, jnp.uint8)
+    nbytes = codes.nbytes + scales.nbytes
+    per_layer = lambda a: [a[i] for i in range(nl)]  # noqa: E731
+
+    def unrolled(fn, *stacks):
+        layers = [per_layer(a) for a in stacks]
+        g = jax.jit(lambda *ls: [fn(*xs) for xs in zip(*ls, strict=True)])
+        jax.block_until_ready(g(*layers))
+        return functools.partial(g, *layers)
+
+    def scanned(fn, *stacks):
+        g = jax.jit(lambda *st: jax.lax.scan(lambda c, xs: (c, fn(*xs)), 0, st)[1])
+        jax.block_until_ready(g(*stacks))
+        return functools.partial(g, *stacks)
+
+    fns: dict[str, Callable[[], Any]] = {}
+    tiles = [(f, t) for f, t in DMA_TILES if f <= d and t <= d] or [(min(d, 512), min(d, 2048))]
+    cases = [(f, t, "uint8", 1, "unrolled") for f, t in tiles]
+    cases += [(f, t, "uint32", 1, "unrolled") for f, t in tiles[:3]]
+    cases += [(f, t, "uint8", 4, "unrolled") for f, t in tiles[:3]]
+    cases += [(*tiles[0], "uint8", 1, "scan")]
+    for f, t, dtype, split, how in cases:
+        name = f"dma tiles ({f}, {t}) {dtype} codes, {split} DMA per tile, {how}"
+        read = functools.partial(dma_read, features=f, depth=t, split=split, interpret=interpret)
+        try:
+            fns[name] = (unrolled if how == "unrolled" else scanned)(
+                read, words if dtype == "uint32" else codes, scales
+            )
+        except Exception as e:  # noqa: BLE001
+            error(rows, name, e)
+    fns["XLA max over the codes and scales, unrolled"] = unrolled(
+        lambda c, s: (jnp.max(c), jnp.max(s)), codes, scales
+    )
+    x = jax.random.normal(key, (1, d), jnp.bfloat16)
+    wbf = jax.random.normal(key, (nl, d, d), jnp.bfloat16)
+    fns["XLA dot, bf16 weights, 1 token, unrolled"] = unrolled(lambda w: jnp.dot(x, w.T), wbf)
+    times = interleaved(fns, args.repeats)
+    for name, secs in times.items():
+        b = wbf.nbytes if "bf16" in name else nbytes
+        rows.add(name, f"{secs * 1e3:.3f} ms", f"{b / secs / 1e9:,.0f} GB/s")
+
+
 def main(argv: list[str] | None = None) -> Rows:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16)
@@ -432,6 +540,9 @@ def main(argv: list[str] | None = None) -> Rows:
     p.add_argument(
         "--attribute", action="store_true", help="the kernel against variants doing part of it"
     )
+    p.add_argument(
+        "--dma", action="store_true", help="only a Pallas call's reads of packed weights"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table there")
     args = p.parse_args(argv)
@@ -440,7 +551,11 @@ def main(argv: list[str] | None = None) -> Rows:
         args.recipes, args.dtypes = ("W4A4",), ("float32",)
     if jax.default_backend() != "tpu" and not args.smoke:
         print("note: not a TPU; the kernel runs interpreted (slow): use --smoke", flush=True)
-    rows = run(args)
+    if args.dma:
+        rows = Rows()
+        dma(rows, args)
+    else:
+        rows = run(args)
     if args.out:
         title = (
             f"TPU frozen GEMM check ({jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')})"

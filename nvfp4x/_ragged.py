@@ -220,21 +220,66 @@ def _ragged(a: Array, b: Array, sizes: Array, contract: int, dtype) -> Array:
     of `(G, ., .)`), accumulated in float32 on `dtype` operands (float32: the reference
     dtype, or wider), at the dense GEMM's precision (`dot_precision`: float32 operands
     multiplied in float32 on every backend, not in one bfloat16 pass as a TPU's
-    DEFAULT does)."""
+    DEFAULT does). Rows past every group are zero on every backend (XLA:TPU's
+    `ragged_dot` leaves them unspecified)."""
     dtype = _operand_dtype(a, b, dtype)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (contract,)), ((), ())),
         lhs_ragged_dimensions=(0,),
         rhs_group_dimensions=(0,),
     )
-    return lax.ragged_dot_general(
-        a.astype(dtype),
-        b.astype(dtype),
-        sizes,
-        dims,
-        precision=dot_precision(dtype),
-        preferred_element_type=jnp.float32,
-    )
+    out = grouped_dot(a.astype(dtype), b.astype(dtype), sizes, dims)
+    inside = jnp.arange(a.shape[0]) < jnp.sum(sizes)
+    return jnp.where(inside[:, None], out, jnp.zeros((), out.dtype))
+
+
+#: The platforms whose XLA has no batched `ragged_dot` (a vmapped one fails to compile
+#: there: "Failed to create RaggedConvSpec" on a TPU v5e, jax 0.10.2): `grouped_dot`
+#: runs a vmapped call one problem at a time there.
+UNBATCHED_RAGGED_PLATFORMS: tuple[str, ...] = ("tpu",)
+
+
+def grouped_dot(a: Array, b: Array, sizes: Array, dims) -> Float[Array, "..."]:
+    """`lax.ragged_dot_general(a, b, sizes, dims)` in float32 at `dot_precision`, that
+    `jax.vmap` batches on every platform: on `UNBATCHED_RAGGED_PLATFORMS` a vmapped call
+    runs its problems one at a time (`lax.map`), elsewhere as XLA's batched
+    `ragged_dot`."""
+    return _grouped_dot(dims, dot_precision(a.dtype), UNBATCHED_RAGGED_PLATFORMS)(a, b, sizes)
+
+
+@functools.cache
+def _grouped_dot(dims, precision, unbatched: tuple[str, ...]):
+    def plain(a, b, sizes):
+        return lax.ragged_dot_general(
+            a, b, sizes, dims, precision=precision, preferred_element_type=jnp.float32
+        )
+
+    @jax.custom_batching.custom_vmap
+    def one(a, b, sizes):
+        return plain(a, b, sizes)
+
+    @one.def_vmap
+    def _(axis_size, in_batched, a, b, sizes):
+        ops = (a, b, sizes)
+        mapped = tuple(o for o, m in zip(ops, in_batched, strict=True) if m)
+
+        def problem(xs):
+            it = iter(xs)
+            return one(*(next(it) if m else o for o, m in zip(ops, in_batched, strict=True)))
+
+        def batched(*mapped):
+            axes = tuple(0 if m else None for m in in_batched)
+            it = iter(mapped)
+            full = tuple(next(it) if m else o for o, m in zip(ops, in_batched, strict=True))
+            return jax.vmap(plain, in_axes=axes)(*full)
+
+        def one_at_a_time(*mapped):
+            return lax.map(problem, mapped)
+
+        per = {p: one_at_a_time for p in unbatched}
+        return lax.platform_dependent(*mapped, default=batched, **per), True
+
+    return one
 
 
 def _operand_dtype(a: Array, b: Array, dtype):
@@ -338,10 +383,7 @@ def grouped_wgrad(dy, x, sizes, seeds, *, recipe: Recipe, dtype) -> Float[Array,
         rhs_group_dimensions=(),
     )
     dtype = _operand_dtype(gv, xv, dtype)
-    out = lax.ragged_dot_general(
-        gv.astype(dtype), xv.astype(dtype), g.padded_sizes, dims,
-        precision=dot_precision(dtype), preferred_element_type=jnp.float32,
-    )  # fmt: skip
+    out = grouped_dot(gv.astype(dtype), xv.astype(dtype), g.padded_sizes, dims)
     scales = [s for s in (gs, xs) if s is not None]
     if len(scales) == 2:
         return out * (scales[0] * scales[1])[:, None, None]

@@ -70,12 +70,34 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run every N-th collected test from the I-th (0 <= I < N): one part of a "
+        "run split over several commands, as on a device with a per-command time limit "
+        "(benchmarks/tpu_check.sh's SHARD)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
     """`tests/test_sharding.py` first: its one test runs the multi-device suite in a
     subprocess for minutes. Under xdist (`--dist loadfile --no-loadscope-reorder` in
     pyproject.toml) one worker starts it at once while the other runs the other files,
-    instead of running it alone at the end."""
+    instead of running it alone at the end. With `--shard I/N`, only that part."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/test_sharding.py::"))
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    try:
+        i, n = (int(v) for v in shard.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard {shard!r}: give I/N with 0 <= I < N, e.g. 0/3") from None
+    keep = [item for j, item in enumerate(items) if j % n == i]
+    config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i])
+    items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -216,3 +216,25 @@ def test_tpu_chunks_hold_every_numerics_file_once():
         "kernels", "tpu_kernels", "frozen_kernel", "tpu_frozen_kernel",
     }  # fmt: skip
     assert {f"tests/test_{name}.py" for name in numerics} <= set(files)
+
+
+def test_shards_split_the_collected_tests():
+    """`--shard I/N` (tests/conftest.py; `tpu_check.sh`'s SHARD): the N parts of a run
+    are disjoint and together every collected test; a bad value is a usage error."""
+    import subprocess
+    import sys
+
+    def ids(*extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
+            + ["--collect-only", "tests/test_tied.py", *extra],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        return out.returncode, [ln for ln in out.stdout.splitlines() if "::" in ln]
+
+    rc, every = ids()
+    parts = [ids("--shard", f"{i}/3")[1] for i in range(3)]
+    assert rc == 0 and len(every) > 3 and all(parts)
+    assert sorted(sum(parts, [])) == sorted(every)
+    rc, _ = ids("--shard", "3/3")
+    assert rc == 4  # (pytest's usage error)

@@ -22,7 +22,7 @@ from helpers import assert_close, assert_same, assert_same_sums, normal
 from jax import lax
 
 import nvfp4x
-from nvfp4x import _ragged
+from nvfp4x import _prims, _ragged
 from nvfp4x._gemm import mix_weight, quantize_weight
 
 T, K, N, G = 40, 32, 24, 4
@@ -123,6 +123,39 @@ def test_grouped_gemms_multiply_float32_operands_in_float32():
     dots = [ln for ln in text.splitlines() if "dot_general" in ln or "ragged_dot" in ln]
     assert len(dots) == 3, dots  # fprop, dgrad, wgrad
     assert all("HIGHEST" in ln for ln in dots if "xf32>" in ln.split(":")[-1]), dots
+
+
+def test_vmapped_grouped_gemms_run_one_problem_at_a_time_without_batched_ragged_dot(
+    monkeypatch,
+):
+    """Under `jax.vmap` (stacked MoE layers, each with its own group sizes) the grouped
+    GEMMs lower to `ragged_dot`s without batch dimensions for a TPU, whose XLA has no
+    batched `ragged_dot` (it fails to compile one), and running the problems one at a
+    time (`lax.map`, forced here on the CPU) gives the batched call's results bit for
+    bit: fprop, dgrad and wgrad, rows past every group zero."""
+    recipe = nvfp4x.recipes.nvfp4_training()
+    x, w, g = normal(0, (2, T, K)), normal(1, (2, G, N, K)), normal(2, (2, T, N))
+    s = jnp.asarray([SIZES["uneven"], SIZES["aligned-and-tail"]], jnp.int32)
+
+    def one(x, w, s, g):
+        f = lambda x, w: _ragged.grouped_qdot(x, w, s, recipe=recipe)
+        return f(x, w), jax.grad(lambda x, w: jnp.sum(f(x, w) * g), (0, 1))(x, w)
+
+    text = jax.jit(jax.vmap(one)).trace(x, w, s, g).lower(lowering_platforms=("tpu",)).as_text()
+    ragged = [ln for ln in text.splitlines() if "chlo.ragged_dot" in ln]
+    assert len(ragged) == 3 and not any("batching_dimensions" in ln for ln in ragged), ragged
+    loops = lambda: jax.jit(jax.vmap(one)).lower(x, w, s, g).as_text().count("stablehlo.while")
+    batched, batched_loops = jax.jit(jax.vmap(one))(x, w, s, g), loops()
+    monkeypatch.setattr(_ragged, "UNBATCHED_RAGGED_PLATFORMS", ("cpu",))
+    _prims._compiled.cache_clear()  # (the primitives' programs were traced batched)
+    assert loops() == batched_loops + 3  # (a loop over the problems per grouped GEMM)
+    mapped = jax.jit(jax.vmap(one))(x, w, s, g)
+    _prims._compiled.cache_clear()
+    for what, a, b in zip(
+        ("fprop", "dgrad", "wgrad"), jax.tree.leaves(mapped), jax.tree.leaves(batched), strict=True
+    ):
+        assert_same(a, b, f"one at a time: {what}")
+    assert not np.any(np.asarray(batched[0][1, sum(SIZES["aligned-and-tail"]) :]))
 
 
 def test_grouped_gemm_keeps_groups_apart():

@@ -21,6 +21,7 @@ only (`check_close`).
 
 import dataclasses
 import functools
+import itertools
 
 import equinox as eqx
 import jax
@@ -246,7 +247,8 @@ def test_kernel_lowers_for_tpu():
 
 def test_attribution_variants_lower_for_tpu():
     """`benchmarks/tpu_frozen_check.py --attribute`'s diagnostic kernels lower for a TPU
-    (1 and 16 tokens' tiles, both weight blocks), so that a device call is not spent on
+    (1 and 16 tokens' tiles, both weight blocks), and `--dma`'s (every tile, uint8 and
+    uint32 codes, one DMA or 4 per tile), so that a device call is not spent on
     an error the CPU can show."""
     from benchmarks import tpu_frozen_check
 
@@ -264,6 +266,15 @@ def test_attribution_variants_lower_for_tpu():
                 )
                 lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
                 assert "frozen_attribution_" in lowered.as_text(), (tokens, block, variant)
+    scales = jax.ShapeDtypeStruct((8192, 512), jnp.uint8)
+    for dtype, per in ((jnp.uint8, 2), (jnp.uint32, 8)):
+        codes = jax.ShapeDtypeStruct((8192, 8192 // per), dtype)
+        for (features, depth), split in itertools.product(tpu_frozen_check.DMA_TILES, (1, 4)):
+            fn = functools.partial(
+                tpu_frozen_check.dma_read, features=features, depth=depth, split=split
+            )
+            lowered = jax.jit(fn).trace(codes, scales).lower(lowering_platforms=("tpu",))
+            assert "frozen_dma_probe" in lowered.as_text(), (dtype, features, depth, split)
 
 
 @pytest.mark.slow
