@@ -8,17 +8,20 @@ from ._dispatch import interpreted_class
 from ._kernels import _cpu_multiplies_bf16, _device_capability
 from ._numerics._nvfp4 import _fake_quantize_loops
 from ._prims import _compiled
+from ._ragged import _grouped_dot
 from ._sites import _cached_traced_gemm
 
 #: The caches `clear_caches` empties: jitted GEMMs and quantiser loops (`_compiled`,
-#: `_auto_gemm`, `_fake_quantize_loops`), traced layer calls (`_cached_traced_gemm`,
-#: "does this module's call run a GEMM?"), the convolutions' wgrad plans (`wgrad_plan`:
-#: index tables per geometry), the CPU feature probe and the device's compute capability.
+#: `_auto_gemm`, `_fake_quantize_loops`), the grouped GEMM's vmap rule per dimension
+#: numbers (`_grouped_dot`), traced layer calls (`_cached_traced_gemm`, "does this
+#: module's call run a GEMM?"), the convolutions' wgrad plans (`wgrad_plan`: index tables
+#: per geometry), the CPU feature probe and the device's compute capability.
 CLEARED = (
     _compiled,
     wgrad_plan,
     _auto_gemm,
     _fake_quantize_loops,
+    _grouped_dot,
     _cached_traced_gemm,
     _cpu_multiplies_bf16,
     _device_capability,

@@ -263,18 +263,16 @@ def _grouped_dot(dims, precision, unbatched: tuple[str, ...]):
         ops = (a, b, sizes)
         mapped = tuple(o for o, m in zip(ops, in_batched, strict=True) if m)
 
-        def problem(xs):
-            it = iter(xs)
-            return one(*(next(it) if m else o for o, m in zip(ops, in_batched, strict=True)))
+        def operands(mapped):  # the mapped operands (or their slices) among the others
+            it = iter(mapped)
+            return tuple(next(it) if m else o for o, m in zip(ops, in_batched, strict=True))
 
         def batched(*mapped):
             axes = tuple(0 if m else None for m in in_batched)
-            it = iter(mapped)
-            full = tuple(next(it) if m else o for o, m in zip(ops, in_batched, strict=True))
-            return jax.vmap(plain, in_axes=axes)(*full)
+            return jax.vmap(plain, in_axes=axes)(*operands(mapped))
 
         def one_at_a_time(*mapped):
-            return lax.map(problem, mapped)
+            return lax.map(lambda xs: one(*operands(xs)), mapped)
 
         per = {p: one_at_a_time for p in unbatched}
         return lax.platform_dependent(*mapped, default=batched, **per), True
