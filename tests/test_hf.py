@@ -155,6 +155,35 @@ def test_bf16_twin_of_the_export_is_the_same_model_in_bfloat16(w4a4):
         assert lm.generation_speed(model, CFG, 2) > 0
 
 
+def test_cached_decode_is_sliding_window_attention(w4a4):
+    """`generate`'s key-value-cached decode (`Transformer.prefill`, then `decode`: one
+    token per step, attention over a ring buffer of the last `CFG.seq` tokens): each
+    step's logits are the sliding-window forward's (`model(tokens, window=CFG.seq)`) of
+    every token so far, past the window's length (the ring buffer wraps), up to float32
+    rounding, for the float model and a frozen W4A16 one (no per-call activation
+    scales); the first byte `generate` gives is the uncached one's, and the frozen W4A4
+    export read back generates with either."""
+    recipe = nvfp4x.recipes.nvfp4_weight_only()
+    steps = 6  # (each evicts the oldest token: the ring buffer wraps at its first step)
+    text = (np.arange(CFG.seq + steps) * 7 % CFG.vocab).astype(np.int32)
+    forward = eqx.filter_jit(lambda m, t: m(t, window=CFG.seq))
+    for model in (build(), nvfp4x.freeze(nvfp4x.quantize(build(), recipe))):
+        want = np.asarray(forward(model, jnp.asarray(text)))  # row j: after token j
+        logits, caches = lm.deploy._prefill(model, jnp.asarray(text[: CFG.seq]))
+        for i in range(steps + 1):
+            row = want[CFG.seq - 1 + i]
+            tol = dict(rtol=1e-4, atol=1e-5 * np.abs(row).max())
+            np.testing.assert_allclose(np.asarray(logits), row, **tol, err_msg=f"step {i}")
+            if i < steps:
+                token, pos = jnp.int32(text[CFG.seq + i]), jnp.int32(CFG.seq + i)
+                logits, caches = lm.deploy._decode(model, token, pos, caches)
+    _, directory, _ = w4a4
+    back = nvfp4x.import_hf(directory, like_of(w4a4_policy()), names=NAMES)
+    for model in (build(), back):
+        cached, plain = (lm.generate(model, CFG, b"def f(x):", 4, cache=c) for c in (True, False))
+        assert len(cached) == 4 and cached[:1] == plain[:1]
+
+
 def test_w4a4_files_follow_model_optimizer(w4a4):
     frozen, directory, amax = w4a4
     hq = json.loads((directory / "hf_quant_config.json").read_text())

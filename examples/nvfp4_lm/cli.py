@@ -120,7 +120,8 @@ def generate_from(directory: str, prompt: str, n: int, compare_bf16: bool = Fals
         packed = generation_speed(model, cfg, max(n, 2))
         bf16 = generation_speed(bf16_twin(model), cfg, max(n, 2))
         print(
-            f"generation on {jax.devices()[0].device_kind}, {cfg.seq}-byte window per byte: "
+            f"generation on {jax.devices()[0].device_kind}, one token per step against a "
+            f"key-value cache ({cfg.seq}-byte window): "
             f"NVFP4 packed {packed:,.1f} bytes/s, bfloat16 {bf16:,.1f} bytes/s "
             f"({packed / bf16:.2f}x)"
         )

@@ -109,16 +109,36 @@ def load_export(directory: str) -> tuple[Any, Config]:
     return nvfp4x.import_hf(directory, like, names=nvfp4x.hf_names.llama), cfg
 
 
-def generate(model: Any, cfg: Config, prompt: bytes, n: int) -> bytes:
-    """`n` bytes after `prompt`, greedily: each step reads the last `cfg.seq` bytes (the
-    context the model was trained on; a shorter prompt is left-padded with spaces) and
-    appends the most likely next byte. One compiled forward for every step."""
-    step = _next_byte(cfg.seq)
+def generate(model: Any, cfg: Config, prompt: bytes, n: int, *, cache: bool = True) -> bytes:
+    """`n` bytes after `prompt`, greedily, with a context of `cfg.seq` bytes (the
+    length the model was trained on; a shorter prompt is left-padded with spaces).
+    `cache=True`: the last `cfg.seq` bytes run once (`Transformer.prefill`), then each
+    byte is one step on one token against every layer's key-value cache
+    (`Transformer.decode`: each GEMM reads its weight for one token, as a serving stack
+    decodes), every layer attending to its last `cfg.seq` positions (sliding-window
+    attention); `cache=False`: each byte reruns the last `cfg.seq` bytes from scratch.
+    The first byte is the same either way; later ones may differ (past the first
+    window, a cached layer's keys carry context from before it). One compiled program
+    for each kind of step."""
     text = bytearray(b" " * max(0, cfg.seq - len(prompt)) + prompt)
-    for _ in range(n):
-        window = np.frombuffer(bytes(text[-cfg.seq :]), np.uint8).astype(np.int32)
-        text.append(int(step(model, window)))
-    return bytes(text[-n:]) if n else b""
+    window = lambda: np.frombuffer(bytes(text[-cfg.seq :]), np.uint8).astype(np.int32)  # noqa: E731
+    if not cache:
+        step = _next_byte(cfg.seq)
+        for _ in range(n):
+            text.append(int(step(model, window())))
+        return bytes(text[-n:]) if n else b""
+    if not n:
+        return b""
+    logits, caches = _prefill(model, window())
+    for i in range(n):
+        text.append(int(jnp.argmax(logits)))
+        if i + 1 < n:
+            logits, caches = _decode(model, np.int32(text[-1]), np.int32(cfg.seq + i), caches)
+    return bytes(text[-n:])
+
+
+_prefill = eqx.filter_jit(lambda model, tokens: model.prefill(tokens))
+_decode = eqx.filter_jit(lambda model, token, pos, caches: model.decode(token, pos, caches))
 
 
 class Bf16Linear(eqx.Module):
@@ -153,12 +173,14 @@ def bf16_twin(model: Any) -> Any:
     return jax.tree.map(unpack, model, is_leaf=lambda n: isinstance(n, nvfp4x.FrozenLinear))
 
 
-def generation_speed(model: Any, cfg: Config, n: int, prompt: bytes = b"def ") -> float:
-    """Bytes per second of `generate` over `n` bytes (at least 2), after one byte that
-    compiles the step (not counted)."""
-    generate(model, cfg, prompt, 1)  # compiles
+def generation_speed(
+    model: Any, cfg: Config, n: int, prompt: bytes = b"def ", *, cache: bool = True
+) -> float:
+    """Bytes per second of `generate` (`cache` as there) over `n` bytes (at least 2),
+    after a run of 2 bytes that compiles its steps (not counted)."""
+    generate(model, cfg, prompt, 2, cache=cache)  # compiles
     t0 = time.perf_counter()
-    generate(model, cfg, prompt, max(2, n))
+    generate(model, cfg, prompt, max(2, n), cache=cache)
     return max(2, n) / (time.perf_counter() - t0)
 
 

@@ -13,6 +13,9 @@ import nvfp4x
 
 from .config import Config
 
+#: A layer's key-value cache: keys and values `(window, heads, head_dim)`, a ring buffer.
+KVCache = tuple[Array, Array]
+
 
 class RMSNorm(eqx.Module):
     """`x / rms(x) * weight` over the feature axis."""
@@ -29,11 +32,15 @@ class RMSNorm(eqx.Module):
         return x * jax.lax.rsqrt(ms + self.eps) * self.weight
 
 
-def rotary(x: Float[Array, "seq heads hd"], base: float = 10_000.0) -> Float[Array, "seq heads hd"]:
-    """Rotary position embedding (rotate-half form) along the head dimension."""
+def rotary(
+    x: Float[Array, "seq heads hd"], base: float = 10_000.0, start: Any = 0
+) -> Float[Array, "seq heads hd"]:
+    """Rotary position embedding (rotate-half form) along the head dimension, the tokens
+    at positions `start, start + 1, ...` (`start` may be traced: a decoding step's)."""
     seq, _, hd = x.shape
     inv_freq = 1.0 / base ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    position = jnp.arange(seq, dtype=jnp.float32) + jnp.asarray(start, jnp.float32)
+    angle = position[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -63,19 +70,54 @@ class Attention(eqx.Module):
         self.wo = eqx.nn.Linear(d, d, use_bias=False, key=ko)
         self.n_heads = n_heads
 
-    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+    def __call__(
+        self, x: Float[Array, "seq d"], window: int | None = None
+    ) -> Float[Array, "seq d"]:
+        return self.prefill(x, window)[0]
+
+    def _qkv(self, x: Float[Array, "seq d"], start: Any = 0) -> tuple[Array, Array, Array]:
         seq, d = x.shape
         hd = d // self.n_heads
 
         def heads(linear):
             return per_token(linear, x).reshape(seq, self.n_heads, hd)
 
-        q, k, v = rotary(heads(self.wq)), rotary(heads(self.wk)), heads(self.wv)
+        q, k = rotary(heads(self.wq), start=start), rotary(heads(self.wk), start=start)
+        return q, k, heads(self.wv)
+
+    def _attend(self, q, k, v, mask=None) -> Float[Array, "seq d"]:
+        seq, heads, hd = q.shape
         scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        if mask is not None:
+            scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
-        return per_token(self.wo, out.reshape(seq, d))
+        return per_token(self.wo, out.reshape(seq, heads * hd))
+
+    def prefill(
+        self, x: Float[Array, "seq d"], window: int | None = None
+    ) -> tuple[Float[Array, "seq d"], KVCache]:
+        """The causal attention of `x` (positions from 0; `window`: each token attending
+        to the last `window` tokens only, itself included) and its keys and values, the
+        cache `decode` continues from."""
+        q, k, v = self._qkv(x)
+        i = jnp.arange(x.shape[0])
+        mask = i[:, None] >= i[None, :]
+        if window is not None:
+            mask = mask & (i[:, None] - i[None, :] < window)
+        return self._attend(q, k, v, mask), (k, v)
+
+    def decode(
+        self, x: Float[Array, "1 d"], pos: Any, cache: KVCache
+    ) -> tuple[Float[Array, "1 d"], KVCache]:
+        """One token at position `pos` (at least the cache's length) attending to itself
+        and the cache's other tokens, a ring buffer of the last `window` keys and values
+        (their order does not matter): the token's key and value replace the oldest, at
+        `pos % window`. Sliding-window attention: `prefill(x, window)`'s last row, for
+        `x` every token so far."""
+        q, k, v = self._qkv(x, start=pos)
+        slot = pos % cache[0].shape[0]
+        keys, values = cache[0].at[slot].set(k[0]), cache[1].at[slot].set(v[0])
+        return self._attend(q, keys, values), (keys, values)
 
 
 class SwiGLU(eqx.Module):
@@ -111,9 +153,24 @@ class Block(eqx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, key=km)
 
-    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(
+        self, x: Float[Array, "seq d"], window: int | None = None
+    ) -> Float[Array, "seq d"]:
+        return self.prefill(x, window)[0]
+
+    def prefill(
+        self, x: Float[Array, "seq d"], window: int | None = None
+    ) -> tuple[Float[Array, "seq d"], KVCache]:
+        """`self(x, window)` and its attention's keys and values (`Attention.prefill`)."""
+        a, cache = self.attn.prefill(self.attn_norm(x), window)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+    def decode(self, x: Float[Array, "1 d"], pos: Any, cache: KVCache):
+        """One token at position `pos` with its attention's cache (`Attention.decode`)."""
+        a, cache = self.attn.decode(self.attn_norm(x), pos, cache)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class Transformer(eqx.Module):
@@ -132,11 +189,41 @@ class Transformer(eqx.Module):
         self.norm = RMSNorm(cfg.d_model)
         self.lm_head = eqx.nn.Linear(cfg.d_model, cfg.vocab, use_bias=False, key=kh)
 
-    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+    def __call__(
+        self, tokens: Int[Array, " seq"], window: int | None = None
+    ) -> Float[Array, "seq vocab"]:
+        """Every token's next-byte logits; `window`: sliding-window attention (each
+        token attends to the last `window` tokens, itself included), which a
+        key-value-cached decode computes (`prefill`, `decode`)."""
         x = self.embed.weight[tokens]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, window)
         return per_token(self.lm_head, self.norm(x))
+
+    def prefill(self, tokens: Int[Array, " seq"]) -> tuple[Float[Array, " vocab"], list[KVCache]]:
+        """The last token's logits and every block's keys and values for `tokens`
+        (positions from 0): the start of a key-value-cached decode (`decode`), whose
+        window is `len(tokens)` tokens."""
+        x, caches = self.embed.weight[tokens], []
+        for block in self.blocks:
+            x, cache = block.prefill(x)
+            caches.append(cache)
+        return per_token(self.lm_head, self.norm(x[-1:]))[0], caches
+
+    def decode(
+        self, token: Int[Array, ""], pos: Any, caches: list[KVCache]
+    ) -> tuple[Float[Array, " vocab"], list[KVCache]]:
+        """The logits after `token` at position `pos` (the first after `prefill`'s
+        tokens is their count), every layer's GEMMs on one token, attention over the
+        last `window` tokens (the cache's length, this one included), and the caches
+        with its keys and values in place of the oldest: `self(tokens, window)[-1]` for
+        `tokens` every token so far, up to float32 rounding (for a model whose
+        activations are quantised per call, W4A4, each step's own tensor scales)."""
+        x, new = self.embed.weight[token][None], []
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x, cache = block.decode(x, pos, cache)
+            new.append(cache)
+        return per_token(self.lm_head, self.norm(x))[0], new
 
 
 def build_model(cfg: Config, key: PRNGKeyArray) -> Transformer:
