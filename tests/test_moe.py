@@ -130,9 +130,10 @@ def test_vmapped_grouped_gemms_run_one_problem_at_a_time_without_batched_ragged_
 ):
     """Under `jax.vmap` (stacked MoE layers, each with its own group sizes) the grouped
     GEMMs lower to `ragged_dot`s without batch dimensions for a TPU, whose XLA has no
-    batched `ragged_dot` (it fails to compile one), and running the problems one at a
-    time (`lax.map`, forced here on the CPU) gives the batched call's results bit for
-    bit: fprop, dgrad and wgrad, rows past every group zero."""
+    batched `ragged_dot` (it fails to compile one); the vmapped call gives each problem's
+    own results (fprop, dgrad, wgrad; rows past every group zero), and where the backend
+    has a batched `ragged_dot` (the CPU), running the problems one at a time (`lax.map`,
+    the TPU's path, forced) gives its results bit for bit."""
     recipe = nvfp4x.recipes.nvfp4_training()
     x, w, g = normal(0, (2, T, K)), normal(1, (2, G, N, K)), normal(2, (2, T, N))
     s = jnp.asarray([SIZES["uneven"], SIZES["aligned-and-tail"]], jnp.int32)
@@ -144,18 +145,25 @@ def test_vmapped_grouped_gemms_run_one_problem_at_a_time_without_batched_ragged_
     text = jax.jit(jax.vmap(one)).trace(x, w, s, g).lower(lowering_platforms=("tpu",)).as_text()
     ragged = [ln for ln in text.splitlines() if "chlo.ragged_dot" in ln]
     assert len(ragged) == 3 and not any("batching_dimensions" in ln for ln in ragged), ragged
+    what = ("fprop", "dgrad", "wgrad")
+    vmapped = jax.jit(jax.vmap(one))(x, w, s, g)
+    for i in range(2):
+        alone = jax.jit(one)(x[i], w[i], s[i], g[i])
+        for name, a, b in zip(what, jax.tree.leaves(vmapped), jax.tree.leaves(alone), strict=True):
+            assert_same_sums(a[i], b, f"problem {i} vmapped: {name}")
+    assert not np.any(np.asarray(vmapped[0][1, sum(SIZES["aligned-and-tail"]) :]))
+    backend = jax.default_backend()
+    if backend in _ragged.UNBATCHED_RAGGED_PLATFORMS:
+        return  # (the vmapped call above ran one problem at a time)
     loops = lambda: jax.jit(jax.vmap(one)).lower(x, w, s, g).as_text().count("stablehlo.while")
-    batched, batched_loops = jax.jit(jax.vmap(one))(x, w, s, g), loops()
-    monkeypatch.setattr(_ragged, "UNBATCHED_RAGGED_PLATFORMS", ("cpu",))
+    batched_loops = loops()
+    monkeypatch.setattr(_ragged, "UNBATCHED_RAGGED_PLATFORMS", (backend,))
     _prims._compiled.cache_clear()  # (the primitives' programs were traced batched)
     assert loops() == batched_loops + 3  # (a loop over the problems per grouped GEMM)
     mapped = jax.jit(jax.vmap(one))(x, w, s, g)
     _prims._compiled.cache_clear()
-    for what, a, b in zip(
-        ("fprop", "dgrad", "wgrad"), jax.tree.leaves(mapped), jax.tree.leaves(batched), strict=True
-    ):
-        assert_same(a, b, f"one at a time: {what}")
-    assert not np.any(np.asarray(batched[0][1, sum(SIZES["aligned-and-tail"]) :]))
+    for name, a, b in zip(what, jax.tree.leaves(mapped), jax.tree.leaves(vmapped), strict=True):
+        assert_same(a, b, f"one at a time: {name}")
 
 
 def test_grouped_gemm_keeps_groups_apart():
