@@ -22,6 +22,12 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   decode, the decode without the block scales; the kernel's opt-in "chunks" layout; and
   XLA's dot of bf16 weights of the same shape. Diagnostic kernels, here only: not part
   of nvfp4x.
+- `--dma`: only the reads (the attribution found the kernel's time is its DMAs, and a
+  `lax.scan` slice of stacked weights copied first): a Pallas call that reads random
+  packed codes and scales of `--layers` layers tile by tile and does nothing else, per
+  tile shape (`DMA_TILES`), codes as uint8 or uint32, each tile one DMA or four,
+  layers unrolled or by `lax.scan`, against XLA reading the same bytes and XLA's dot of
+  bf16 weights: which read pattern reaches the memory floor.
 
 Every configuration runs in its own `try` (a Mosaic compile failure is printed in full
 and the rest goes on). `--out PATH` writes the markdown table. `--smoke` runs tiny
