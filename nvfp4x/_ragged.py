@@ -43,7 +43,9 @@ summation order).
 As for the dense GEMM (`_gemm.py`), each GEMM is a primitive (`grouped_qdot_p` fprop,
 `grouped_dgrad_p`, `grouped_wgrad_p`, and the JVP's two linear parts) so that traced
 programs, `nvfp4x.coverage` included, show them. Under `jax.vmap` every vmapped axis
-makes independent problems (the group sizes are per problem).
+makes independent problems (the group sizes are per problem): one batched `ragged_dot`,
+or, on a TPU, whose XLA cannot compile a batched one, the problems one at a time
+(`grouped_dot`).
 """
 
 import functools
