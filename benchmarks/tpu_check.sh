@@ -103,7 +103,10 @@ else
     files=""
 fi
 select=()
-[ -n "${SHARD:-}" ] && { select+=(--shard "$SHARD"); name=$name-shard${SHARD%/*}of${SHARD#*/}; }
+[ -n "${SHARD:-}" ] && [ -n "$files" ] && {
+    select+=(--shard "$SHARD")
+    name=$name-shard${SHARD%/*}of${SHARD#*/}
+}
 [ -n "${PYTEST_K:-}" ] && select+=(-k "$PYTEST_K")
 if [ -n "$files" ]; then
     # One process (`-o addopts=`: no xdist workers; the jaxtyping/beartype checks that

@@ -92,9 +92,10 @@ def pytest_collection_modifyitems(config, items):
         return
     try:
         i, n = (int(v) for v in shard.split("/"))
-        assert 0 <= i < n
-    except (ValueError, AssertionError):
-        raise pytest.UsageError(f"--shard {shard!r}: give I/N with 0 <= I < N, e.g. 0/3") from None
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"--shard {shard!r}: give I/N with 0 <= I < N, e.g. 0/3")
     keep = [item for j, item in enumerate(items) if j % n == i]
     config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i])
     items[:] = keep
