@@ -14,6 +14,7 @@ python examples/train_lm.py --data my.txt --steps 1000 --layers 8
 python examples/train_lm.py --checkpoint-dir ckpt   # resumable: run it again after a crash
 python examples/train_lm.py --export out/lm-nvfp4     # + a Hugging Face NVFP4 checkpoint
 python examples/train_lm.py --generate-from out/lm-nvfp4 --prompt "import os"
+python examples/train_lm.py --time-generation --d-model 2048 --layers 8   # decode speed
 ```
 
 With `--export DIR`, the NVFP4 model is frozen after training (q/k/v and gate/up sharing

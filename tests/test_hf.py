@@ -184,6 +184,16 @@ def test_cached_decode_is_sliding_window_attention(w4a4):
         assert len(cached) == 4 and cached[:1] == plain[:1]
 
 
+def test_time_generation_needs_no_checkpoint(capsys):
+    """`train_lm.py --time-generation`: no training, no files: a random model of the
+    configuration, quantised by the paper's policy and frozen, against its bf16 twin."""
+    from nvfp4_lm import cli
+
+    speeds = cli.main(["--smoke", "--time-generation", "--generate", "2"])
+    assert set(speeds) == {"packed bytes/s", "bf16 bytes/s"} and min(speeds.values()) > 0
+    assert "random model: 2 blocks" in capsys.readouterr().out
+
+
 def test_w4a4_files_follow_model_optimizer(w4a4):
     frozen, directory, amax = w4a4
     hq = json.loads((directory / "hf_quant_config.json").read_text())

@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --generate-from: also time generation with the same model in bfloat16 "
         "(its weights decoded) and print both speeds",
     )
+    p.add_argument(
+        "--time-generation",
+        action="store_true",
+        help="no training: the configuration's model, randomly initialised, quantised by "
+        "the paper's policy and frozen, against its bfloat16 twin: generation speed only "
+        "(a size where reading the weights dominates, e.g. --d-model 2048 --layers 8)",
+    )
     p.add_argument("--prompt", default="def main(argv):\n    ", help="prompt for generation")
     p.add_argument("--generate", type=int, default=48, metavar="N", help="bytes to generate")
     return p.parse_args(argv)
@@ -117,15 +124,37 @@ def generate_from(directory: str, prompt: str, n: int, compare_bf16: bool = Fals
     print(f"{directory}: {cfg.n_layers} blocks, d_model={cfg.d_model}; greedy continuation:")
     print(prompt + text.decode("utf-8", errors="replace"))
     if compare_bf16:
-        packed = generation_speed(model, cfg, max(n, 2))
-        bf16 = generation_speed(bf16_twin(model), cfg, max(n, 2))
-        print(
-            f"generation on {jax.devices()[0].device_kind}, one token per step against a "
-            f"key-value cache ({cfg.seq}-byte window): "
-            f"NVFP4 packed {packed:,.1f} bytes/s, bfloat16 {bf16:,.1f} bytes/s "
-            f"({packed / bf16:.2f}x)"
-        )
+        compare_speeds(model, cfg, n)
     return text
+
+
+def compare_speeds(model: Any, cfg: Config, n: int) -> dict[str, float]:
+    """Print and return the generation speed (`generation_speed`, `n` bytes, at least
+    2) of the frozen `model` and of its bfloat16 twin (`bf16_twin`), in this process."""
+    packed = generation_speed(model, cfg, max(n, 2))
+    bf16 = generation_speed(bf16_twin(model), cfg, max(n, 2))
+    print(
+        f"generation on {jax.devices()[0].device_kind}, one token per step against a "
+        f"key-value cache ({cfg.seq}-byte window): "
+        f"NVFP4 packed {packed:,.1f} bytes/s, bfloat16 {bf16:,.1f} bytes/s "
+        f"({packed / bf16:.2f}x)"
+    )
+    return {"packed bytes/s": packed, "bf16 bytes/s": bf16}
+
+
+def time_generation(cfg: Config, n: int) -> dict[str, float]:
+    """`--time-generation`: `cfg`'s model from random weights, quantised by the paper's
+    policy and frozen (what `--export` packs, without training), against its bfloat16
+    twin: the speeds only (its text means nothing)."""
+    model = build_model(cfg, jax.random.key(cfg.seed))
+    policy = paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS)
+    frozen = eqx.filter_jit(lambda m: nvfp4x.freeze(nvfp4x.quantize(m, policy)))(model)
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    print(
+        f"random model: {cfg.n_layers} blocks, d_model={cfg.d_model}, {cfg.n_heads} heads, "
+        f"d_ff={cfg.d_ff}, {n_params / 1e6:.2f}M parameters"
+    )
+    return compare_speeds(frozen, cfg, n)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -133,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.generate_from is not None:
         generate_from(args.generate_from, args.prompt, args.generate, args.compare_bf16)
         return {}
+    if args.time_generation:
+        try:
+            cfg = config_from_args(args)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from e
+        return time_generation(cfg, args.generate)
     export_dir = args.export
     if export_dir is None and args.smoke:
         export_dir = os.path.join(args.out, "nvfp4_hf")
