@@ -90,15 +90,21 @@ def pytest_collection_modifyitems(config, items):
     shard = config.getoption("--shard")
     if shard is None:
         return
+    keep, dropped = shard_split(items, shard)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
+
+
+def shard_split(items: list, shard: str) -> tuple[list, list]:
+    """`--shard I/N`: `(kept, deselected)`, every N-th item from the I-th kept; a bad
+    value is pytest's usage error."""
     try:
         i, n = (int(v) for v in shard.split("/"))
     except ValueError:
         i, n = -1, 0
     if not 0 <= i < n:
         raise pytest.UsageError(f"--shard {shard!r}: give I/N with 0 <= I < N, e.g. 0/3")
-    keep = [item for j, item in enumerate(items) if j % n == i]
-    config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i])
-    items[:] = keep
+    return items[i::n], [item for j, item in enumerate(items) if j % n != i]
 
 
 @pytest.fixture(scope="session")

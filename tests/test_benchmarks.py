@@ -220,21 +220,25 @@ def test_tpu_chunks_hold_every_numerics_file_once():
 
 def test_shards_split_the_collected_tests():
     """`--shard I/N` (tests/conftest.py; `tpu_check.sh`'s SHARD): the N parts of a run
-    are disjoint and together every collected test; a bad value is a usage error."""
+    are disjoint and together every collected test; a bad value is a usage error; the
+    option reaches pytest's collection (one subprocess)."""
     import subprocess
     import sys
 
-    def ids(*extra):
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
-            + ["--collect-only", "tests/test_tied.py", *extra],
-            cwd=ROOT, capture_output=True, text=True,
-        )  # fmt: skip
-        return out.returncode, [ln for ln in out.stdout.splitlines() if "::" in ln]
+    import pytest
+    from conftest import shard_split
 
-    rc, every = ids()
-    parts = [ids("--shard", f"{i}/3")[1] for i in range(3)]
-    assert rc == 0 and len(every) > 3 and all(parts)
-    assert sorted(sum(parts, [])) == sorted(every)
-    rc, _ = ids("--shard", "3/3")
-    assert rc == 4  # (pytest's usage error)
+    items = list(range(11))
+    parts = [shard_split(items, f"{i}/3") for i in range(3)]
+    assert sorted(sum((kept for kept, _ in parts), [])) == items
+    assert all(sorted(kept + dropped) == items for kept, dropped in parts)
+    assert parts[1][0] == [1, 4, 7, 10]
+    for bad in ("3/3", "-1/2", "1", "a/b"):
+        with pytest.raises(pytest.UsageError):
+            shard_split(items, bad)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
+        + ["--collect-only", "tests/test_tied.py", "--shard", "1/3"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0 and "deselected" in out.stdout, out.stdout[-500:]
