@@ -335,9 +335,7 @@ def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref,
             out_ref[q] += d[0] + d[1]
 
 
-def attribution_matmul(
-    x, codes, scale_bits, *, block, variant: str, tiles, interpret=False, fuse=False
-):
+def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, interpret=False):
     """`frozen_matmul`'s "planes" call (bfloat16 activations, shapes whole tiles) with
     the `ATTRIBUTION` `variant`'s kernel; its result is not the product."""
     bm, bn, bk = tiles
@@ -367,7 +365,6 @@ def attribution_matmul(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
             vmem_limit_bytes=100 << 20,
-            allow_input_fusion=[False, False, True, True] if fuse else None,
         ),
         interpret=interpret,
         name=f"frozen_attribution_{variant.replace(',', '').replace(' ', '_')}",

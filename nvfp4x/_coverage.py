@@ -238,31 +238,24 @@ def _plain_ragged_row(eqn, repeats: int, origin: dict, named: dict) -> CoverageR
 
 
 def _frozen_row(eqn, repeats: int) -> CoverageRow:
+    """A frozen layer's GEMM on its packed leaves, or frozen experts' grouped GEMM
+    (`frozen_grouped_p`), counted as `_grouped_row` counts the unfrozen one: each token
+    meets one expert (however the kernel computes it)."""
     p = eqn.params
     recipe: Recipe = p["recipe"]
+    grouped = eqn.primitive is frozen_grouped_p  # (x, sizes, *leaves)
     x = eqn.invars[0].aval
-    w = jax.tree_util.tree_unflatten(p["wdef"], [v.aval for v in eqn.invars[1:]])
+    w = jax.tree_util.tree_unflatten(p["wdef"], [v.aval for v in eqn.invars[1 + grouped :]])
     n, k = w.shape[-2], w.shape[-1]
+    if grouped and p["experts_kn"]:
+        n, k = k, n
     nb = p["nbatch"]
     m, batch = math.prod(x.shape[nb:-1]), math.prod(x.shape[:nb])
     shape, fmts = f"({m}, {k}) x ({k}, {n})", (recipe.input, recipe.weight)
-    return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts, "(frozen)")
-
-
-def _frozen_grouped_row(eqn, repeats: int) -> CoverageRow:
-    """Frozen experts' grouped GEMM (`ragged_dot`), counted as `_grouped_row` counts
-    the unfrozen one: each token meets one expert (however the kernel computes it)."""
-    p = eqn.params
-    recipe: Recipe = p["recipe"]
-    x = eqn.invars[0].aval
-    w = jax.tree_util.tree_unflatten(p["wdef"], [v.aval for v in eqn.invars[2:]])
-    g, rows, cols = w.shape[-3:]
-    n, k = (cols, rows) if p["experts_kn"] else (rows, cols)
-    nb = p["nbatch"]
-    m, batch = x.shape[-2], math.prod(x.shape[:nb])
-    shape = f"({m}, {k}) x ({k}, {n}) [{g} experts]"
-    fmts = (recipe.input, recipe.weight)
-    return _recipe_row(eqn, "fprop", shape, 2 * m * n * k * repeats, batch, fmts)
+    flops = 2 * m * n * k * repeats
+    if grouped:
+        return _recipe_row(eqn, "fprop", f"{shape} [{w.shape[-3]} experts]", flops, batch, fmts)
+    return _recipe_row(eqn, "fprop", shape, flops, batch, fmts, "(frozen)")
 
 
 def _plain_row(eqn, repeats: int, origin: dict, named: dict) -> CoverageRow:
@@ -324,7 +317,7 @@ def _source_call(eqn) -> tuple | None:
 _RECIPE_ROWS: dict[Any, Callable[[Any, int], CoverageRow]] = {
     **dict.fromkeys(_PASS, _quantised_row),
     frozen_p: _frozen_row,
-    frozen_grouped_p: _frozen_grouped_row,
+    frozen_grouped_p: _frozen_row,
     **dict.fromkeys(_GROUPED_PASS, _grouped_row),
     **dict.fromkeys(CONV_PASS, _conv_row),
 }
