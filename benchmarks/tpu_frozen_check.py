@@ -440,7 +440,8 @@ def _dma_kernel(*refs):
     acc = jnp.sum(scales_ref[0:32, 0 : min(128, scales_ref.shape[1])].astype(jnp.float32))
     for codes_ref in codes_refs:
         rows = 32 // codes_ref.dtype.itemsize  # (one (8, 128) word vreg)
-        acc += pltpu.bitcast(codes_ref[0:rows, 0:128], jnp.int32).astype(jnp.float32)
+        cols = min(128, codes_ref.shape[1])
+        acc += jnp.sum(pltpu.bitcast(codes_ref[0:rows, 0:cols], jnp.int32).astype(jnp.float32))
     out_ref[...] += acc
 
 
