@@ -342,7 +342,19 @@ def test_unsupported_ragged_layout_warns_and_runs_float():
         rhs_group_dimensions=(0,),
     )
     f = lambda m: lax.ragged_dot_general(x, m.weight, s, dims)
-    with pytest.warns(UserWarning, match="weight `` selected by the policy reached a `ragged_dot`"):
+    warns = pytest.warns(
+        UserWarning, match="weight `` selected by the policy reached a `ragged_dot`"
+    )
+    if jax.default_backend() == "tpu":
+        # XLA:TPU (jax 0.10.2) does not compile this layout's float `ragged_dot_general`
+        # either ("inferred shape ... incompatible"): the quantised call still warns and
+        # then fails as the float one does.
+        with pytest.raises(Exception) as float_error:
+            jax.block_until_ready(f(layer))
+        with warns, pytest.raises(type(float_error.value)):
+            jax.block_until_ready(nvfp4x.quantized(f)(qlayer))
+        return
+    with warns:
         y = nvfp4x.quantized(f)(qlayer)
     assert_same_sums(y, f(layer), "the float product")
 
