@@ -29,6 +29,14 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   layers unrolled or by `lax.scan`, against XLA reading the same bytes and XLA's dot of
   bf16 weights: which read pattern reaches the memory floor.
 
+Timing: every timed program runs its work `--inner` times (default 10) in one
+`lax.fori_loop`, each run on the last one's result (so nothing that reads the weights is
+hoisted out of the loop), and its time is divided by `--inner`: on the TPU machine one
+jitted call's dispatch and wait cost about as much as reading 500 MiB (the row "one
+jitted call of nothing" measures it; with `--inner 1` the fifth session's figures were
+mostly that). Weight-only work (the "xla" path's decode) may be hoisted out of the
+loop, as in a decoding loop compiled as one program.
+
 Every configuration runs in its own `try` (a Mosaic compile failure is printed in full
 and the rest goes on). `--out PATH` writes the markdown table. `--smoke` runs tiny
 shapes on the CPU in Pallas's interpreter (the test suite runs it).
@@ -96,6 +104,11 @@ def stack_of(layers: int, d: int, key) -> eqx.nn.Linear:
     return eqx.filter_vmap(make)(keys)
 
 
+def forward_from(x, stack):
+    """`forward` with the activations first (`looped`'s order)."""
+    return forward(stack, x)
+
+
 def forward(stack, x):
     """The stack on `x` (`(tokens, d)`), one layer after another by `jax.lax.scan`."""
     params, static = eqx.partition(stack, eqx.is_array)
@@ -124,15 +137,37 @@ class _nullcontext:
         return False
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds of each thunk, the thunks run in turn `repeats` times."""
+def looped(fn: Callable, inner: int) -> Callable:
+    """`fn(h, *rest) -> h` run `inner` times in one program (`lax.fori_loop`, each run on
+    the last one's result: nothing depending on `h` is hoisted out, no host round trip
+    between runs)."""
+    if inner <= 1:
+        return fn
+    return lambda h, *rest: jax.lax.fori_loop(0, inner, lambda _, g: fn(g, *rest), h)
+
+
+def call_overhead(rows: Rows, repeats: int) -> None:
+    """The row "one jitted call of nothing": what every timed call includes besides its
+    work (dispatch, the wait for the result), median of `repeats` x 10."""
+    f = jax.jit(lambda x: x + 1)
+    x = jnp.zeros((8, 128), jnp.float32)
+    jax.block_until_ready(f(x))
+    secs = interleaved({"nothing": functools.partial(f, x)}, max(10, 10 * repeats))["nothing"]
+    rows.add("one jitted call of nothing", f"{secs * 1e3:.3f} ms", "per-call overhead")
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1
+) -> dict[str, float]:
+    """Median seconds of each thunk, the thunks run in turn `repeats` times, divided by
+    `inner` (the runs of its work each thunk makes: `looped`)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) / inner for name, ts in times.items()}
 
 
 def mb(n) -> str:
@@ -193,7 +228,9 @@ def run(args) -> Rows:
         fns: dict[str, Callable[[], Any]] = {}
         notes: dict[str, str] = {}
         try:
-            fns["bf16 weights"], mem = thunk(None, forward, bf16, x32.astype(jnp.bfloat16))
+            fns["bf16 weights"], mem = thunk(
+                None, looped(forward_from, args.inner), x32.astype(jnp.bfloat16), bf16
+            )
             notes["bf16 weights"] = memory_note(mem)
         except Exception as e:  # noqa: BLE001
             error(rows, f"bf16 weights, {tokens} tokens", e)
@@ -209,11 +246,11 @@ def run(args) -> Rows:
                 for impl in ("mosaic", "xla"):
                     label = f"{name} {dname} activations ({impl})"
                     try:
-                        fns[label], mem = thunk(impl, forward, fz, x)
+                        fns[label], mem = thunk(impl, looped(forward_from, args.inner), x, fz)
                         notes[label] = memory_note(mem)
                     except Exception as e:  # noqa: BLE001
                         error(rows, f"{label}, {tokens} tokens", e)
-        times = interleaved(fns, args.repeats)
+        times = interleaved(fns, args.repeats, args.inner)
         base = times.get("bf16 weights")
         for label, secs in times.items():
             nbytes = (
@@ -230,7 +267,7 @@ def run(args) -> Rows:
     return rows
 
 
-def kernel_over_stack(w, x, tiles, layout: str = "planes") -> Callable[[], Any]:
+def kernel_over_stack(w, x, tiles, layout: str = "planes", inner: int = 1) -> Callable[[], Any]:
     """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`) alone over
     the stacked packed weight `w`, each layer's output the next one's input; compiled
     and run once."""
@@ -243,14 +280,14 @@ def kernel_over_stack(w, x, tiles, layout: str = "planes") -> Callable[[], Any]:
         interpret=jax.default_backend() != "tpu",
         layout=layout,
     )
-    return over_stack(mm, x, w.codes, w.scale_bits)
+    return over_stack(mm, x, w.codes, w.scale_bits, inner)
 
 
-def over_stack(mm, x, codes, scale_bits) -> Callable[[], Any]:
+def over_stack(mm, x, codes, scale_bits, inner: int = 1) -> Callable[[], Any]:
     """A thunk running `mm(h, codes_l, scale_bits_l)` layer after layer by `lax.scan`
-    from `x`; compiled and run once."""
+    from `x` (the whole stack `inner` times: `looped`); compiled and run once."""
     body = lambda h, cs: (mm(h, cs[0], cs[1]).astype(h.dtype), None)  # noqa: E731
-    f = jax.jit(lambda h, c, s: jax.lax.scan(body, h, (c, s))[0])
+    f = jax.jit(looped(lambda h, c, s: jax.lax.scan(body, h, (c, s))[0], inner))
     jax.block_until_ready(f(x, codes, scale_bits))
     return functools.partial(f, x, codes, scale_bits)
 
@@ -270,8 +307,8 @@ def sweep(rows: Rows, fz, args) -> None:
             wide = tiles.tokens % 128 == 0 and tokens >= 128
             for layout in ("planes", "wide") if wide else ("planes",):
                 try:
-                    thunk_ = kernel_over_stack(w, x, tiles, layout)
-                    times[tiles, layout] = interleaved({"k": thunk_}, args.repeats)["k"]
+                    thunk_ = kernel_over_stack(w, x, tiles, layout, args.inner)
+                    times[tiles, layout] = interleaved({"k": thunk_}, args.repeats, args.inner)["k"]
                 except Exception as e:  # noqa: BLE001
                     error(rows, f"sweep {tuple(tiles)} {layout}, {tokens} tokens", e)
         best = min(times, key=times.__getitem__) if times else None
@@ -390,7 +427,7 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
         fns = {}
         for layout, name in (("planes", "kernel"), ("chunks", "kernel, chunks layout")):
             try:
-                fns[name] = kernel_over_stack(w, x, tiles, layout)
+                fns[name] = kernel_over_stack(w, x, tiles, layout, args.inner)
             except Exception as e:  # noqa: BLE001
                 error(rows, f"attribute {name}, {tokens} tokens", e)
         for variant in ATTRIBUTION:
@@ -402,16 +439,16 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
                 interpret=jax.default_backend() != "tpu",
             )
             try:
-                fns[variant] = over_stack(mm, x, w.codes, w.scale_bits)
+                fns[variant] = over_stack(mm, x, w.codes, w.scale_bits, args.inner)
             except Exception as e:  # noqa: BLE001
                 error(rows, f"attribute {variant}, {tokens} tokens", e)
         try:
-            g = jax.jit(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0])
+            g = jax.jit(looped(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0], args.inner))
             jax.block_until_ready(g(x, bf16.weight))
             fns["bf16 weights (XLA dot)"] = functools.partial(g, x, bf16.weight)
         except Exception as e:  # noqa: BLE001
             error(rows, f"attribute bf16 weights, {tokens} tokens", e)
-        times = interleaved(fns, args.repeats)
+        times = interleaved(fns, args.repeats, args.inner)
         base = times.get("kernel")
         nbytes = packed_bytes(fz)
         for name, secs in times.items():
@@ -430,12 +467,13 @@ DMA_TILES = ((2048, 4096), (1024, 8192), (4096, 2048), (512, 8192), (8192, 2048)
 
 def _dma_kernel(*refs):
     """Touch one vreg of each of the step's code tiles and its scales: what is left is
-    the pipeline's DMAs of its tiles into VMEM."""
-    *codes_refs, scales_ref, out_ref = refs
+    the pipeline's DMAs of its tiles into VMEM. The output starts from `carry` (the last
+    call's: `looped` cannot hoist the call)."""
+    *codes_refs, scales_ref, carry_ref, out_ref = refs
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+        out_ref[...] = carry_ref[...]
 
     acc = jnp.sum(scales_ref[0:32, 0 : min(128, scales_ref.shape[1])].astype(jnp.float32))
     for codes_ref in codes_refs:
@@ -445,11 +483,21 @@ def _dma_kernel(*refs):
     out_ref[...] += acc
 
 
-def dma_read(codes, scale_bits, *, features: int, depth: int, split: int = 1, interpret=False):
+def dma_read(
+    codes,
+    scale_bits,
+    carry=None,
+    *,
+    features: int,
+    depth: int,
+    split: int = 1,
+    interpret=False,
+):
     """A Pallas call reading `codes` `(n, w)` (uint8: `w = k / 2`; uint32: `k / 8`) and
     `scale_bits` `(n, k / 16)` tile by tile (`features` rows, `depth` weights), doing
     nothing else: the frozen GEMM kernel's DMAs alone; `split`: each tile of codes read
-    as that many operands of `features / split` rows (concurrent DMAs)."""
+    as that many operands of `features / split` rows (concurrent DMAs). `carry`
+    `(8, 128)` float32 (default zeros) is added to each output block."""
     n, w = codes.shape
     per_word = 2 * codes.dtype.itemsize  # weights per code element
     bw, bs, part = depth // per_word, depth // BLOCK, features // split
@@ -462,7 +510,11 @@ def dma_read(codes, scale_bits, *, features: int, depth: int, split: int = 1, in
         _dma_kernel,
         out_shape=jax.ShapeDtypeStruct((n // features * 8, 128), jnp.float32),
         grid=(n // features, w // bw),
-        in_specs=[*code_specs, pl.BlockSpec((features, bs), lambda j, kk: (j, kk))],
+        in_specs=[
+            *code_specs,
+            pl.BlockSpec((features, bs), lambda j, kk: (j, kk)),
+            pl.BlockSpec((8, 128), lambda j, kk: (0, 0)),
+        ],
         out_specs=pl.BlockSpec((8, 128), lambda j, kk: (j, 0)),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=100 << 20
@@ -470,7 +522,8 @@ def dma_read(codes, scale_bits, *, features: int, depth: int, split: int = 1, in
         interpret=interpret,
         name="frozen_dma_probe",
     )
-    return call(*[codes] * split, scale_bits)
+    carry = jnp.zeros((8, 128), jnp.float32) if carry is None else carry
+    return call(*[codes] * split, scale_bits, carry)
 
 
 def dma(rows: Rows, args) -> None:
@@ -480,7 +533,9 @@ def dma(rows: Rows, args) -> None:
     the codes as uint8 (as stored) or viewed as uint32, each tile one DMA or 4; the layers
     as separate arrays (unrolled) or one stacked array under `lax.scan` (a slice of the
     stack feeding a custom call is copied first); against XLA reading the same bytes
-    (a max over the codes) and XLA's dot of bf16 weights. 1 token's worth of work."""
+    (a max over the codes) and XLA's dot of bf16 weights. 1 token's worth of work. Each
+    read takes the last one's result (a carry: layers in order, the stack `--inner`
+    times), as a model's layers do."""
     nl, d = args.layers, args.d
     interpret = jax.default_backend() != "tpu"
     key = jax.random.key(3)
@@ -492,16 +547,35 @@ def dma(rows: Rows, args) -> None:
     nbytes = codes.nbytes + scales.nbytes
     per_layer = lambda a: [a[i] for i in range(nl)]  # noqa: E731
 
-    def unrolled(fn, *stacks):
-        layers = [per_layer(a) for a in stacks]
-        g = jax.jit(lambda *ls: [fn(*xs) for xs in zip(*ls, strict=True)])
-        jax.block_until_ready(g(*layers))
-        return functools.partial(g, *layers)
+    carry0 = jnp.zeros((8, 128), jnp.float32)
 
-    def scanned(fn, *stacks):
-        g = jax.jit(lambda *st: jax.lax.scan(lambda c, xs: (c, fn(*xs)), 0, st)[1])
-        jax.block_until_ready(g(*stacks))
-        return functools.partial(g, *stacks)
+    def unrolled(step, carry, *stacks):  # step(carry, *layer's arrays) -> carry
+        def layers_in_turn(c, *ls):
+            for xs in zip(*ls, strict=True):
+                c = step(c, *xs)
+            return c
+
+        layers = [per_layer(a) for a in stacks]
+        g = jax.jit(looped(layers_in_turn, args.inner))
+        jax.block_until_ready(g(carry, *layers))
+        return functools.partial(g, carry, *layers)
+
+    def scanned(step, carry, *stacks):
+        g = jax.jit(
+            looped(
+                lambda c, *st: jax.lax.scan(lambda c, xs: (step(c, *xs), None), c, st)[0],
+                args.inner,
+            )
+        )
+        jax.block_until_ready(g(carry, *stacks))
+        return functools.partial(g, carry, *stacks)
+
+    def max_read(c, codes, scales):  # XLA reads the bytes (the xor keeps it in the loop)
+        flag = (c[0, 0] > 3e38).astype(jnp.uint8)
+        return c + (jnp.max(codes ^ flag) + jnp.max(scales ^ flag)).astype(jnp.float32)
+
+    def bf16_dot(h, w):
+        return (jnp.dot(h, w.T, preferred_element_type=jnp.float32) * d**-0.5).astype(h.dtype)
 
     fns: dict[str, Callable[[], Any]] = {}
     tiles = [(f, t) for f, t in DMA_TILES if f <= d and t <= d] or [(min(d, 512), min(d, 2048))]
@@ -512,19 +586,19 @@ def dma(rows: Rows, args) -> None:
     for f, t, dtype, split, how in cases:
         name = f"dma tiles ({f}, {t}) {dtype} codes, {split} DMA per tile, {how}"
         read = functools.partial(dma_read, features=f, depth=t, split=split, interpret=interpret)
+        step = lambda c, cs, s, read=read: read(cs, s, c)[:8]  # noqa: E731
         try:
             fns[name] = (unrolled if how == "unrolled" else scanned)(
-                read, words if dtype == "uint32" else codes, scales
+                step, carry0, words if dtype == "uint32" else codes, scales
             )
         except Exception as e:  # noqa: BLE001
             error(rows, name, e)
-    fns["XLA max over the codes and scales, unrolled"] = unrolled(
-        lambda c, s: (jnp.max(c), jnp.max(s)), codes, scales
-    )
+    fns["XLA max over the codes and scales, unrolled"] = unrolled(max_read, carry0, codes, scales)
     x = jax.random.normal(key, (1, d), jnp.bfloat16)
     wbf = jax.random.normal(key, (nl, d, d), jnp.bfloat16)
-    fns["XLA dot, bf16 weights, 1 token, unrolled"] = unrolled(lambda w: jnp.dot(x, w.T), wbf)
-    times = interleaved(fns, args.repeats)
+    fns["XLA dot, bf16 weights, 1 token, unrolled"] = unrolled(bf16_dot, x, wbf)
+    fns["XLA dot, bf16 weights, 1 token, scan"] = scanned(bf16_dot, x, wbf)
+    times = interleaved(fns, args.repeats, args.inner)
     for name, secs in times.items():
         b = wbf.nbytes if "bf16" in name else nbytes
         rows.add(name, f"{secs * 1e3:.3f} ms", f"{b / secs / 1e9:,.0f} GB/s")
@@ -538,6 +612,9 @@ def main(argv: list[str] | None = None) -> Rows:
         "--tokens", type=lambda s: tuple(int(t) for t in s.split(",")), default=(1, 16, 4096)
     )
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--inner", type=int, default=10, help="runs of each timed work in one program (looped)"
+    )
     p.add_argument("--recipes", type=lambda s: tuple(s.split(",")), default=tuple(RECIPES))
     p.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=tuple(DTYPES))
     p.add_argument("--sweep", action="store_true", help="time SWEEP_TILES per token bucket")
@@ -551,7 +628,7 @@ def main(argv: list[str] | None = None) -> Rows:
     p.add_argument("--out", type=Path, default=None, help="write the markdown table there")
     args = p.parse_args(argv)
     if args.smoke:
-        args.layers, args.d, args.tokens, args.repeats = 2, 512, (1,), 1
+        args.layers, args.d, args.tokens, args.repeats, args.inner = 2, 512, (1,), 1, 2
         args.recipes, args.dtypes = ("W4A4",), ("float32",)
     if jax.default_backend() != "tpu" and not args.smoke:
         print("note: not a TPU; the kernel runs interpreted (slow): use --smoke", flush=True)
@@ -560,6 +637,7 @@ def main(argv: list[str] | None = None) -> Rows:
         dma(rows, args)
     else:
         rows = run(args)
+    call_overhead(rows, args.repeats)
     if args.out:
         title = (
             f"TPU frozen GEMM check ({jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')})"

@@ -280,7 +280,8 @@ def test_attribution_variants_lower_for_tpu():
 @pytest.mark.slow
 def test_device_check_smoke(tmp_path):
     """`benchmarks/tpu_frozen_check.py --smoke` (tiny shapes, interpreted off a TPU):
-    its check passes and it writes its table."""
+    its check passes and it writes its table; `--smoke --dma` times every read pattern
+    without an error."""
     from benchmarks import tpu_frozen_check
 
     out = tmp_path / "tpu_frozen.md"
@@ -289,6 +290,11 @@ def test_device_check_smoke(tmp_path):
     assert values["check W4A4 float32 activations, 1 tokens"] == "ok"
     assert "**error**" not in values.values()
     assert "| W4A4 float32 activations (mosaic), 1 tokens |" in out.read_text()
+    assert values["one jitted call of nothing"].endswith(" ms")
+    # `--dma`: every read pattern, each call taking the last one's result (`--inner`).
+    dma_rows = tpu_frozen_check.main(["--smoke", "--dma"]).rows
+    assert len(dma_rows) == 8  # (one tile at d=512)
+    assert not [what for what, value, _ in dma_rows if value == "**error**"]
 
 
 def test_tiles_fit_the_vmem_budget():
