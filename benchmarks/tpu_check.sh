@@ -17,14 +17,16 @@
 #       and its arguments run after the tests (e.g. `-- benchmarks/bench_gpu.py --out
 #       $OUT/bench.md --only quantize`), killed after BENCH_SECONDS (default 300).
 #
-# Times measured on a TPU v5e (pytest's own; 2026-12-05, fourth and fifth sessions):
+# Times measured on a TPU v5e (pytest's own; 2026-12-05/06, fourth to sixth sessions):
 # chunk 1 247 s (hypothesis' examples each compile the Mosaic quantiser), chunk 2 146 s,
 # chunk 3 about 300 s (240 s reached 7 tests into `test_gemm_jax.py`), chunk 4 over 300 s
-# (72 of its 76 tests in ~290 s: give it 360 s alone), chunk 5 about 230 s (29 of its 34
-# tests in 190 s). Chunk 6 is longer than one command: `test_freeze.py`'s first 8 tests
-# took 168 s there (the Mosaic quantiser's compiles in every recipe's frozen and
-# unfrozen model), so run it as SHARD=0/4 .. SHARD=3/4 (guessed: 65 + 8 tests). Chunks
-# 7-9 not yet measured there (give them a whole command each, or shard them). Each test
+# (72 of its 76 tests in ~290 s: give it 360 s alone), chunk 5 about 425 s
+# (`test_native_gemm` 94 s, `test_tied` 125 s, `test_any_model` 204 s), chunk 7 443 s
+# (`test_moe` 226 s, `test_conv` 217 s). Chunk 6 is longer than one command:
+# `test_freeze.py`'s first 8 tests took 168 s there (the Mosaic quantiser's compiles in
+# every recipe's frozen and unfrozen model), so run it as SHARD=0/4 .. SHARD=3/4
+# (guessed: 65 + 8 tests). Chunks 8-9 not yet measured there (give them a whole command
+# each, or shard them). Each test
 # file's times are in the JUnit file. Two chunks fit one command where their times add
 # up to ~540 s. The first start of a machine adds 1-2 minutes before this script, the
 # installs here 20 s.
@@ -46,9 +48,9 @@ chunk_files() {
     3) echo tests/test_gemm_vmap.py tests/test_unbiased_sr.py tests/test_gemm_jax.py ;;
     4) echo tests/test_tpu_kernels.py tests/test_tpu_frozen_kernel.py tests/test_kernels.py \
         tests/test_frozen_kernel.py ;;
-    5) echo tests/test_native_gemm.py tests/test_tied.py ;;
+    5) echo tests/test_native_gemm.py tests/test_tied.py tests/test_any_model.py ;;
     6) echo tests/test_freeze.py tests/test_telemetry.py ;;
-    7) echo tests/test_moe.py tests/test_conv.py tests/test_any_model.py ;;
+    7) echo tests/test_moe.py tests/test_conv.py ;;
     8) echo tests/test_transform.py tests/test_hf.py ;;
     9) echo tests/test_save_load.py tests/test_requantize.py ;;
     *) return 1 ;;

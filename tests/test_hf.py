@@ -161,8 +161,9 @@ def test_cached_decode_is_sliding_window_attention(w4a4):
     step's logits are the sliding-window forward's (`model(tokens, window=CFG.seq)`) of
     every token so far, past the window's length (the ring buffer wraps), up to float32
     rounding, for the float model and a frozen W4A16 one (no per-call activation
-    scales); the first byte `generate` gives is the uncached one's, and the frozen W4A4
-    export read back generates with either."""
+    scales); the first byte `generate` gives is the uncached one's, the frozen W4A4
+    export read back generates with either, and `generate`'s one-program decode loop
+    gives the step-by-step loop's bytes."""
     recipe = nvfp4x.recipes.nvfp4_weight_only()
     steps = 6  # (each evicts the oldest token: the ring buffer wraps at its first step)
     text = (np.arange(CFG.seq + steps) * 7 % CFG.vocab).astype(np.int32)
@@ -182,6 +183,14 @@ def test_cached_decode_is_sliding_window_attention(w4a4):
     for model in (build(), back):
         cached, plain = (lm.generate(model, CFG, b"def f(x):", 4, cache=c) for c in (True, False))
         assert len(cached) == 4 and cached[:1] == plain[:1]
+    # The cached decode's one program (`lax.scan` over the steps) is the step-by-step loop.
+    model, prompt = build(), np.frombuffer(b" " * (CFG.seq - 3) + b"def", np.uint8)
+    logits, caches = lm.deploy._prefill(model, jnp.asarray(prompt, jnp.int32))
+    stepwise = []
+    for i in range(5):
+        stepwise.append(int(jnp.argmax(logits)))
+        logits, caches = lm.deploy._decode(model, jnp.int32(stepwise[-1]), CFG.seq + i, caches)
+    assert lm.generate(model, CFG, b"def", 5) == bytes(stepwise)
 
 
 def test_time_generation_needs_no_checkpoint(capsys):

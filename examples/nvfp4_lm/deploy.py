@@ -116,10 +116,11 @@ def generate(model: Any, cfg: Config, prompt: bytes, n: int, *, cache: bool = Tr
     byte is one step on one token against every layer's key-value cache
     (`Transformer.decode`: each GEMM reads its weight for one token, as a serving stack
     decodes), every layer attending to its last `cfg.seq` positions (sliding-window
-    attention); `cache=False`: each byte reruns the last `cfg.seq` bytes from scratch.
-    The first byte is the same either way; later ones may differ (past the first
-    window, a cached layer's keys carry context from before it). One compiled program
-    for each kind of step."""
+    attention), the `n - 1` steps and their greedy choices in one compiled program
+    (`lax.scan`: no host round trip per byte, as a serving stack's decode loop);
+    `cache=False`: each byte reruns the last `cfg.seq` bytes from scratch, one call per
+    byte. The first byte is the same either way; later ones may differ (past the first
+    window, a cached layer's keys carry context from before it)."""
     text = bytearray(b" " * max(0, cfg.seq - len(prompt)) + prompt)
     window = lambda: np.frombuffer(bytes(text[-cfg.seq :]), np.uint8).astype(np.int32)  # noqa: E731
     if not cache:
@@ -130,15 +131,28 @@ def generate(model: Any, cfg: Config, prompt: bytes, n: int, *, cache: bool = Tr
     if not n:
         return b""
     logits, caches = _prefill(model, window())
-    for i in range(n):
-        text.append(int(jnp.argmax(logits)))
-        if i + 1 < n:
-            logits, caches = _decode(model, np.int32(text[-1]), np.int32(cfg.seq + i), caches)
-    return bytes(text[-n:])
+    tokens = _greedy_decode(model, logits, caches, np.int32(cfg.seq), n)
+    return bytes(np.asarray(tokens).astype(np.uint8).tolist())
 
 
 _prefill = eqx.filter_jit(lambda model, tokens: model.prefill(tokens))
 _decode = eqx.filter_jit(lambda model, token, pos, caches: model.decode(token, pos, caches))
+
+
+@eqx.filter_jit
+def _greedy_decode(model: Any, logits: Any, caches: Any, start: Any, n: int) -> Any:
+    """`n` greedy tokens after `prefill`'s `logits` and `caches`: the first from
+    `logits`, each next one from a `decode` step on the last at position `start + i`;
+    one program (`n` static: one compile per length)."""
+
+    def step(carry, i):
+        logits, caches = carry
+        token = jnp.argmax(logits).astype(jnp.int32)
+        logits, caches = model.decode(token, start + i, caches)
+        return (logits, caches), token
+
+    (logits, _), tokens = jax.lax.scan(step, (logits, caches), jnp.arange(n - 1))
+    return jnp.append(tokens, jnp.argmax(logits).astype(jnp.int32))
 
 
 class Bf16Linear(eqx.Module):
@@ -177,8 +191,8 @@ def generation_speed(
     model: Any, cfg: Config, n: int, prompt: bytes = b"def ", *, cache: bool = True
 ) -> float:
     """Bytes per second of `generate` (`cache` as there) over `n` bytes (at least 2),
-    after a run of 2 bytes that compiles its steps (not counted)."""
-    generate(model, cfg, prompt, 2, cache=cache)  # compiles
+    after a run of the same length that compiles its programs (not counted)."""
+    generate(model, cfg, prompt, max(2, n), cache=cache)  # compiles
     t0 = time.perf_counter()
     generate(model, cfg, prompt, max(2, n), cache=cache)
     return max(2, n) / (time.perf_counter() - t0)
