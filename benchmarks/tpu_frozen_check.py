@@ -11,6 +11,9 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
 - time: the stack's forward with the kernel, with the reference path and with bf16
   weights (bfloat16 activations), medians of interleaved runs in this process; the
   ratio to bf16 and the GB/s at which the packed weights are read;
+- `--unrolled`: also the bf16 stack and the kernel path with the layers as separate
+  arrays run one after another (at 1-16 tokens): under `lax.scan` a layer's slice of a
+  stacked weight feeding the kernel's custom call is copied first;
 - memory: argument, output and temporary bytes of each compiled forward
   (`memory_analysis`);
 - `--sweep`: the kernel alone over the stack, each tile of `SWEEP_TILES` per token
@@ -103,6 +106,22 @@ def stack_of(layers: int, d: int, key) -> eqx.nn.Linear:
     keys = jax.random.split(key, layers)
     make = lambda k: eqx.nn.Linear(d, d, use_bias=False, key=k, dtype=jnp.bfloat16)
     return eqx.filter_vmap(make)(keys)
+
+
+def unrolled_forward(stack):
+    """`(forward, layers)`: `forward(x, layers)` runs the stack's layers one after
+    another from separate arrays (`layers`: each layer's slice, taken once here), as a
+    model of separate layers does: no slice of a stacked weight inside the program."""
+    params, static = eqx.partition(stack, eqx.is_array)
+    n = jax.tree.leaves(params)[0].shape[0]
+    layers = [jax.tree.map(lambda a, i=i: a[i], params) for i in range(n)]
+
+    def run_layers(x, layers):
+        for p in layers:
+            x = jax.vmap(eqx.combine(p, static))(x).astype(x.dtype)
+        return x
+
+    return run_layers, layers
 
 
 def forward_from(x, stack):
@@ -235,6 +254,15 @@ def run(args) -> Rows:
             notes["bf16 weights"] = memory_note(mem)
         except Exception as e:  # noqa: BLE001
             error(rows, f"bf16 weights, {tokens} tokens", e)
+        if args.unrolled and tokens <= 16:
+            label = "bf16 weights, layers unrolled"
+            try:
+                fwd, layers = unrolled_forward(bf16)
+                xb = x32.astype(jnp.bfloat16)
+                fns[label], mem = thunk(None, looped(fwd, args.inner), xb, layers)
+                notes[label] = memory_note(mem)
+            except Exception as e:  # noqa: BLE001
+                error(rows, f"{label}, {tokens} tokens", e)
         for name, fz in frozen.items():
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
@@ -251,11 +279,21 @@ def run(args) -> Rows:
                         notes[label] = memory_note(mem)
                     except Exception as e:  # noqa: BLE001
                         error(rows, f"{label}, {tokens} tokens", e)
+                if args.unrolled and tokens <= 16:
+                    label = f"{name} {dname} activations (mosaic), layers unrolled"
+                    try:
+                        fwd, layers = unrolled_forward(fz)
+                        fns[label], mem = thunk("mosaic", looped(fwd, args.inner), x, layers)
+                        notes[label] = memory_note(mem)
+                    except Exception as e:  # noqa: BLE001
+                        error(rows, f"{label}, {tokens} tokens", e)
         times = interleaved(fns, args.repeats, args.inner)
         base = times.get("bf16 weights")
         for label, secs in times.items():
             nbytes = (
-                bf16_bytes if label == "bf16 weights" else packed_bytes(frozen[label.split()[0]])
+                bf16_bytes
+                if label.startswith("bf16 weights")
+                else packed_bytes(frozen[label.split()[0]])
             )
             note = f"{nbytes / secs / 1e9:,.0f} GB/s of weights"
             if base:
@@ -624,6 +662,11 @@ def main(argv: list[str] | None = None) -> Rows:
     )
     p.add_argument(
         "--dma", action="store_true", help="only a Pallas call's reads of packed weights"
+    )
+    p.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="also time the layers as separate arrays (no slice of the stack: 1-16 tokens)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table there")
