@@ -132,7 +132,7 @@ def generate(model: Any, cfg: Config, prompt: bytes, n: int, *, cache: bool = Tr
         return b""
     logits, caches = _prefill(model, window())
     tokens = _greedy_decode(model, logits, caches, np.int32(cfg.seq), n)
-    return bytes(np.asarray(tokens).astype(np.uint8).tolist())
+    return bytes(np.asarray(tokens).tolist())  # (a token past 255 raises, as bytes do)
 
 
 _prefill = eqx.filter_jit(lambda model, tokens: model.prefill(tokens))
