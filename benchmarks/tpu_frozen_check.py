@@ -38,8 +38,8 @@ hoisted out of the loop), and its time is divided by `--inner`. With `--inner 1`
 run per call, as in the fifth session) the TPU machine's rows fit a fixed ~0.8 ms per
 call plus reading at ~840 GB/s (bf16 dot of 512 MiB 1.456 ms, DMA-only of 144 MiB
 ~1.0 ms): the call's dispatch and wait, not the reads; the row "one jitted call of
-nothing" measures that overhead. Weight-only work (the "xla" path's decode) may be
-hoisted out of the loop, as in a decoding loop compiled as one program.
+nothing" measures that overhead. (The "xla" path's decode of a weight is tied to the
+layer's input in nvfp4x, so it is not hoisted out of the loop either.)
 
 Every configuration runs in its own `try` (a Mosaic compile failure is printed in full
 and the rest goes on). `--out PATH` writes the markdown table. `--smoke` runs tiny
@@ -108,35 +108,25 @@ def stack_of(layers: int, d: int, key) -> eqx.nn.Linear:
     return eqx.filter_vmap(make)(keys)
 
 
-def unrolled_forward(stack):
-    """`(forward, layers)`: `forward(x, layers)` runs the stack's layers one after
-    another from separate arrays (`layers`: each layer's slice, taken once here), as a
-    model of separate layers does: no slice of a stacked weight inside the program."""
+def forwards(stack, unrolled: bool = False) -> tuple[Callable, Any]:
+    """`(forward, weights)`: `forward(x, weights)` runs the stack's layers on `x`
+    (`(tokens, d)`) one after another, by `jax.lax.scan` over the stacked arrays, or,
+    `unrolled`, from separate arrays (each layer's slice taken once here, as a model of
+    separate layers holds them: no slice of a stacked weight inside the program)."""
     params, static = eqx.partition(stack, eqx.is_array)
-    n = jax.tree.leaves(params)[0].shape[0]
-    layers = [jax.tree.map(lambda a, i=i: a[i], params) for i in range(n)]
 
-    def run_layers(x, layers):
+    def layer(h, p):
+        return jax.vmap(eqx.combine(p, static))(h).astype(h.dtype)
+
+    def in_turn(x, layers):
         for p in layers:
-            x = jax.vmap(eqx.combine(p, static))(x).astype(x.dtype)
+            x = layer(x, p)
         return x
 
-    return run_layers, layers
-
-
-def forward_from(x, stack):
-    """`forward` with the activations first (`looped`'s order)."""
-    return forward(stack, x)
-
-
-def forward(stack, x):
-    """The stack on `x` (`(tokens, d)`), one layer after another by `jax.lax.scan`."""
-    params, static = eqx.partition(stack, eqx.is_array)
-
-    def body(h, p):
-        return jax.vmap(eqx.combine(p, static))(h).astype(h.dtype), None
-
-    return jax.lax.scan(body, x, params)[0]
+    if not unrolled:
+        return lambda x, ps: jax.lax.scan(lambda h, p: (layer(h, p), None), x, ps)[0], params
+    n = jax.tree.leaves(params)[0].shape[0]
+    return in_turn, [jax.tree.map(lambda a, i=i: a[i], params) for i in range(n)]
 
 
 def thunk(impl: str | None, fn: Callable, *args) -> tuple[Callable[[], Any], Any]:
@@ -242,63 +232,47 @@ def run(args) -> Rows:
             )(bf16)
         except Exception as e:  # noqa: BLE001
             error(rows, f"freeze {name}", e)
-    bf16_bytes = bf16.weight.nbytes
+
+    def time_row(timed: dict, label: str, impl: str | None, model, x, unrolled=False) -> None:
+        """`timed[label]`: the thunk of the model's forward (`forwards`, `looped`, the
+        frozen GEMM `impl`; None: bf16 weights), its memory note and weight bytes."""
+        try:
+            fwd, weights = forwards(model, unrolled)
+            fn, mem = thunk(impl, looped(fwd, args.inner), x, weights)
+            nbytes = bf16.weight.nbytes if impl is None else packed_bytes(model)
+            timed[label] = fn, memory_note(mem), nbytes
+        except Exception as e:  # noqa: BLE001
+            error(rows, f"{label}, {x.shape[0]} tokens", e)
+
     for tokens in args.tokens:
         x32 = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32)
-        fns: dict[str, Callable[[], Any]] = {}
-        notes: dict[str, str] = {}
-        try:
-            fns["bf16 weights"], mem = thunk(
-                None, looped(forward_from, args.inner), x32.astype(jnp.bfloat16), bf16
-            )
-            notes["bf16 weights"] = memory_note(mem)
-        except Exception as e:  # noqa: BLE001
-            error(rows, f"bf16 weights, {tokens} tokens", e)
-        if args.unrolled and tokens <= 16:
-            label = "bf16 weights, layers unrolled"
-            try:
-                fwd, layers = unrolled_forward(bf16)
-                xb = x32.astype(jnp.bfloat16)
-                fns[label], mem = thunk(None, looped(fwd, args.inner), xb, layers)
-                notes[label] = memory_note(mem)
-            except Exception as e:  # noqa: BLE001
-                error(rows, f"{label}, {tokens} tokens", e)
+        timed: dict[str, tuple[Callable[[], Any], str, int]] = {}
+        unrolled = args.unrolled and tokens <= 16
+        xb = x32.astype(jnp.bfloat16)
+        time_row(timed, "bf16 weights", None, bf16, xb)
+        if unrolled:
+            time_row(timed, "bf16 weights, layers unrolled", None, bf16, xb, unrolled=True)
         for name, fz in frozen.items():
             for dname in args.dtypes:
-                dtype = DTYPES[dname]
-                x = x32.astype(dtype)
+                x = x32.astype(DTYPES[dname])
                 if tokens in (1, 16):
                     try:
                         check(rows, f"{name} {dname} activations, {tokens} tokens", fz, x)
                     except Exception as e:  # noqa: BLE001
                         error(rows, f"check {name} {dname}, {tokens} tokens", e)
                 for impl in ("mosaic", "xla"):
-                    label = f"{name} {dname} activations ({impl})"
-                    try:
-                        fns[label], mem = thunk(impl, looped(forward_from, args.inner), x, fz)
-                        notes[label] = memory_note(mem)
-                    except Exception as e:  # noqa: BLE001
-                        error(rows, f"{label}, {tokens} tokens", e)
-                if args.unrolled and tokens <= 16:
+                    time_row(timed, f"{name} {dname} activations ({impl})", impl, fz, x)
+                if unrolled:
                     label = f"{name} {dname} activations (mosaic), layers unrolled"
-                    try:
-                        fwd, layers = unrolled_forward(fz)
-                        fns[label], mem = thunk("mosaic", looped(fwd, args.inner), x, layers)
-                        notes[label] = memory_note(mem)
-                    except Exception as e:  # noqa: BLE001
-                        error(rows, f"{label}, {tokens} tokens", e)
-        times = interleaved(fns, args.repeats, args.inner)
+                    time_row(timed, label, "mosaic", fz, x, unrolled=True)
+        times = interleaved({k: fn for k, (fn, _, _) in timed.items()}, args.repeats, args.inner)
         base = times.get("bf16 weights")
         for label, secs in times.items():
-            nbytes = (
-                bf16_bytes
-                if label.startswith("bf16 weights")
-                else packed_bytes(frozen[label.split()[0]])
-            )
+            _, memory, nbytes = timed[label]
             note = f"{nbytes / secs / 1e9:,.0f} GB/s of weights"
             if base:
                 note += f", **{secs / base:.2f}x bf16**"
-            rows.add(f"{label}, {tokens} tokens", f"{secs * 1e3:.3f} ms", f"{note}; {notes[label]}")
+            rows.add(f"{label}, {tokens} tokens", f"{secs * 1e3:.3f} ms", f"{note}; {memory}")
     if args.sweep and frozen:
         sweep(rows, next(iter(frozen.values())), args)
     if args.attribute and frozen:
@@ -613,9 +587,6 @@ def dma(rows: Rows, args) -> None:
         flag = (c[0, 0] > 3e38).astype(jnp.uint8)
         return c + (jnp.max(codes ^ flag) + jnp.max(scales ^ flag)).astype(jnp.float32)
 
-    def bf16_dot(h, w):
-        return (jnp.dot(h, w.T, preferred_element_type=jnp.float32) * d**-0.5).astype(h.dtype)
-
     fns: dict[str, Callable[[], Any]] = {}
     tiles = [(f, t) for f, t in DMA_TILES if f <= d and t <= d] or [(min(d, 512), min(d, 2048))]
     cases = [(f, t, "uint8", 1, "unrolled") for f, t in tiles]
@@ -635,6 +606,7 @@ def dma(rows: Rows, args) -> None:
     fns["XLA max over the codes and scales, unrolled"] = unrolled(max_read, carry0, codes, scales)
     x = jax.random.normal(key, (1, d), jnp.bfloat16)
     wbf = jax.random.normal(key, (nl, d, d), jnp.bfloat16)
+    bf16_dot = lambda h, w: _bf16_layer(h, w)[0]  # noqa: E731
     fns["XLA dot, bf16 weights, 1 token, unrolled"] = unrolled(bf16_dot, x, wbf)
     fns["XLA dot, bf16 weights, 1 token, scan"] = scanned(bf16_dot, x, wbf)
     times = interleaved(fns, args.repeats, args.inner)

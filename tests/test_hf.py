@@ -155,6 +155,11 @@ def test_bf16_twin_of_the_export_is_the_same_model_in_bfloat16(w4a4):
         assert lm.generation_speed(model, CFG, 2) > 0
 
 
+#: One step of the example's cached decode, a program of its own (`generate` runs them all
+#: in one, `deploy._greedy_decode`).
+decode_step = eqx.filter_jit(lambda model, token, pos, caches: model.decode(token, pos, caches))
+
+
 def test_cached_decode_is_sliding_window_attention(w4a4):
     """`generate`'s key-value-cached decode (`Transformer.prefill`, then `decode`: one
     token per step, attention over a ring buffer of the last `CFG.seq` tokens): each
@@ -177,7 +182,7 @@ def test_cached_decode_is_sliding_window_attention(w4a4):
             np.testing.assert_allclose(np.asarray(logits), row, **tol, err_msg=f"step {i}")
             if i < steps:
                 token, pos = jnp.int32(text[CFG.seq + i]), jnp.int32(CFG.seq + i)
-                logits, caches = lm.deploy._decode(model, token, pos, caches)
+                logits, caches = decode_step(model, token, pos, caches)
     _, directory, _ = w4a4
     back = nvfp4x.import_hf(directory, like_of(w4a4_policy()), names=NAMES)
     prompt = b"def f(x):"
@@ -193,7 +198,7 @@ def test_cached_decode_is_sliding_window_attention(w4a4):
             for i in range(4):
                 stepwise.append(int(jnp.argmax(logits)))
                 token = jnp.int32(stepwise[-1])
-                logits, caches = lm.deploy._decode(model, token, CFG.seq + i, caches)
+                logits, caches = decode_step(model, token, CFG.seq + i, caches)
             assert cached == bytes(stepwise)
 
 

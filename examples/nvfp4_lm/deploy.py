@@ -136,7 +136,6 @@ def generate(model: Any, cfg: Config, prompt: bytes, n: int, *, cache: bool = Tr
 
 
 _prefill = eqx.filter_jit(lambda model, tokens: model.prefill(tokens))
-_decode = eqx.filter_jit(lambda model, token, pos, caches: model.decode(token, pos, caches))
 
 
 @eqx.filter_jit
