@@ -539,6 +539,50 @@ def dma_read(
     return call(*[codes] * split, scale_bits, carry)
 
 
+def _bulk_kernel(codes_hbm, scales_hbm, carry_ref, out_ref, cbuf, sbuf, sems, *, pieces):
+    """Copy a whole layer's codes (in `pieces` row bands, all in flight at once) and its
+    scales from HBM into VMEM with explicit DMAs, then touch one vreg of each: the raw
+    DMA rate, no pipeline."""
+    n = codes_hbm.shape[0]
+    band = n // pieces
+    copies = [
+        pltpu.make_async_copy(
+            codes_hbm.at[pl.ds(p * band, band)], cbuf.at[pl.ds(p * band, band)], sems.at[p]
+        )
+        for p in range(pieces)
+    ]
+    copies.append(pltpu.make_async_copy(scales_hbm, sbuf, sems.at[pieces]))
+    for c in copies:
+        c.start()
+    for c in copies:
+        c.wait()
+    rows = 32 // cbuf.dtype.itemsize
+    acc = jnp.sum(pltpu.bitcast(cbuf[0:rows, 0:128], jnp.int32).astype(jnp.float32))
+    acc += jnp.sum(sbuf[0:32, 0:128].astype(jnp.float32))
+    out_ref[...] = carry_ref[...] + acc
+
+
+def bulk_read(codes, scale_bits, carry=None, *, pieces: int = 1, interpret=False):
+    """`_bulk_kernel` over one layer: its codes and scales whole into VMEM (the layer must
+    fit: 8192x8192 is 36 MiB)."""
+    carry = jnp.zeros((8, 128), jnp.float32) if carry is None else carry
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_bulk_kernel, pieces=pieces),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[any_, any_, pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[
+            pltpu.VMEM(codes.shape, codes.dtype),
+            pltpu.VMEM(scale_bits.shape, scale_bits.dtype),
+            pltpu.SemaphoreType.DMA((pieces + 1,)),
+        ],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=100 << 20),
+        interpret=interpret,
+        name="frozen_bulk_dma_probe",
+    )(codes, scale_bits, carry)
+
+
 def dma(rows: Rows, args) -> None:
     """`--dma`: how fast a Pallas call's pipeline reads packed weights (issue 38: the
     frozen GEMM kernel reads them at ~100 GB/s while XLA's dot reads bf16 weights at
@@ -601,6 +645,13 @@ def dma(rows: Rows, args) -> None:
             fns[name] = (unrolled if how == "unrolled" else scanned)(
                 step, carry0, words if dtype == "uint32" else codes, scales
             )
+        except Exception as e:  # noqa: BLE001
+            error(rows, name, e)
+    for pieces in (1, 8, 32):
+        name = f"one layer whole into VMEM, {pieces} concurrent DMAs, unrolled"
+        read = functools.partial(bulk_read, pieces=pieces, interpret=interpret)
+        try:
+            fns[name] = unrolled(lambda c, cs, s, read=read: read(cs, s, c), carry0, codes, scales)
         except Exception as e:  # noqa: BLE001
             error(rows, name, e)
     fns["XLA max over the codes and scales, unrolled"] = unrolled(max_read, carry0, codes, scales)

@@ -208,6 +208,11 @@ def serialise(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes
             "'nvfp4x[hf]'` (or `pip install safetensors`)."
         ) from e
 
-    digests = {name: digest(np.ascontiguousarray(a).tobytes()) for name, a in tensors.items()}
+    # The library writes each array's memory from its data pointer (`ctypes.data`, as
+    # safetensors 0.8 does): a strided view (a transposed or sliced array, the way some
+    # backends hand arrays to numpy) would be written in the wrong order. Every array is
+    # made C-contiguous first, and its digest taken from the very buffer written.
+    tensors = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
+    digests = {name: digest(a.tobytes()) for name, a in tensors.items()}
     metadata = {**metadata, CHECKSUMS_KEY: json.dumps(digests, sort_keys=True)}
     return safetensors.numpy.save(tensors, metadata=metadata)
