@@ -280,10 +280,12 @@ def run(args) -> Rows:
     return rows
 
 
-def kernel_over_stack(w, x, tiles, layout: str = "planes", inner: int = 1) -> Callable[[], Any]:
+def kernel_over_stack(
+    w, x, tiles, layout: str = "planes", inner: int = 1, unrolled: bool = False, chunk_rows=None
+) -> Callable[[], Any]:
     """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`) alone over
     the stacked packed weight `w`, each layer's output the next one's input; compiled
-    and run once."""
+    and run once (`unrolled`: see `over_stack`)."""
     mm = functools.partial(
         _tpu_frozen_gemm.frozen_matmul,
         block=tuple(w.block),
@@ -292,15 +294,31 @@ def kernel_over_stack(w, x, tiles, layout: str = "planes", inner: int = 1) -> Ca
         tiles=tiles,
         interpret=jax.default_backend() != "tpu",
         layout=layout,
+        chunk_rows=chunk_rows,
     )
-    return over_stack(mm, x, w.codes, w.scale_bits, inner)
+    return over_stack(mm, x, w.codes, w.scale_bits, inner, unrolled)
 
 
-def over_stack(mm, x, codes, scale_bits, inner: int = 1) -> Callable[[], Any]:
+def over_stack(
+    mm, x, codes, scale_bits, inner: int = 1, unrolled: bool = False
+) -> Callable[[], Any]:
     """A thunk running `mm(h, codes_l, scale_bits_l)` layer after layer by `lax.scan`
-    from `x` (the whole stack `inner` times: `looped`); compiled and run once."""
+    from `x` (the whole stack `inner` times: `looped`); compiled and run once.
+    `unrolled`: the layers as separate arrays, called in turn (no slice of the stack
+    copied before each call)."""
     body = lambda h, cs: (mm(h, cs[0], cs[1]).astype(h.dtype), None)  # noqa: E731
-    f = jax.jit(looped(lambda h, c, s: jax.lax.scan(body, h, (c, s))[0], inner))
+    if unrolled:
+        codes = [codes[i] for i in range(codes.shape[0])]
+        scale_bits = [scale_bits[i] for i in range(scale_bits.shape[0])]
+
+        def layers(h, cs, ss):
+            for c, s_ in zip(cs, ss, strict=True):
+                h = body(h, (c, s_))[0]
+            return h
+
+        f = jax.jit(looped(layers, inner))
+    else:
+        f = jax.jit(looped(lambda h, c, s: jax.lax.scan(body, h, (c, s))[0], inner))
     jax.block_until_ready(f(x, codes, scale_bits))
     return functools.partial(f, x, codes, scale_bits)
 
@@ -438,9 +456,15 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
         x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
         tiles = _tpu_frozen_gemm.default_tiles(tokens)
         fns = {}
-        for layout, name in (("planes", "kernel"), ("chunks", "kernel, chunks layout")):
+        layouts = [("planes", None, "kernel")]
+        layouts += [
+            (lay, rc, f"kernel, {lay} layout, chunk rows {rc}")
+            for lay in ("chunks", "pairs")
+            for rc in (128, 256, 512)
+        ]
+        for layout, rc, name in layouts:
             try:
-                fns[name] = kernel_over_stack(w, x, tiles, layout, args.inner)
+                fns[name] = kernel_over_stack(w, x, tiles, layout, args.inner, args.unrolled, rc)
             except Exception as e:  # noqa: BLE001
                 error(rows, f"attribute {name}, {tokens} tokens", e)
         for variant in ATTRIBUTION:
@@ -452,13 +476,24 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
                 interpret=jax.default_backend() != "tpu",
             )
             try:
-                fns[variant] = over_stack(mm, x, w.codes, w.scale_bits, args.inner)
+                fns[variant] = over_stack(mm, x, w.codes, w.scale_bits, args.inner, args.unrolled)
             except Exception as e:  # noqa: BLE001
                 error(rows, f"attribute {variant}, {tokens} tokens", e)
         try:
-            g = jax.jit(looped(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0], args.inner))
-            jax.block_until_ready(g(x, bf16.weight))
-            fns["bf16 weights (XLA dot)"] = functools.partial(g, x, bf16.weight)
+            if args.unrolled:
+                ws = [bf16.weight[i] for i in range(bf16.weight.shape[0])]
+
+                def bf16_layers(h, ws):
+                    for wt in ws:
+                        h = _bf16_layer(h, wt)[0]
+                    return h
+
+                g = jax.jit(looped(bf16_layers, args.inner))
+            else:
+                ws = bf16.weight
+                g = jax.jit(looped(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0], args.inner))
+            jax.block_until_ready(g(x, ws))
+            fns["bf16 weights (XLA dot)"] = functools.partial(g, x, ws)
         except Exception as e:  # noqa: BLE001
             error(rows, f"attribute bf16 weights, {tokens} tokens", e)
         times = interleaved(fns, args.repeats, args.inner)
@@ -468,7 +503,8 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
             note = ATTRIBUTION.get(name, "")
             ratio = f", {secs / base:.2f}x the kernel" if base else ""
             rows.add(
-                f"attribute {name}, {tokens} tokens, tiles {tuple(tiles)}",
+                f"attribute {name}, {tokens} tokens, tiles {tuple(tiles)}, "
+                + ("unrolled" if args.unrolled else "scan"),
                 f"{secs * 1e3:.3f} ms",
                 f"{nbytes / secs / 1e9:,.0f} GB/s packed{ratio}; {note}".rstrip("; "),
             )
@@ -689,7 +725,8 @@ def main(argv: list[str] | None = None) -> Rows:
     p.add_argument(
         "--unrolled",
         action="store_true",
-        help="also time the layers as separate arrays (no slice of the stack: 1-16 tokens)",
+        help="also time the layers as separate arrays (no slice of the stack: 1-16 tokens); "
+        "--attribute's rows run so instead of by lax.scan",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table there")

@@ -75,11 +75,14 @@ CASES = {
 }
 
 
-#: The layouts each case runs in: the default one (None), and the opt-in "chunks"
-#: (the planes decoded and multiplied a `CHUNK` at a time) on the few-token cases.
+#: The layouts each case runs in: the default one (None: "pairs" at a few tokens), and
+#: "planes", "chunks" (the planes decoded and multiplied a `CHUNK` at a time) and
+#: "pairs" (as "chunks", a byte's two nibbles packed into one bfloat16 chunk) on the
+#: few-token cases.
 LAYOUTS = [(name, None) for name in CASES] + [
-    ("1x16_1_token_float32_small_weight", "chunks"),
-    ("16x16_17_tokens_bfloat16_overhangs", "chunks"),
+    (name, layout)
+    for layout in ("planes", "chunks", "pairs")
+    for name in ("1x16_1_token_float32_small_weight", "16x16_17_tokens_bfloat16_overhangs")
 ]
 
 
@@ -208,7 +211,7 @@ LOWERED = [
     for bucket in _tpu_frozen_gemm.SWEEP_TILES.values()
     for tiles in bucket
 ]
-#: The opt-in "chunks" layout: the few-token default tiles, both blocks and operands,
+#: The opt-in "chunks" and "pairs" layouts: the few-token default tiles, both blocks and operands,
 #: a weight that overhangs the tiles.
 LOWERED_CHUNKS = [
     (tiles, block, operand, (8200, 8200))
@@ -222,8 +225,9 @@ LOWERED_CHUNKS = [
 def test_kernel_lowers_for_tpu():
     """Mosaic lowering (on this machine; Mosaic's own compile runs on a TPU) of the
     default tiles (both block layouts and operands, weights that fit and overhang, tokens
-    over a tile), of every tile the sweep times, and of the "chunks" layout."""
-    cases = [(*c, None) for c in LOWERED] + [(*c, "chunks") for c in LOWERED_CHUNKS]
+    over a tile), of every tile the sweep times, and of the "chunks" and "pairs" layouts."""
+    cases = [(*c, None) for c in LOWERED]
+    cases += [(*c, layout) for c in LOWERED_CHUNKS for layout in ("planes", "chunks", "pairs")]
     for tiles, block, operand, (n, k), layout in cases:
         rows = n if block == (1, 16) else -(-n // 16) * 16
         dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
@@ -241,7 +245,7 @@ def test_kernel_lowers_for_tpu():
             layout=layout,
         )
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-        name = "nvfp4_frozen_matmul_tpu" + ("_chunks" if layout == "chunks" else "")
+        name = "nvfp4_frozen_matmul_tpu" + (f"_{layout}" if layout in ("chunks", "pairs") else "")
         assert name in text, (tiles, block, operand, layout)
 
 
@@ -293,7 +297,7 @@ def test_device_check_smoke(tmp_path):
     assert values["one jitted call of nothing"].endswith(" ms")
     # `--dma`: every read pattern, each call taking the last one's result (`--inner`).
     dma_rows = tpu_frozen_check.main(["--smoke", "--dma"]).rows
-    assert len(dma_rows) == 8  # (one tile at d=512)
+    assert len(dma_rows) == 11  # (one tile at d=512; three whole-layer reads)
     assert not [what for what, value, _ in dma_rows if value == "**error**"]
 
 

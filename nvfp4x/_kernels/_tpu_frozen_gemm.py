@@ -236,12 +236,21 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
             out_ref[q] += _sum_parts(d[0] + d[1], bm, parts)
 
 
+#: `frozen_matmul`'s layouts (see its docstring).
+LAYOUTS = ("planes", "chunks", "pairs", "wide")
+#: Up to this many tokens the default layout is "pairs": on a TPU v5e (2026-12-06, 4
+#: layers 8192x8192 as separate arrays, bfloat16 activations, 1 and 16 tokens) 0.93x
+#: the time of "planes" ("chunks" 0.96-0.97x), at any of 128-512 code bytes a chunk.
+PAIRS_TOKENS = 16
+
 #: The "chunks" layout's `(depth / 2, features / 4)` chunk of a plane: what one step of
 #: its loop decodes and multiplies (see `_kernel_chunks`).
 CHUNK = (256, 128)
 
 
-def _kernel_chunks(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, parts, tail):
+def _kernel_chunks(
+    xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, parts, tail, rc
+):
     """One step of the "chunks" layout: `_kernel`'s planes, decoded and multiplied a
     `CHUNK` at a time (a loop over the features, the contraction unrolled), so that a
     chunk's codes, values and products can stay in vector registers instead of whole
@@ -249,7 +258,7 @@ def _kernel_chunks(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_r
     scales are decoded once per step into `sc_ref` `(4, features/4/L, depth/16, L)`;
     each feature chunk's four products (by byte `q`) go to `acc_ref` `(4, features/4/L,
     parts*tokens, L)`, added into the output block at the end of the step."""
-    rc, lc = CHUNK
+    lc = CHUNK[1]
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -258,11 +267,7 @@ def _kernel_chunks(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_r
 
     _, bm, half = xe_ref.shape
     groups = out_ref.shape[2] // lc
-    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
-    for q in range(4):
-        sq = half_scales((swords >> (8 * q)) & 0xFF)
-        for g in range(groups):
-            sc_ref[q, g] = sq[:, g * lc : (g + 1) * lc]
+    _half_scales_to(sc_ref, scales_ref, lc)
     xs = [
         [ref[:, :, c0 : c0 + rc].reshape(parts * bm, rc) for c0 in range(0, half, rc)]
         for ref in (xe_ref, xo_ref)
@@ -286,6 +291,76 @@ def _kernel_chunks(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_r
                         w = jnp.where(valid, w, 0.0)
                     w = w.astype(jnp.bfloat16)
                     accs[q] += jnp.dot(xs[h][c], w, preferred_element_type=jnp.float32)
+        for q in range(4):
+            acc_ref[q, g] = accs[q]
+        return carry
+
+    lax.fori_loop(0, groups, feature_chunk, 0)
+    for q in range(4):
+        for g in range(groups):
+            out_ref[q, :, g * lc : (g + 1) * lc] += _sum_parts(acc_ref[q, g], bm, parts)
+
+
+def _half_scales_to(sc_ref, scales_ref, lanes: int) -> None:
+    """This step's half block scales, decoded once into `sc_ref` `(4, features/4/lanes,
+    depth/16, lanes)`: `sc_ref[q, g]` the scales of weight rows `4r + q` for the lane
+    group `g` of `r` (the "chunks" and "pairs" layouts)."""
+    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    for q in range(4):
+        sq = half_scales((swords >> (8 * q)) & 0xFF)
+        for g in range(sc_ref.shape[1]):
+            sc_ref[q, g] = sq[:, g * lanes : (g + 1) * lanes]
+
+
+def bf16_pairs(even: Array, odd: Array) -> Array:
+    """Two float32 arrays `(r, c)` of values exact in bfloat16 as one bfloat16 array
+    `(2r, c)` holding `even`'s row `i` at row `2i` and `odd`'s at `2i + 1`: their upper
+    halves packed into 32-bit words (low half the even row, as `pltpu.bitcast` reads a
+    word's halves along the sublanes), with no rounding: the lower halves are zero."""
+    lo = lax.shift_right_logical(lax.bitcast_convert_type(even, jnp.int32), 16)
+    hi = lax.bitcast_convert_type(odd, jnp.int32) & jnp.int32(-(1 << 16))
+    return pltpu.bitcast(lo | hi, jnp.bfloat16)
+
+
+def _kernel_pairs(x_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, parts, tail, rc):
+    """One step of the "pairs" layout: as "chunks" (a `CHUNK` of codes at a time, the
+    half scales decoded once per step), but a byte's two nibbles, columns `2i` and `2i +
+    1` of the weight, are decoded and packed into one bfloat16 chunk `(2 x depth chunk,
+    lanes)` in contraction order (`bf16_pairs`: bit operations, no float32 to bfloat16
+    conversion), so that the activations' tile enters the dots as it is, 4 dots (one per
+    byte `q`) per chunk instead of 8."""
+    lc = CHUNK[1]
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    _, bm, bk = x_ref.shape
+    half = bk // 2
+    groups = out_ref.shape[2] // lc
+    _half_scales_to(sc_ref, scales_ref, lc)
+    xs = [
+        x_ref[:, :, 2 * c0 : 2 * (c0 + rc)].reshape(parts * bm, 2 * rc) for c0 in range(0, half, rc)
+    ]
+
+    def feature_chunk(g, carry):
+        rows = pl.ds(pl.multiple_of(g * 4 * lc, 4 * lc), 4 * lc)
+        accs = [jnp.zeros((parts * bm, lc), jnp.float32) for _ in range(4)]
+        for c, c0 in enumerate(range(0, half, rc)):
+            words = pltpu.bitcast(codes_ref[rows, c0 : c0 + rc], jnp.int32).T  # (rc, lc)
+            valid = None
+            if tail is not None:
+                byte = kk * half + c0 + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)
+                valid = byte < tail
+            for q in range(4):
+                s = sc_ref[q, g, c0 // 8 : (c0 + rc) // 8, :]  # (rc/8, lc)
+                s = jnp.broadcast_to(s[:, None, :], (rc // 8, 8, lc)).reshape(rc, lc)
+                w = [double_e2m1(words, 8 * q + 4 * h) * s for h in range(2)]
+                if valid is not None:
+                    w = [jnp.where(valid, v, 0.0) for v in w]
+                wq = bf16_pairs(*w)  # (2 rc, lc): contraction rows 2 (c0 + i) + h
+                accs[q] += jnp.dot(xs[c], wq, preferred_element_type=jnp.float32)
         for q in range(4):
             acc_ref[q, g] = accs[q]
         return carry
@@ -345,7 +420,8 @@ def _vmem_bytes(parts: int, tiles: Tiles, wide: bool = False, chunks: bool = Fal
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block", "n", "operand", "tiles", "interpret", "layout")
+    jax.jit,
+    static_argnames=("block", "n", "operand", "tiles", "interpret", "layout", "chunk_rows"),
 )
 def frozen_matmul(
     x: Float[Array, "m k"],
@@ -358,6 +434,7 @@ def frozen_matmul(
     tiles: Tiles | None = None,
     interpret: bool | str = False,
     layout: str | None = None,
+    chunk_rows: int | None = None,
 ) -> Float[Array, "m n"]:
     """`x @ W.T` in float32 for the NVFP4 weight `W` `(n, k)` held as `codes` and
     `scale_bits` (an `NVFP4Array`'s fields, padded layout), without its tensor scale.
@@ -372,17 +449,21 @@ def frozen_matmul(
     - `operand`: `"bfloat16"` or `"float32"` (see the module docstring).
     - `tiles`: a `Tiles`, by default `default_tiles(m)`; its tokens are halved while the
       call's VMEM bound passes `VMEM_BUDGET`.
+    - `chunk_rows`: the code bytes along the contraction of the `"chunks"` and `"pairs"`
+      layouts' chunk (default `CHUNK[0]`; a multiple of 128 dividing the tile's).
     - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
       array's end give NaN there, as garbage would on a TPU); `"plain"`: in Pallas's
       generic interpreter, which runs inside nvfp4x's primitives under `lax.scan` (their
       lowering has no token for the TPU interpreter's ordered callbacks).
     - `layout`: `"planes"` (the activations' even and odd columns apart, the output
       interleaved after the call: cheap at a few tokens), `"chunks"` (as `"planes"`,
-      decoded and multiplied a `CHUNK` at a time; opt-in, not yet timed on a TPU) or
-      `"wide"` (both interleaves
-      in VMEM: at many tokens XLA's strided copies of the activations and the output
-      cost more than the kernel); by default `"wide"` where the tile's tokens are a
-      multiple of 128 and there are at least 128 tokens.
+      decoded and multiplied a `CHUNK` at a time), `"pairs"` (as `"chunks"`, a byte's
+      two nibbles packed into one bfloat16 chunk in contraction order: the activations
+      as they are, half as many dots) or `"wide"` (both interleaves in VMEM: at many
+      tokens XLA's strided copies of the activations and the output cost more than the
+      kernel); by default `"pairs"` up to `PAIRS_TOKENS` tokens, `"wide"` where the
+      tile's tokens are a multiple of 128 and there are at least 128 tokens, else
+      `"planes"`.
 
     **Returns:** `(m, n)` float32, `scaled_dot`'s product before its scales, up to
     float32 summation order.
@@ -394,16 +475,17 @@ def frozen_matmul(
     check_tiles(tiles)
     if layout is None:
         layout = "wide" if tiles.tokens % _LANES == 0 and m >= _LANES else "planes"
-    if layout not in ("planes", "wide", "chunks") or (layout == "wide" and tiles.tokens % _LANES):
+        layout = "pairs" if m <= PAIRS_TOKENS else layout
+    if layout not in LAYOUTS or (layout == "wide" and tiles.tokens % _LANES):
         raise ValueError(
-            f"`layout={layout!r}` with tiles {tiles}: `layout` is 'planes', 'chunks' or "
-            f"'wide' (tiles' tokens a multiple of {_LANES})."
+            f"`layout={layout!r}` with tiles {tiles}: `layout` is one of {LAYOUTS} ('wide': "
+            f"tiles' tokens a multiple of {_LANES})."
         )
     step = _LANES if layout == "wide" else TOKENS_STEP
     bm = min(tiles.tokens, -(-m // step) * step)
     bn, bk = tiles.features, tiles.depth
     parts = 3 if operand == "float32" else 1
-    wide, chunks = layout == "wide", layout == "chunks"
+    wide, chunks = layout == "wide", layout in ("chunks", "pairs")
     while bm > step and _vmem_bytes(parts, Tiles(bm, bn, bk), wide, chunks) > VMEM_BUDGET:
         bm = max(step, bm // 2 // step * step)  # (float32 activations: three parts)
     if block == TILE:  # one scale row per weight row (see the module docstring)
@@ -454,11 +536,26 @@ def frozen_matmul(
         )
         return one_problem_at_a_time(call)(stacked, codes, scale_bits)[:m, :n]
 
-    xe, xo = stacked[:, :, 0::2], stacked[:, :, 1::2]
-    x_spec = pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))
-    kernel, scratch = functools.partial(_kernel, parts=parts, tail=tail), []
+    if layout == "pairs":  # the activations as they are
+        xs = (stacked,)
+        x_specs = [pl.BlockSpec((parts, bm, bk), lambda i, j, kk: (0, i, kk))]
+    else:  # even and odd columns apart
+        xs = (stacked[:, :, 0::2], stacked[:, :, 1::2])
+        x_specs = [pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))] * 2
+    kernel = functools.partial(
+        {"planes": _kernel, "chunks": _kernel_chunks, "pairs": _kernel_pairs}[layout],
+        parts=parts,
+        tail=tail,
+    )
+    scratch = []
     if chunks:
-        kernel = functools.partial(_kernel_chunks, parts=parts, tail=tail)
+        rc = CHUNK[0] if chunk_rows is None else chunk_rows
+        if rc <= 0 or rc % _LANES or (bk // 2) % rc:
+            raise ValueError(
+                f"`chunk_rows={chunk_rows}`: a multiple of {_LANES} dividing the tile's "
+                f"{bk // 2} code bytes per row."
+            )
+        kernel = functools.partial(kernel, rc=rc)
         groups = bn // 4 // CHUNK[1]
         scratch = [
             pltpu.VMEM((4, groups, bk // BLOCK, CHUNK[1]), jnp.float32),
@@ -468,14 +565,14 @@ def frozen_matmul(
         kernel,
         out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, n_tiles * bn // 4), jnp.float32),
         grid=(m_tiles, n_tiles, k_tiles),
-        in_specs=[x_spec, x_spec, codes_spec, scales_spec],
+        in_specs=[*x_specs, codes_spec, scales_spec],
         out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
         scratch_shapes=scratch,
         compiler_params=params,
         interpret=_INTERPRETERS[interpret],
-        name="nvfp4_frozen_matmul_tpu" + ("_chunks" if chunks else ""),
+        name="nvfp4_frozen_matmul_tpu" + ("" if layout == "planes" else f"_{layout}"),
     )
-    out = one_problem_at_a_time(call)(xe, xo, codes, scale_bits)
+    out = one_problem_at_a_time(call)(*xs, codes, scale_bits)
     # out[q, t, r] is column 4r + q of the tile's rows.
     out = jnp.transpose(out, (1, 2, 0)).reshape(m_tiles * bm, n_tiles * bn)
     return out[:m, :n]
