@@ -43,7 +43,8 @@ INDEX=(optax orbax-checkpoint safetensors flax toolz absl-py opt_einsum tqdm mat
 chunk_files() {
     case "$1" in
     1) echo tests/test_exactness.py tests/test_format.py ;;
-    2) echo tests/test_fp8_tables.py tests/test_gemm_reference.py tests/test_gemm_sr.py ;;
+    2) echo tests/test_fp8_tables.py tests/test_gemm_reference.py tests/test_gemm_sr.py \
+        tests/test_frozen_speed_paths.py ;;
     3) echo tests/test_gemm_vmap.py tests/test_unbiased_sr.py tests/test_gemm_jax.py ;;
     4) echo tests/test_tpu_kernels.py tests/test_tpu_frozen_kernel.py tests/test_kernels.py \
         tests/test_frozen_kernel.py ;;

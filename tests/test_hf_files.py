@@ -562,5 +562,6 @@ def test_strided_arrays_are_written_in_order_and_their_checksums_hold(view):
     array = arrays[view]
     raw = _safetensors.serialise({"w": array, "b": base}, {})
     tensors, _ = _safetensors.read("file", raw)
+    assert tuple(tensors["w"].shape) == array.shape  # (a 0-d array stays 0-d)
     got = np.frombuffer(tensors["w"].data, array.dtype).reshape(array.shape)
     assert_same_bits(got, array)

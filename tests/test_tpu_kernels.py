@@ -9,6 +9,8 @@ all three block layouts and all three outputs, tiles that overhang the array on 
 axes. Every case also lowers for a TPU here (Mosaic's own compile runs on the device).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +186,44 @@ def test_tpu_quantize_check_smoke(tmp_path):
     assert main(["--smoke", "--no-sweep", "--out", str(out)]) == 0
     text = out.read_text()
     assert "| to_nvfp4 1x16 float32 48x112 | yes |" in text
+
+
+def _kernel_dot_precisions(jaxpr) -> list:
+    """The `precision` of every `dot_general` inside the Pallas calls of `jaxpr`."""
+    found = []
+
+    def walk(jp, inside: bool) -> None:
+        for eqn in jp.eqns:
+            if inside and eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub, inside or eqn.primitive.name == "pallas_call")
+
+    walk(jaxpr.jaxpr, False)
+    return found
+
+
+def test_kernel_dots_ignore_a_callers_default_matmul_precision():
+    """Under `jax.default_matmul_precision("highest")` (a common setting in user code)
+    every MXU dot inside the TPU kernels (the quantiser's code packing, the frozen GEMM's
+    layouts) still names one bfloat16 pass: Mosaic refuses a float32-precision dot of
+    bfloat16 operands ("Bad lhs type", seen on a TPU v5e, where this setting made the
+    main example's cached decode fail to compile)."""
+    from nvfp4x._kernels import _tpu_frozen_gemm
+
+    x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    codes = jax.ShapeDtypeStruct((64, 256), jnp.uint8)
+    bits = jax.ShapeDtypeStruct((64, 32), jnp.uint8)
+    calls = [
+        (functools.partial(_tpu_quantize.quantize_2d, block=b), (x,)) for b in ((1, 16), (16, 16))
+    ]
+    for layout, m in (("planes", 1), ("chunks", 1), ("pairs", 1), ("wide", 130)):
+        fn = functools.partial(
+            _tpu_frozen_gemm.frozen_matmul, block=(1, 16), n=64, operand="float32", layout=layout
+        )
+        calls.append((fn, (jax.ShapeDtypeStruct((m, 512), jnp.float32), codes, bits)))
+    one_pass = (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)
+    for fn, args in calls:
+        with jax.default_matmul_precision("highest"):
+            precisions = _kernel_dot_precisions(jax.make_jaxpr(fn)(*args))
+        assert precisions and set(precisions) == {one_pass}, precisions

@@ -212,7 +212,7 @@ def serialise(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes
     # safetensors 0.8 does): a strided view (a transposed or sliced array, the way some
     # backends hand arrays to numpy) would be written in the wrong order. Every array is
     # made C-contiguous first, and its digest taken from the very buffer written.
-    tensors = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
+    tensors = {name: np.require(a, requirements="C") for name, a in tensors.items()}
     digests = {name: digest(a.tobytes()) for name, a in tensors.items()}
     metadata = {**metadata, CHECKSUMS_KEY: json.dumps(digests, sort_keys=True)}
     return safetensors.numpy.save(tensors, metadata=metadata)

@@ -1,7 +1,15 @@
-"""How the Pallas TPU kernels are vmapped: one problem after another."""
+"""What the Pallas TPU kernels share: how they are vmapped (one problem after another)
+and the precision of their MXU dots."""
 
 import jax
 from jax import lax
+
+#: The precision every MXU dot in a TPU kernel names: one pass of bfloat16 products
+#: (the kernels' operands are bfloat16 values, exact products, float32 sums). Named
+#: explicitly, so that a caller's `jax.default_matmul_precision("highest")` does not
+#: reach inside the kernels: Mosaic refuses a float32-precision dot of bfloat16
+#: operands ("Bad lhs type", seen on a TPU v5e).
+ONE_PASS = lax.Precision.DEFAULT
 
 
 def one_problem_at_a_time(call):

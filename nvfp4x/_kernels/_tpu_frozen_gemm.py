@@ -65,7 +65,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, UInt8
 
 from .._numerics._constants import BLOCK, E2M1_VALUES, TILE
-from ._batching import one_problem_at_a_time
+from ._batching import ONE_PASS as _ONE_PASS, one_problem_at_a_time
 from ._pallas_gemm import _split3, check_packed
 
 #: `features` and `depth` of a tile must be multiples of these (see the module docstring).
@@ -231,7 +231,9 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, *, parts, tail):
     xs = (xe_ref[...].reshape(parts * bm, half), xo_ref[...].reshape(parts * bm, half))
     d = {}  # this byte's products, by nibble
     for q, h, w in _planes(codes_ref, scales_ref, tail):
-        d[h] = jnp.dot(xs[h], w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        d[h] = jnp.dot(
+            xs[h], w.astype(jnp.bfloat16), preferred_element_type=jnp.float32, precision=_ONE_PASS
+        )
         if h == 1:
             out_ref[q] += _sum_parts(d[0] + d[1], bm, parts)
 
@@ -290,7 +292,9 @@ def _kernel_chunks(
                     if valid is not None:
                         w = jnp.where(valid, w, 0.0)
                     w = w.astype(jnp.bfloat16)
-                    accs[q] += jnp.dot(xs[h][c], w, preferred_element_type=jnp.float32)
+                    accs[q] += jnp.dot(
+                        xs[h][c], w, preferred_element_type=jnp.float32, precision=_ONE_PASS
+                    )
         for q in range(4):
             acc_ref[q, g] = accs[q]
         return carry
@@ -360,7 +364,9 @@ def _kernel_pairs(x_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, par
                 if valid is not None:
                     w = [jnp.where(valid, v, 0.0) for v in w]
                 wq = bf16_pairs(*w)  # (2 rc, lc): contraction rows 2 (c0 + i) + h
-                accs[q] += jnp.dot(xs[c], wq, preferred_element_type=jnp.float32)
+                accs[q] += jnp.dot(
+                    xs[c], wq, preferred_element_type=jnp.float32, precision=_ONE_PASS
+                )
         for q in range(4):
             acc_ref[q, g] = accs[q]
         return carry
@@ -395,7 +401,7 @@ def _kernel_wide(x_ref, codes_ref, scales_ref, out_ref, wt_ref, acc_ref, ot_ref,
             continue
         for g in range(groups):
             wq = wt_ref[g].astype(jnp.bfloat16)  # (depth, 128): rows in contraction order
-            d = jnp.dot(x, wq, preferred_element_type=jnp.float32)
+            d = jnp.dot(x, wq, preferred_element_type=jnp.float32, precision=_ONE_PASS)
             acc_ref[q, :, g * _LANES : (g + 1) * _LANES] += _sum_parts(d, bm, parts)
 
     @pl.when(kk == pl.num_programs(2) - 1)

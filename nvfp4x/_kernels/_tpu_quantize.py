@@ -71,7 +71,7 @@ from .._numerics._ieee import (
 )
 from .._numerics._nvfp4 import Block, Rounding
 from . import _exact
-from ._batching import one_problem_at_a_time
+from ._batching import ONE_PASS as _ONE_PASS, one_problem_at_a_time
 
 #: The block layouts the kernel takes and what a call writes (`_exact`'s).
 BLOCKS_2D, OUTPUTS = _exact.BLOCKS_2D, _exact.OUTPUTS
@@ -215,9 +215,9 @@ def _pairs(codes: Array, pair_ref, transposed: bool) -> list[Array]:
     for g in range(codes.shape[0 if transposed else 1] // PAIR_GROUP):
         part = slice(g * PAIR_GROUP, (g + 1) * PAIR_GROUP)
         if transposed:
-            b = jnp.dot(p, c[part, :], preferred_element_type=jnp.float32).T
+            b = jnp.dot(p, c[part, :], preferred_element_type=jnp.float32, precision=_ONE_PASS).T
         else:
-            b = jnp.dot(c[:, part], p, preferred_element_type=jnp.float32)
+            b = jnp.dot(c[:, part], p, preferred_element_type=jnp.float32, precision=_ONE_PASS)
         out.append(b.astype(jnp.int32))
     return out
 
