@@ -299,6 +299,28 @@ def kernel_over_stack(
     return over_stack(mm, x, w.codes, w.scale_bits, inner, unrolled)
 
 
+def kernel_by_index(w, x, tiles, inner: int = 1) -> Callable[[], Any]:
+    """A thunk running the kernel (default layout) over the stacked packed weight `w` by
+    `lax.scan` over the layers' indices, the stack whole (`frozen_matmul(layer=i)`: no
+    slice of the stack copied before each call); compiled and run once."""
+    mm = functools.partial(
+        _tpu_frozen_gemm.frozen_matmul,
+        block=tuple(w.block),
+        n=x.shape[-1],
+        operand="bfloat16",
+        tiles=tiles,
+        interpret=jax.default_backend() != "tpu",
+    )
+
+    def layers(h, c, s):
+        step = lambda h, i: (mm(h, c, s, layer=i).astype(h.dtype), None)  # noqa: E731
+        return jax.lax.scan(step, h, jnp.arange(c.shape[0]))[0]
+
+    f = jax.jit(looped(layers, inner))
+    jax.block_until_ready(f(x, w.codes, w.scale_bits))
+    return functools.partial(f, x, w.codes, w.scale_bits)
+
+
 def over_stack(
     mm, x, codes, scale_bits, inner: int = 1, unrolled: bool = False
 ) -> Callable[[], Any]:
@@ -462,6 +484,10 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
             for lay in ("chunks", "pairs")
             for rc in (128, 256, 512)
         ]
+        try:  # (a scan over indices, whatever --unrolled says)
+            fns["kernel, pairs, the stack by index"] = kernel_by_index(w, x, tiles, args.inner)
+        except Exception as e:  # noqa: BLE001
+            error(rows, f"attribute kernel by index, {tokens} tokens", e)
         for layout, rc, name in layouts:
             try:
                 fns[name] = kernel_over_stack(w, x, tiles, layout, args.inner, args.unrolled, rc)

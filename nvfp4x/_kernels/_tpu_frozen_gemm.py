@@ -154,6 +154,25 @@ def default_tiles(tokens: int) -> Tiles:
     raise AssertionError("the last entry of DEFAULT_TILES takes any token count")
 
 
+#: The default tiles are narrowed (features halved, down to `FEATURES_STEP`) until a call
+#: has at least this many steps along the weight, so that the pipeline overlaps one
+#: tile's DMA with another's decode and dots (a call of one step does them in turn).
+#: From first principles; not yet timed on a TPU (the sweep's weights were 8192x8192).
+MIN_WEIGHT_STEPS = 4
+
+
+def fit_tiles(tiles: Tiles, rows: int, depth: int) -> Tiles:
+    """`tiles` fitted to a weight of `rows` x `depth` (padded) elements: no wider or
+    deeper than the weight rounded up to the layouts' steps (a tile past the weight
+    costs a padded copy of it each call and work on the padding), then narrowed to
+    `MIN_WEIGHT_STEPS` steps where the weight allows."""
+    bn = min(tiles.features, -(-rows // FEATURES_STEP) * FEATURES_STEP)
+    bk = min(tiles.depth, -(-depth // DEPTH_STEP) * DEPTH_STEP)
+    while bn > FEATURES_STEP and -(-rows // bn) * -(-depth // bk) < MIN_WEIGHT_STEPS:
+        bn = max(FEATURES_STEP, bn // 2 // FEATURES_STEP * FEATURES_STEP)
+    return Tiles(tiles.tokens, bn, bk)
+
+
 def check_tiles(tiles: Tiles) -> None:
     """Raise for tiles the kernel's layouts cannot take (see `Tiles`)."""
     bm, bn, bk = tiles
@@ -441,6 +460,7 @@ def frozen_matmul(
     interpret: bool | str = False,
     layout: str | None = None,
     chunk_rows: int | None = None,
+    layer: Array | int | None = None,
 ) -> Float[Array, "m n"]:
     """`x @ W.T` in float32 for the NVFP4 weight `W` `(n, k)` held as `codes` and
     `scale_bits` (an `NVFP4Array`'s fields, padded layout), without its tensor scale.
@@ -453,8 +473,15 @@ def frozen_matmul(
       for 16x16 tiles).
     - `block`: `(1, 16)` or `(16, 16)`; `n`: the weight's rows.
     - `operand`: `"bfloat16"` or `"float32"` (see the module docstring).
-    - `tiles`: a `Tiles`, by default `default_tiles(m)`; its tokens are halved while the
-      call's VMEM bound passes `VMEM_BUDGET`.
+    - `tiles`: a `Tiles`, by default `default_tiles(m)` fitted to the weight
+      (`fit_tiles`); its tokens are halved while the call's VMEM bound passes
+      `VMEM_BUDGET`.
+    - `layer`: with stacked `codes` `(layers, rows, k_pad / 2)` and `scale_bits`
+      `(layers, srows, k_pad / 16)`, the layer to multiply by (an int32 scalar, traced or
+      not; clipped into range, as `lax.dynamic_index_in_dim` does): the call reads that
+      layer's tiles from the stack itself (the index prefetched into SMEM, in the blocks'
+      index maps), with no copy of the layer's slice, which `lax.scan` over a stack makes
+      before a custom call.
     - `chunk_rows`: the code bytes along the contraction of the `"chunks"` and `"pairs"`
       layouts' chunk (default `CHUNK[0]`; a multiple of 128 dividing the tile's).
     - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
@@ -476,8 +503,24 @@ def frozen_matmul(
     """
     m, k = x.shape
     block = (block[0], block[1])
-    check_packed(codes, scale_bits, block=block, n=n, k=k, operand=operand)
-    tiles = default_tiles(m) if tiles is None else tiles
+    stacked_w = layer is not None
+    if stacked_w:
+        if codes.ndim != 3 or scale_bits.ndim != 3 or codes.shape[0] != scale_bits.shape[0]:
+            raise ValueError(
+                f"`layer` takes stacked `codes` and `scale_bits` (a leading axis of layers), "
+                f"got {codes.shape} and {scale_bits.shape}."
+            )
+        layers = codes.shape[0]
+        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, layers - 1).reshape(1)
+        one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+        check_packed(one(codes), one(scale_bits), block=block, n=n, k=k, operand=operand)
+    else:
+        check_packed(codes, scale_bits, block=block, n=n, k=k, operand=operand)
+    tiles = (
+        fit_tiles(default_tiles(m), codes.shape[-2], 2 * codes.shape[-1])
+        if tiles is None
+        else tiles
+    )
     check_tiles(tiles)
     if layout is None:
         layout = "wide" if tiles.tokens % _LANES == 0 and m >= _LANES else "planes"
@@ -495,16 +538,22 @@ def frozen_matmul(
     while bm > step and _vmem_bytes(parts, Tiles(bm, bn, bk), wide, chunks) > VMEM_BUDGET:
         bm = max(step, bm // 2 // step * step)  # (float32 activations: three parts)
     if block == TILE:  # one scale row per weight row (see the module docstring)
-        scale_bits = jnp.repeat(scale_bits, BLOCK, axis=0)
-    rows, width = codes.shape
+        if stacked_w:  # (the layer's 16x16 scales: 1/128 of its codes' bytes)
+            scale_bits = lax.dynamic_index_in_dim(scale_bits, layer[0], 0, keepdims=False)
+        scale_bits = jnp.repeat(scale_bits, BLOCK, axis=-2)
+    stacked_s = scale_bits.ndim == 3
+    rows, width = codes.shape[-2:]
+    lead = ((0, 0),) if stacked_w else ()
     # A weight smaller than one tile is padded to it; a larger one may overhang.
     if rows < bn:
-        codes = jnp.pad(codes, ((0, bn - rows), (0, 0)))
-        scale_bits = jnp.pad(scale_bits, ((0, bn - rows), (0, 0)))
+        codes = jnp.pad(codes, (*lead, (0, bn - rows), (0, 0)))
+        scale_bits = jnp.pad(scale_bits, (*lead[:stacked_s], (0, bn - rows), (0, 0)))
     if width < bk // 2:
-        codes = jnp.pad(codes, ((0, 0), (0, bk // 2 - width)))
-        scale_bits = jnp.pad(scale_bits, ((0, 0), (0, bk // 16 - scale_bits.shape[1])))
-    n_tiles, k_tiles, m_tiles = pl.cdiv(codes.shape[0], bn), pl.cdiv(width, bk // 2), pl.cdiv(m, bm)
+        codes = jnp.pad(codes, (*lead, (0, 0), (0, bk // 2 - width)))
+        pad_s = (0, bk // 16 - scale_bits.shape[-1])
+        scale_bits = jnp.pad(scale_bits, (*lead[:stacked_s], (0, 0), pad_s))
+    n_tiles, k_tiles = pl.cdiv(codes.shape[-2], bn), pl.cdiv(width, bk // 2)
+    m_tiles = pl.cdiv(m, bm)
     tail = width if width % (bk // 2) and width > bk // 2 else None
 
     # The activations: zero-padded to whole tiles, float32 ones as three exact bfloat16
@@ -514,40 +563,65 @@ def frozen_matmul(
         stacked = jnp.stack(_split3(xp.astype(jnp.float32)))
     else:
         stacked = xp.astype(jnp.bfloat16)[None]
-    codes_spec = pl.BlockSpec((bn, bk // 2), lambda i, j, kk: (j, kk))
-    scales_spec = pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk))
+    # With `layer`, every index map also takes the prefetched layer index (`at[0]`).
+    tile = lambda f: (lambda i, j, kk, _layer: f(i, j, kk)) if stacked_w else f  # noqa: E731
+    codes_spec = pl.BlockSpec((bn, bk // 2), tile(lambda i, j, kk: (j, kk)))
+    if stacked_w:
+        codes_spec = pl.BlockSpec((None, bn, bk // 2), lambda i, j, kk, at: (at[0], j, kk))
+    scales_spec = pl.BlockSpec((bn, bk // BLOCK), tile(lambda i, j, kk: (j, kk)))
+    if stacked_s:
+        scales_spec = pl.BlockSpec((None, bn, bk // BLOCK), lambda i, j, kk, at: (at[0], j, kk))
+    prefetch = (layer,) if stacked_w else ()
+
+    def call_with(kernel, **kwargs):
+        """`pl.pallas_call` of `kernel` over the grid, its `in_specs`, `out_specs` and
+        `scratch_shapes` in `kwargs`; with `layer`, the index prefetched (the kernel
+        ignores it: only the index maps read it)."""
+        grid = (m_tiles, n_tiles, k_tiles)
+        if stacked_w:
+            kwargs["grid_spec"] = pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=grid,
+                in_specs=kwargs.pop("in_specs"),
+                out_specs=kwargs.pop("out_specs"),
+                scratch_shapes=kwargs.pop("scratch_shapes"),
+            )
+            body = lambda _l, *refs: kernel(*refs)  # noqa: E731
+        else:
+            kwargs["grid"], body = grid, kernel
+        return pl.pallas_call(
+            body, compiler_params=params, interpret=_INTERPRETERS[interpret], **kwargs
+        )
+
     limit = min(max(32 << 20, 2 * _vmem_bytes(parts, Tiles(bm, bn, bk), wide, chunks)), 100 << 20)
     params = pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=limit
     )
     if wide:
-        call = pl.pallas_call(
+        call = call_with(
             functools.partial(_kernel_wide, parts=parts, tail=tail),
             out_shape=jax.ShapeDtypeStruct((m_tiles * bm, n_tiles * bn), jnp.float32),
-            grid=(m_tiles, n_tiles, k_tiles),
             in_specs=[
-                pl.BlockSpec((parts, bm, bk), lambda i, j, kk: (0, i, kk)),
+                pl.BlockSpec((parts, bm, bk), tile(lambda i, j, kk: (0, i, kk))),
                 codes_spec,
                 scales_spec,
             ],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+            out_specs=pl.BlockSpec((bm, bn), tile(lambda i, j, kk: (i, j))),
             scratch_shapes=[
                 pltpu.VMEM((bn // 4 // _LANES, bk, _LANES), jnp.float32),
                 pltpu.VMEM((4, bm, bn // 4), jnp.float32),
                 pltpu.VMEM((bn, _LANES), jnp.float32),
             ],
-            compiler_params=params,
-            interpret=_INTERPRETERS[interpret],
             name="nvfp4_frozen_matmul_tpu_wide",
         )
-        return one_problem_at_a_time(call)(stacked, codes, scale_bits)[:m, :n]
+        return one_problem_at_a_time(call)(*prefetch, stacked, codes, scale_bits)[:m, :n]
 
     if layout == "pairs":  # the activations as they are
         xs = (stacked,)
-        x_specs = [pl.BlockSpec((parts, bm, bk), lambda i, j, kk: (0, i, kk))]
+        x_specs = [pl.BlockSpec((parts, bm, bk), tile(lambda i, j, kk: (0, i, kk)))]
     else:  # even and odd columns apart
         xs = (stacked[:, :, 0::2], stacked[:, :, 1::2])
-        x_specs = [pl.BlockSpec((parts, bm, bk // 2), lambda i, j, kk: (0, i, kk))] * 2
+        x_specs = [pl.BlockSpec((parts, bm, bk // 2), tile(lambda i, j, kk: (0, i, kk)))] * 2
     kernel = functools.partial(
         {"planes": _kernel, "chunks": _kernel_chunks, "pairs": _kernel_pairs}[layout],
         parts=parts,
@@ -567,18 +641,15 @@ def frozen_matmul(
             pltpu.VMEM((4, groups, bk // BLOCK, CHUNK[1]), jnp.float32),
             pltpu.VMEM((4, groups, parts * bm, CHUNK[1]), jnp.float32),
         ]
-    call = pl.pallas_call(
+    call = call_with(
         kernel,
         out_shape=jax.ShapeDtypeStruct((4, m_tiles * bm, n_tiles * bn // 4), jnp.float32),
-        grid=(m_tiles, n_tiles, k_tiles),
         in_specs=[*x_specs, codes_spec, scales_spec],
-        out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
+        out_specs=pl.BlockSpec((4, bm, bn // 4), tile(lambda i, j, kk: (0, i, j))),
         scratch_shapes=scratch,
-        compiler_params=params,
-        interpret=_INTERPRETERS[interpret],
         name="nvfp4_frozen_matmul_tpu" + ("" if layout == "planes" else f"_{layout}"),
     )
-    out = one_problem_at_a_time(call)(*xs, codes, scale_bits)
+    out = one_problem_at_a_time(call)(*prefetch, *xs, codes, scale_bits)
     # out[q, t, r] is column 4r + q of the tile's rows.
     out = jnp.transpose(out, (1, 2, 0)).reshape(m_tiles * bm, n_tiles * bn)
     return out[:m, :n]
