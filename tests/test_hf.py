@@ -208,12 +208,15 @@ def test_cached_decode_is_sliding_window_attention(w4a4):
 
 def test_time_generation_needs_no_checkpoint(capsys):
     """`train_lm.py --time-generation`: no training, no files: a random model of the
-    configuration, quantised by the paper's policy and frozen, against its bf16 twin."""
+    configuration, quantised by the paper's policy and frozen, against its bf16 twin and
+    the same policy with NVFP4 weights only."""
     from nvfp4_lm import cli
 
     speeds = cli.main(["--smoke", "--time-generation", "--generate", "2"])
-    assert set(speeds) == {"packed bytes/s", "bf16 bytes/s"} and min(speeds.values()) > 0
-    assert "random model: 2 blocks" in capsys.readouterr().out
+    assert set(speeds) == {"packed bytes/s", "bf16 bytes/s", "packed W4A16 bytes/s"}
+    assert min(speeds.values()) > 0
+    out = capsys.readouterr().out
+    assert "random model: 2 blocks" in out and "weights only (W4A16)" in out
 
 
 def test_w4a4_files_follow_model_optimizer(w4a4):

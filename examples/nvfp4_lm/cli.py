@@ -128,33 +128,51 @@ def generate_from(directory: str, prompt: str, n: int, compare_bf16: bool = Fals
     return text
 
 
-def compare_speeds(model: Any, cfg: Config, n: int) -> dict[str, float]:
+def compare_speeds(model: Any, cfg: Config, n: int, weight_only: Any = None) -> dict[str, float]:
     """Print and return the generation speed (`generation_speed`, `n` bytes, at least
-    2) of the frozen `model` and of its bfloat16 twin (`bf16_twin`), in this process."""
+    2) of the frozen `model` and of its bfloat16 twin (`bf16_twin`), in this process;
+    with `weight_only` (the model frozen with NVFP4 weights and bfloat16-or-wider
+    activations), its speed too: what the activations' quantisation costs per step."""
     packed = generation_speed(model, cfg, max(n, 2))
     bf16 = generation_speed(bf16_twin(model), cfg, max(n, 2))
+    out = {"packed bytes/s": packed, "bf16 bytes/s": bf16}
+    w4a16 = ""
+    if weight_only is not None:
+        out["packed W4A16 bytes/s"] = speed = generation_speed(weight_only, cfg, max(n, 2))
+        w4a16 = f", NVFP4 weights only (W4A16) {speed:,.1f} bytes/s ({speed / bf16:.2f}x)"
     print(
         f"generation on {jax.devices()[0].device_kind}, one token per step against a "
         f"key-value cache ({cfg.seq}-byte window): "
         f"NVFP4 packed {packed:,.1f} bytes/s, bfloat16 {bf16:,.1f} bytes/s "
-        f"({packed / bf16:.2f}x)"
+        f"({packed / bf16:.2f}x){w4a16}"
     )
-    return {"packed bytes/s": packed, "bf16 bytes/s": bf16}
+    return out
 
 
 def time_generation(cfg: Config, n: int) -> dict[str, float]:
     """`--time-generation`: `cfg`'s model from random weights, quantised by the paper's
     policy and frozen (what `--export` packs, without training), against its bfloat16
-    twin: the speeds only (its text means nothing)."""
+    twin and the same policy with NVFP4 weights only (W4A16): the speeds only (its text
+    means nothing)."""
     model = build_model(cfg, jax.random.key(cfg.seed))
-    policy = paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS)
-    frozen = eqx.filter_jit(lambda m: nvfp4x.freeze(nvfp4x.quantize(m, policy)))(model)
+
+    def frozen_by(policy):
+        return eqx.filter_jit(lambda m: nvfp4x.freeze(nvfp4x.quantize(m, policy)))(model)
+
+    frozen = frozen_by(paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS))
+    weight_only = frozen_by(
+        paper_policy(
+            cfg,
+            training=nvfp4x.recipes.nvfp4_weight_only(),
+            tensor_scale_groups=FUSED_SCALE_GROUPS,
+        )
+    )
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     print(
         f"random model: {cfg.n_layers} blocks, d_model={cfg.d_model}, {cfg.n_heads} heads, "
         f"d_ff={cfg.d_ff}, {n_params / 1e6:.2f}M parameters"
     )
-    return compare_speeds(frozen, cfg, n)
+    return compare_speeds(frozen, cfg, n, weight_only)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
