@@ -119,7 +119,13 @@ def check_tiles(tiles: Tiles, block: tuple[int, int]) -> None:
 
 
 def check_packed(
-    codes: Array, scale_bits: Array, *, block: tuple[int, int], n: int, k: int, operand: str
+    codes: Array | jax.ShapeDtypeStruct,
+    scale_bits: Array | jax.ShapeDtypeStruct,
+    *,
+    block: tuple[int, int],
+    n: int,
+    k: int,
+    operand: str,
 ) -> None:
     """Raise unless `block` and `operand` are ones the frozen GEMM kernels take and `codes`
     and `scale_bits` are the packed layout of a `block` NVFP4 weight `(n, k)`: codes

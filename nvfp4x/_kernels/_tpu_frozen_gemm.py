@@ -504,6 +504,7 @@ def frozen_matmul(
     m, k = x.shape
     block = (block[0], block[1])
     stacked_w = layer is not None
+    at = jnp.zeros((1,), jnp.int32)  # the layer's index, prefetched (with `layer`)
     if stacked_w:
         if codes.ndim != 3 or scale_bits.ndim != 3 or codes.shape[0] != scale_bits.shape[0]:
             raise ValueError(
@@ -511,7 +512,7 @@ def frozen_matmul(
                 f"got {codes.shape} and {scale_bits.shape}."
             )
         layers = codes.shape[0]
-        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, layers - 1).reshape(1)
+        at = jnp.clip(jnp.asarray(layer, jnp.int32), 0, layers - 1).reshape(1)
         one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
         check_packed(one(codes), one(scale_bits), block=block, n=n, k=k, operand=operand)
     else:
@@ -539,7 +540,7 @@ def frozen_matmul(
         bm = max(step, bm // 2 // step * step)  # (float32 activations: three parts)
     if block == TILE:  # one scale row per weight row (see the module docstring)
         if stacked_w:  # (the layer's 16x16 scales: 1/128 of its codes' bytes)
-            scale_bits = lax.dynamic_index_in_dim(scale_bits, layer[0], 0, keepdims=False)
+            scale_bits = lax.dynamic_index_in_dim(scale_bits, at[0], 0, keepdims=False)
         scale_bits = jnp.repeat(scale_bits, BLOCK, axis=-2)
     stacked_s = scale_bits.ndim == 3
     rows, width = codes.shape[-2:]
@@ -571,7 +572,7 @@ def frozen_matmul(
     scales_spec = pl.BlockSpec((bn, bk // BLOCK), tile(lambda i, j, kk: (j, kk)))
     if stacked_s:
         scales_spec = pl.BlockSpec((None, bn, bk // BLOCK), lambda i, j, kk, at: (at[0], j, kk))
-    prefetch = (layer,) if stacked_w else ()
+    prefetch = (at,) if stacked_w else ()
 
     def call_with(kernel, **kwargs):
         """`pl.pallas_call` of `kernel` over the grid, its `in_specs`, `out_specs` and
