@@ -280,22 +280,28 @@ def run(args) -> Rows:
     return rows
 
 
-def kernel_over_stack(
-    w, x, tiles, layout: str = "planes", inner: int = 1, unrolled: bool = False, chunk_rows=None
-) -> Callable[[], Any]:
-    """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`) alone over
-    the stacked packed weight `w`, each layer's output the next one's input; compiled
-    and run once (`unrolled`: see `over_stack`)."""
-    mm = functools.partial(
+def bf16_kernel(w, x, tiles, **options) -> Callable:
+    """The kernel `frozen_matmul` for the stacked packed weight `w` (a layer of it, or the
+    stack with `layer=`) and bfloat16 activations like `x`, at `tiles` and `options`
+    (`layout`, `chunk_rows`); interpreted off a TPU."""
+    return functools.partial(
         _tpu_frozen_gemm.frozen_matmul,
         block=tuple(w.block),
         n=x.shape[-1],
         operand="bfloat16",
         tiles=tiles,
         interpret=jax.default_backend() != "tpu",
-        layout=layout,
-        chunk_rows=chunk_rows,
+        **options,
     )
+
+
+def kernel_over_stack(
+    w, x, tiles, layout: str = "planes", inner: int = 1, unrolled: bool = False, chunk_rows=None
+) -> Callable[[], Any]:
+    """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`) alone over
+    the stacked packed weight `w`, each layer's output the next one's input; compiled
+    and run once (`unrolled`: see `over_stack`)."""
+    mm = bf16_kernel(w, x, tiles, layout=layout, chunk_rows=chunk_rows)
     return over_stack(mm, x, w.codes, w.scale_bits, inner, unrolled)
 
 
@@ -303,14 +309,7 @@ def kernel_by_index(w, x, tiles, inner: int = 1) -> Callable[[], Any]:
     """A thunk running the kernel (default layout) over the stacked packed weight `w` by
     `lax.scan` over the layers' indices, the stack whole (`frozen_matmul(layer=i)`: no
     slice of the stack copied before each call); compiled and run once."""
-    mm = functools.partial(
-        _tpu_frozen_gemm.frozen_matmul,
-        block=tuple(w.block),
-        n=x.shape[-1],
-        operand="bfloat16",
-        tiles=tiles,
-        interpret=jax.default_backend() != "tpu",
-    )
+    mm = bf16_kernel(w, x, tiles)
 
     def layers(h, c, s):
         step = lambda h, i: (mm(h, c, s, layer=i).astype(h.dtype), None)  # noqa: E731

@@ -264,64 +264,10 @@ LAYOUTS = ("planes", "chunks", "pairs", "wide")
 #: the time of "planes" ("chunks" 0.96-0.97x), at any of 128-512 code bytes a chunk.
 PAIRS_TOKENS = 16
 
-#: The "chunks" layout's `(depth / 2, features / 4)` chunk of a plane: what one step of
-#: its loop decodes and multiplies (see `_kernel_chunks`).
+#: The "chunks" and "pairs" layouts' `(depth / 2, features / 4)` chunk of a plane: what
+#: one step of their loop decodes and multiplies (`_kernel_chunked`; `chunk_rows` sets
+#: the first).
 CHUNK = (256, 128)
-
-
-def _kernel_chunks(
-    xe_ref, xo_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, parts, tail, rc
-):
-    """One step of the "chunks" layout: `_kernel`'s planes, decoded and multiplied a
-    `CHUNK` at a time (a loop over the features, the contraction unrolled), so that a
-    chunk's codes, values and products can stay in vector registers instead of whole
-    `(depth/2, features/4)` planes passing through VMEM between operations. The half
-    scales are decoded once per step into `sc_ref` `(4, features/4/L, depth/16, L)`;
-    each feature chunk's four products (by byte `q`) go to `acc_ref` `(4, features/4/L,
-    parts*tokens, L)`, added into the output block at the end of the step."""
-    lc = CHUNK[1]
-    kk = pl.program_id(2)
-
-    @pl.when(kk == 0)
-    def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-
-    _, bm, half = xe_ref.shape
-    groups = out_ref.shape[2] // lc
-    _half_scales_to(sc_ref, scales_ref, lc)
-    xs = [
-        [ref[:, :, c0 : c0 + rc].reshape(parts * bm, rc) for c0 in range(0, half, rc)]
-        for ref in (xe_ref, xo_ref)
-    ]
-
-    def feature_chunk(g, carry):
-        rows = pl.ds(pl.multiple_of(g * 4 * lc, 4 * lc), 4 * lc)
-        accs = [jnp.zeros((parts * bm, lc), jnp.float32) for _ in range(4)]
-        for c, c0 in enumerate(range(0, half, rc)):
-            words = pltpu.bitcast(codes_ref[rows, c0 : c0 + rc], jnp.int32).T  # (rc, lc)
-            valid = None
-            if tail is not None:
-                byte = kk * half + c0 + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)
-                valid = byte < tail
-            for q in range(4):
-                s = sc_ref[q, g, c0 // 8 : (c0 + rc) // 8, :]  # (rc/8, lc)
-                s = jnp.broadcast_to(s[:, None, :], (rc // 8, 8, lc)).reshape(rc, lc)
-                for h in range(2):
-                    w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
-                    if valid is not None:
-                        w = jnp.where(valid, w, 0.0)
-                    w = w.astype(jnp.bfloat16)
-                    accs[q] += jnp.dot(
-                        xs[h][c], w, preferred_element_type=jnp.float32, precision=_ONE_PASS
-                    )
-        for q in range(4):
-            acc_ref[q, g] = accs[q]
-        return carry
-
-    lax.fori_loop(0, groups, feature_chunk, 0)
-    for q in range(4):
-        for g in range(groups):
-            out_ref[q, :, g * lc : (g + 1) * lc] += _sum_parts(acc_ref[q, g], bm, parts)
 
 
 def _half_scales_to(sc_ref, scales_ref, lanes: int) -> None:
@@ -345,13 +291,24 @@ def bf16_pairs(even: Array, odd: Array) -> Array:
     return pltpu.bitcast(lo | hi, jnp.bfloat16)
 
 
-def _kernel_pairs(x_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, parts, tail, rc):
-    """One step of the "pairs" layout: as "chunks" (a `CHUNK` of codes at a time, the
-    half scales decoded once per step), but a byte's two nibbles, columns `2i` and `2i +
-    1` of the weight, are decoded and packed into one bfloat16 chunk `(2 x depth chunk,
-    lanes)` in contraction order (`bf16_pairs`: bit operations, no float32 to bfloat16
-    conversion), so that the activations' tile enters the dots as it is, 4 dots (one per
-    byte `q`) per chunk instead of 8."""
+def _kernel_chunked(*refs, parts, tail, rc, pairs: bool):
+    """One step of the "chunks" and "pairs" layouts: `_kernel`'s planes, decoded and
+    multiplied a `CHUNK` at a time (a loop over the features, the contraction
+    unrolled), so that a chunk's codes, values and products can stay in vector
+    registers instead of whole `(depth/2, features/4)` planes passing through VMEM
+    between operations. The half scales are decoded once per step into `sc_ref` `(4,
+    features/4/L, depth/16, L)`; each feature chunk's four products (by byte `q`) go to
+    `acc_ref` `(4, features/4/L, parts*tokens, L)`, added into the output block at the
+    end of the step.
+
+    "chunks" (`refs`: the activations' even and odd columns apart) multiplies each
+    nibble's chunk by its columns, 8 dots a chunk. "pairs" (`refs`: the activations as
+    they are) packs a byte's two nibbles, columns `2i` and `2i + 1` of the weight, into
+    one bfloat16 chunk `(2 x depth chunk, lanes)` in contraction order (`bf16_pairs`:
+    bit operations, no float32 to bfloat16 conversion) and multiplies it by the
+    activations' chunk as it is: 4 dots a chunk."""
+    x_refs = refs[:1] if pairs else refs[:2]
+    codes_ref, scales_ref, out_ref, sc_ref, acc_ref = refs[len(x_refs) :]
     lc = CHUNK[1]
     kk = pl.program_id(2)
 
@@ -359,12 +316,14 @@ def _kernel_pairs(x_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, par
     def _():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    _, bm, bk = x_ref.shape
-    half = bk // 2
+    _, bm, width = x_refs[0].shape
+    half = width // 2 if pairs else width  # the codes' bytes per row in a step
+    cw = 2 * rc if pairs else rc  # an activations' chunk's columns
     groups = out_ref.shape[2] // lc
     _half_scales_to(sc_ref, scales_ref, lc)
     xs = [
-        x_ref[:, :, 2 * c0 : 2 * (c0 + rc)].reshape(parts * bm, 2 * rc) for c0 in range(0, half, rc)
+        [ref[:, :, c * cw : (c + 1) * cw].reshape(parts * bm, cw) for c in range(half // rc)]
+        for ref in x_refs
     ]
 
     def feature_chunk(g, carry):
@@ -379,13 +338,17 @@ def _kernel_pairs(x_ref, codes_ref, scales_ref, out_ref, sc_ref, acc_ref, *, par
             for q in range(4):
                 s = sc_ref[q, g, c0 // 8 : (c0 + rc) // 8, :]  # (rc/8, lc)
                 s = jnp.broadcast_to(s[:, None, :], (rc // 8, 8, lc)).reshape(rc, lc)
-                w = [double_e2m1(words, 8 * q + 4 * h) * s for h in range(2)]
+                w = [double_e2m1(words, 8 * q + 4 * h) * s for h in range(2)]  # exact
                 if valid is not None:
                     w = [jnp.where(valid, v, 0.0) for v in w]
-                wq = bf16_pairs(*w)  # (2 rc, lc): contraction rows 2 (c0 + i) + h
-                accs[q] += jnp.dot(
-                    xs[c], wq, preferred_element_type=jnp.float32, precision=_ONE_PASS
-                )
+                if pairs:  # (2 rc, lc): contraction rows 2 (c0 + i) + h
+                    products = [(xs[0][c], bf16_pairs(*w))]
+                else:
+                    products = [(xs[h][c], w[h].astype(jnp.bfloat16)) for h in range(2)]
+                for xc, wc in products:
+                    accs[q] += jnp.dot(
+                        xc, wc, preferred_element_type=jnp.float32, precision=_ONE_PASS
+                    )
         for q in range(4):
             acc_ref[q, g] = accs[q]
         return carry
@@ -624,7 +587,11 @@ def frozen_matmul(
         xs = (stacked[:, :, 0::2], stacked[:, :, 1::2])
         x_specs = [pl.BlockSpec((parts, bm, bk // 2), tile(lambda i, j, kk: (0, i, kk)))] * 2
     kernel = functools.partial(
-        {"planes": _kernel, "chunks": _kernel_chunks, "pairs": _kernel_pairs}[layout],
+        {
+            "planes": _kernel,
+            "chunks": functools.partial(_kernel_chunked, pairs=False),
+            "pairs": functools.partial(_kernel_chunked, pairs=True),
+        }[layout],
         parts=parts,
         tail=tail,
     )
