@@ -25,8 +25,8 @@
 # (`test_moe` 226 s, `test_conv` 217 s). Chunk 6 is longer than one command:
 # `test_freeze.py`'s first 8 tests took 168 s there (the Mosaic quantiser's compiles in
 # every recipe's frozen and unfrozen model), so run it as SHARD=0/4 .. SHARD=3/4
-# (guessed: 65 + 8 tests). Chunks 8-9 not yet measured there (give them a whole command
-# each, or shard them). Each test file's times are in the JUnit file. Two chunks fit one
+# (guessed: 65 + 8 tests). Chunk 8 255 s, chunk 9 143 s (seventh session); chunk 2
+# now holds `test_frozen_speed_paths` too (~60 s more). Each test file's times are in the JUnit file. Two chunks fit one
 # command where their times add up to ~540 s. The first start of a machine adds 1-2 minutes before this script, the
 # installs here 20 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml

@@ -40,15 +40,25 @@ contraction `depth` elements at a time (the grid's last axis, accumulating in th
 output block). The TPU's layouts ask `features` to be a multiple of 512 (a transposed
 tile of words 128 lanes wide) and `depth` of 2048 (128 lanes of block scales); tokens
 are padded to a multiple of 16 (bfloat16 sublanes). One table, `DEFAULT_TILES`, picks
-the tiles by token count; `benchmarks/tpu_frozen_check.py --sweep` times `SWEEP_TILES`
-on a TPU to fill it.
+the tiles by token count, fitted to the weight (`fit_tiles`: no larger than it, and at
+least `MIN_WEIGHT_STEPS` steps along it where it allows); `benchmarks/tpu_frozen_check.py
+--sweep` times `SWEEP_TILES` on a TPU to fill it.
+
+Other layouts of the same work (`frozen_matmul`'s `layout`): "chunks" decodes and
+multiplies a `CHUNK` of a plane at a time, so that its values can stay in vector
+registers; "pairs" (the default at a few tokens) also packs a byte's two planes into one
+bfloat16 chunk in contraction order by bit operations (`bf16_pairs`), so that the
+activations enter as they are and a chunk takes 4 dots; "wide" (many tokens) interleaves
+the planes and the output in VMEM. A stacked weight can be read a layer at a time by
+index (`layer=`): the layer's tiles come from the stack itself, with no copy of its slice.
 
 Edges: the last tile of features may overhang the weight (its garbage rows make
 outputs that are dropped); a last step that overhangs the contraction masks the
 garbage it decodes (`jnp.where`), and the activations are padded with zeros. A weight
 smaller than one tile is padded to it (a copy of a small array). 16x16 tiles' scale
 bits are expanded to one row per weight row before the call (one scale per 1x16 block:
-an eighth of the codes' bytes, written once per call).
+an eighth of the codes' bytes, written once per call; left for a kernel that expands
+them in VMEM).
 
 Runs on the CPU in TPU interpret mode (`interpret=True`, the tests) and lowers for TPUs
 on the CPU; Mosaic's own compile runs only on a TPU.
