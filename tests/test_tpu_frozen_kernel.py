@@ -212,8 +212,8 @@ LOWERED = [
     for bucket in _tpu_frozen_gemm.SWEEP_TILES.values()
     for tiles in bucket
 ]
-#: The opt-in "chunks" and "pairs" layouts: the few-token default tiles, both blocks and operands,
-#: a weight that overhangs the tiles.
+#: The few-token layouts named explicitly ("planes", "chunks", "pairs"): the few-token
+#: default tiles, both blocks and operands, a weight that overhangs the tiles.
 LOWERED_CHUNKS = [
     (tiles, block, operand, (8200, 8200))
     for most, tiles in _tpu_frozen_gemm.DEFAULT_TILES
@@ -226,7 +226,7 @@ LOWERED_CHUNKS = [
 def test_kernel_lowers_for_tpu():
     """Mosaic lowering (on this machine; Mosaic's own compile runs on a TPU) of the
     default tiles (both block layouts and operands, weights that fit and overhang, tokens
-    over a tile), of every tile the sweep times, and of the "chunks" and "pairs" layouts."""
+    over a tile), of every tile the sweep times, and of each few-token layout by name."""
     cases = [(*c, None) for c in LOWERED]
     cases += [(*c, layout) for c in LOWERED_CHUNKS for layout in ("planes", "chunks", "pairs")]
     for tiles, block, operand, (n, k), layout in cases:
