@@ -384,13 +384,14 @@ def test_a_scan_over_a_stack_by_index_copies_no_layer():
         ((5504, 2048), 16, "(1, 6, 1)"),  # its MLP's up projection: (1024, 2048)
         ((2048, 5504), 1, "(1, 2, 2)"),  # and down: (1024, 4096), the last depth overhangs
         ((40, 100), 1, "(1, 1, 1)"),  # smaller than the smallest tile: padded to it
+        ((2048, 2048), 4096, "(4, 1, 1)"),  # a prefill: its steps along the tokens count
     ],
 )
 def test_default_tiles_fit_the_weight(out_in, tokens, grid):
     """The default tiles shrink to the weight (no padded copy of a weight as wide or deep
     as the layouts' steps allow: a d_model 2048 model's projections were padded to
     4096-deep tiles, twice the work) and narrow until a call has `MIN_WEIGHT_STEPS`
-    steps along the weight where it can."""
+    grid steps where the weight allows (steps along the tokens included)."""
     n, k = out_in
     weight = [
         jax.ShapeDtypeStruct((n, -(-k // 16) * 8), jnp.uint8),

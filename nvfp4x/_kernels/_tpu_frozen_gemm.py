@@ -41,7 +41,7 @@ output block). The TPU's layouts ask `features` to be a multiple of 512 (a trans
 tile of words 128 lanes wide) and `depth` of 2048 (128 lanes of block scales); tokens
 are padded to a multiple of 16 (bfloat16 sublanes). One table, `DEFAULT_TILES`, picks
 the tiles by token count, fitted to the weight (`fit_tiles`: no larger than it, and at
-least `MIN_WEIGHT_STEPS` steps along it where it allows); `benchmarks/tpu_frozen_check.py
+least `MIN_WEIGHT_STEPS` grid steps where it allows); `benchmarks/tpu_frozen_check.py
 --sweep` times `SWEEP_TILES` on a TPU to fill it.
 
 Other layouts of the same work (`frozen_matmul`'s `layout`): "chunks" decodes and
@@ -165,20 +165,23 @@ def default_tiles(tokens: int) -> Tiles:
 
 
 #: The default tiles are narrowed (features halved, down to `FEATURES_STEP`) until a call
-#: has at least this many steps along the weight, so that the pipeline overlaps one
-#: tile's DMA with another's decode and dots (a call of one step does them in turn).
-#: From first principles; not yet timed on a TPU (the sweep's weights were 8192x8192).
+#: has at least this many grid steps, so that the pipeline overlaps one tile's DMA with
+#: another's decode and dots (a call of one step does them in turn). From first
+#: principles; not yet timed on a TPU (the sweep's weights were 8192x8192).
 MIN_WEIGHT_STEPS = 4
 
 
-def fit_tiles(tiles: Tiles, rows: int, depth: int) -> Tiles:
-    """`tiles` fitted to a weight of `rows` x `depth` (padded) elements: no wider or
-    deeper than the weight rounded up to the layouts' steps (a tile past the weight
-    costs a padded copy of it each call and work on the padding), then narrowed to
-    `MIN_WEIGHT_STEPS` steps where the weight allows."""
+def fit_tiles(tiles: Tiles, rows: int, depth: int, tokens: int = 1) -> Tiles:
+    """`tiles` fitted to a weight of `rows` x `depth` (padded) elements and `tokens`
+    rows of activations: no wider or deeper than the weight rounded up to the layouts'
+    steps (a tile past the weight costs a padded copy of it each call and work on the
+    padding), then narrowed until the call has `MIN_WEIGHT_STEPS` grid steps where the
+    weight allows (steps along the tokens count: narrower tiles read the activations
+    more often)."""
     bn = min(tiles.features, -(-rows // FEATURES_STEP) * FEATURES_STEP)
     bk = min(tiles.depth, -(-depth // DEPTH_STEP) * DEPTH_STEP)
-    while bn > FEATURES_STEP and -(-rows // bn) * -(-depth // bk) < MIN_WEIGHT_STEPS:
+    steps = lambda bn: -(-tokens // tiles.tokens) * -(-rows // bn) * -(-depth // bk)  # noqa: E731
+    while bn > FEATURES_STEP and steps(bn) < MIN_WEIGHT_STEPS:
         bn = max(FEATURES_STEP, bn // 2 // FEATURES_STEP * FEATURES_STEP)
     return Tiles(tiles.tokens, bn, bk)
 
@@ -491,7 +494,7 @@ def frozen_matmul(
     else:
         check_packed(codes, scale_bits, block=block, n=n, k=k, operand=operand)
     tiles = (
-        fit_tiles(default_tiles(m), codes.shape[-2], 2 * codes.shape[-1])
+        fit_tiles(default_tiles(m), codes.shape[-2], 2 * codes.shape[-1], m)
         if tiles is None
         else tiles
     )
