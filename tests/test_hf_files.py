@@ -557,7 +557,7 @@ def test_strided_arrays_are_written_in_order_and_their_checksums_hold(view):
     arrays = {
         "transposed": base.T.view(ml_dtypes.float8_e4m3fn),
         "strided": base[::2, 1::3].astype(np.float32),
-        "scalar": np.float32(3.5).reshape(()),
+        "scalar": np.array(3.5, np.float32),  # (0-d)
     }
     array = arrays[view]
     raw = _safetensors.serialise({"w": array, "b": base}, {})

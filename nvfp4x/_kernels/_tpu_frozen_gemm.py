@@ -426,8 +426,8 @@ def _vmem_bytes(parts: int, tiles: Tiles, wide: bool = False, chunks: bool = Fal
 )
 def frozen_matmul(
     x: Float[Array, "m k"],
-    codes: UInt8[Array, "rows k2"],
-    scale_bits: UInt8[Array, "srows k16"],
+    codes: UInt8[Array, "*layers rows k2"],
+    scale_bits: UInt8[Array, "*layers srows k16"],
     *,
     block: tuple[int, int],
     n: int,
