@@ -73,7 +73,13 @@ from nvfp4x._formats import quantize_operand  # noqa: E402
 from nvfp4x._kernels import _tpu_frozen_gemm  # noqa: E402
 from nvfp4x._numerics._constants import BLOCK, TILE  # noqa: E402
 
-RECIPES = {"W4A16": nvfp4x.recipes.nvfp4_weight_only, "W4A4": nvfp4x.recipes.nvfp4_inference}
+RECIPES = {
+    "W4A16": nvfp4x.recipes.nvfp4_weight_only,
+    "W4A4": nvfp4x.recipes.nvfp4_inference,
+    # (the paper's training recipe frozen: 16x16 weight tiles; not run by default)
+    "W4A4-16x16": lambda: nvfp4x.recipes.nvfp4_inference(weight_block=(16, 16)),
+}
+DEFAULT_RECIPES = ("W4A16", "W4A4")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 #: Of `k * 2^-24 * (|x| @ |W|.T)` (as `tests/test_frozen_kernel.py`).
 TOLERANCE = 4
@@ -296,12 +302,12 @@ def bf16_kernel(w, x, tiles, **options) -> Callable:
 
 
 def kernel_over_stack(
-    w, x, tiles, layout: str = "planes", inner: int = 1, unrolled: bool = False, chunk_rows=None
+    w, x, tiles, layout: str = "planes", inner: int = 1, unrolled: bool = False, **options
 ) -> Callable[[], Any]:
-    """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`) alone over
-    the stacked packed weight `w`, each layer's output the next one's input; compiled
-    and run once (`unrolled`: see `over_stack`)."""
-    mm = bf16_kernel(w, x, tiles, layout=layout, chunk_rows=chunk_rows)
+    """A thunk running the kernel (bfloat16 activations, `tiles`, `layout`, `options`:
+    `chunk_rows`, `tile_scales`) alone over the stacked packed weight `w`, each layer's
+    output the next one's input; compiled and run once (`unrolled`: see `over_stack`)."""
+    mm = bf16_kernel(w, x, tiles, layout=layout, **options)
     return over_stack(mm, x, w.codes, w.scale_bits, inner, unrolled)
 
 
@@ -477,19 +483,26 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
         x = jax.random.normal(jax.random.key(2), (tokens, d), jnp.bfloat16)
         tiles = _tpu_frozen_gemm.default_tiles(tokens)
         fns = {}
-        layouts = [("planes", None, "kernel")]
+        layouts = [("planes", {}, "kernel")]
         layouts += [
-            (lay, rc, f"kernel, {lay} layout, chunk rows {rc}")
+            (lay, {"chunk_rows": rc}, f"kernel, {lay} layout, chunk rows {rc}")
             for lay in ("chunks", "pairs")
             for rc in (128, 256, 512)
         ]
+        if tuple(w.block) == (16, 16):  # the tiles' scales expanded in VMEM, not by XLA
+            layouts += [
+                (lay, {"tile_scales": "kernel"}, f"kernel, {lay} layout, tile scales in VMEM")
+                for lay in ("planes", "pairs")
+            ]
         try:  # (a scan over indices, whatever --unrolled says)
             fns["kernel, pairs, the stack by index"] = kernel_by_index(w, x, tiles, args.inner)
         except Exception as e:  # noqa: BLE001
             error(rows, f"attribute kernel by index, {tokens} tokens", e)
-        for layout, rc, name in layouts:
+        for layout, options, name in layouts:
             try:
-                fns[name] = kernel_over_stack(w, x, tiles, layout, args.inner, args.unrolled, rc)
+                fns[name] = kernel_over_stack(
+                    w, x, tiles, layout, args.inner, args.unrolled, **options
+                )
             except Exception as e:  # noqa: BLE001
                 error(rows, f"attribute {name}, {tokens} tokens", e)
         for variant in ATTRIBUTION:
@@ -738,7 +751,12 @@ def main(argv: list[str] | None = None) -> Rows:
     p.add_argument(
         "--inner", type=int, default=10, help="runs of each timed work in one program (looped)"
     )
-    p.add_argument("--recipes", type=lambda s: tuple(s.split(",")), default=tuple(RECIPES))
+    p.add_argument(
+        "--recipes",
+        type=lambda s: tuple(s.split(",")),
+        default=DEFAULT_RECIPES,
+        help=f"of {tuple(RECIPES)} (--attribute takes the first)",
+    )
     p.add_argument("--dtypes", type=lambda s: tuple(s.split(",")), default=tuple(DTYPES))
     p.add_argument("--sweep", action="store_true", help="time SWEEP_TILES per token bucket")
     p.add_argument(
@@ -758,7 +776,8 @@ def main(argv: list[str] | None = None) -> Rows:
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.d, args.tokens, args.repeats, args.inner = 2, 512, (1,), 1, 2
-        args.recipes, args.dtypes = ("W4A4",), ("float32",)
+        args.dtypes = ("float32",)
+        args.recipes = ("W4A4",) if args.recipes == DEFAULT_RECIPES else args.recipes
     if jax.default_backend() != "tpu" and not args.smoke:
         print("note: not a TPU; the kernel runs interpreted (slow): use --smoke", flush=True)
     if args.dma:

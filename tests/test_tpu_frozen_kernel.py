@@ -345,6 +345,66 @@ def test_a_layer_of_a_stack_by_its_index(name):
         mm(x, layers[0].codes, layers[0].scale_bits, layer=0)
 
 
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("16x16_17_tokens_bfloat16_overhangs", "planes"),
+        ("16x16_17_tokens_bfloat16_overhangs", "pairs"),
+        ("16x16_130_tokens_float32_wide", None),
+    ],
+)
+def test_tile_scales_expanded_in_the_kernel(name, layout):
+    """`tile_scales="kernel"`: 16x16 tiles' scale bits go in as they are stored (one row
+    per 16 weight rows) and each step expands its tile of them in VMEM: bit for bit the
+    call that expands them before it (`jnp.repeat`, an eighth of the codes' bytes written
+    and read again per call), in each layout, for a layer of a stack too; the program
+    around the kernel makes no expanded copy of the scales, and it lowers for a TPU."""
+    block, m, n, k, operand, tiles = CASES[name]
+    q = weight(n, k, block, nan=True)
+    x = activations(m, k, jnp.bfloat16 if operand == "bfloat16" else jnp.float32, inf=True)
+    mm = functools.partial(
+        _tpu_frozen_gemm.frozen_matmul,
+        block=block,
+        n=n,
+        operand=operand,
+        tiles=tiles,
+        layout=layout,
+        interpret=INTERPRET,
+    )
+    want = np.asarray(mm(x, q.codes, q.scale_bits))
+    assert_same_bits(np.asarray(mm(x, q.codes, q.scale_bits, tile_scales="kernel")), want)
+    if layout == "pairs":  # a layer of a stack: its scales read by the index too
+        stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (q.codes, q.scale_bits)]
+        got = mm(x, *stack, tile_scales="kernel", layer=1)
+        assert_same_bits(np.asarray(got), want)
+    with pytest.raises(ValueError, match="tile_scales"):
+        mm(x, q.codes, q.scale_bits, tile_scales="xla")
+    lower = functools.partial(mm, interpret=False)
+    text = jax.jit(functools.partial(lower, tile_scales="kernel")).trace(x, q.codes, q.scale_bits)
+    assert "nvfp4_frozen_matmul_tpu" in text.lower(lowering_platforms=("tpu",)).as_text()
+
+    def expanded_copies(tile_scales: str) -> list:
+        """The uint8 arrays of the expanded scales' shape `(rows, k/16)` or larger that the
+        program around the kernel (not the kernel's body) makes."""
+        shapes = []
+
+        def walk(jp):
+            for eqn in jp.eqns:
+                shapes.extend(v.aval.shape for v in eqn.outvars if v.aval.dtype == jnp.uint8)
+                if eqn.primitive.name != "pallas_call":
+                    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                        walk(sub)
+
+        fn = functools.partial(lower, tile_scales=tile_scales)
+        walk(jax.make_jaxpr(fn)(x, q.codes, q.scale_bits).jaxpr)
+        widths = (-(-k // 16), tiles.depth // 16)  # the scales', as stored or padded
+        return [
+            sh for sh in shapes if len(sh) == 2 and sh[0] >= q.codes.shape[0] and sh[1] in widths
+        ]
+
+    assert expanded_copies("caller") and not expanded_copies("kernel")
+
+
 def test_a_scan_over_a_stack_by_index_copies_no_layer():
     """Under `lax.scan` over layer indices, with the stack whole, the TPU program holds
     no slice of the stacked codes (a scan over the stack itself copies each layer's

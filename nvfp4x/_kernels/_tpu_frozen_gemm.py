@@ -221,13 +221,32 @@ def double_e2m1(words: Array, shift: int) -> Float[Array, "*s"]:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _scale_words(scales_ref, rows: int) -> Array:
+    """The step's block scales as transposed words `(depth/16, features/4)` int32: byte
+    `q` of lane `r` the scale bits of weight row `4r + q` (`rows` weight rows a tile).
+    `scales_ref` holds one scale row per weight row (16x16 tiles' expanded by the
+    caller), or, for 16x16 tiles, one per 16 weight rows (`rows / 16`): expanded here,
+    on 1/128 of the codes' bytes (each word of 4 scale rows split into its bytes, each
+    byte copied into all 4 of a word and down 4 word rows), instead of by a copy in HBM
+    before the call."""
+    if scales_ref.shape[0] == rows:
+        return pltpu.bitcast(scales_ref[...], jnp.int32).T
+    words = pltpu.bitcast(scales_ref[...], jnp.int32)  # (rows/64, depth/16): 4 tile rows
+    n4, width = words.shape
+    bands = []
+    for q in range(4):  # tile row 4w + q: weight rows 64w + 16q .. + 15, word rows 4 of them
+        byte = lax.shift_right_logical(words, 8 * q) & 0xFF
+        bands.append(jnp.broadcast_to((byte * 0x01010101)[:, None, :], (n4, 4, width)))
+    return jnp.stack(bands, axis=1).reshape(16 * n4, width).T
+
+
 def _planes(codes_ref, scales_ref, tail):
     """This step's 8 planes of exact block values, `(q, h, plane)`: `plane` `(depth/2,
     features/4)` float32 holds the nibble `h` (0: low, the even columns; 1: high, the
     odd ones) of byte `q` of each word (weight rows `4r + q`). `tail`: the codes' bytes
     per row when the last step overhangs them (bytes past it are garbage: zeroed)."""
     words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
-    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    swords = _scale_words(scales_ref, codes_ref.shape[0])  # (depth/16, features/4)
     half, quarter = words.shape
     valid = None
     if tail is not None:
@@ -283,11 +302,11 @@ PAIRS_TOKENS = 16
 CHUNK = (256, 128)
 
 
-def _half_scales_to(sc_ref, scales_ref, lanes: int) -> None:
+def _half_scales_to(sc_ref, scales_ref, lanes: int, rows: int) -> None:
     """This step's half block scales, decoded once into `sc_ref` `(4, features/4/lanes,
     depth/16, lanes)`: `sc_ref[q, g]` the scales of weight rows `4r + q` for the lane
-    group `g` of `r` (the "chunks" and "pairs" layouts)."""
-    swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+    group `g` of `r` (the "chunks" and "pairs" layouts; `rows`: the tile's weight rows)."""
+    swords = _scale_words(scales_ref, rows)  # (depth/16, features/4)
     for q in range(4):
         sq = half_scales((swords >> (8 * q)) & 0xFF)
         for g in range(sc_ref.shape[1]):
@@ -333,7 +352,7 @@ def _kernel_chunked(*refs, parts, tail, rc, pairs: bool):
     half = width // 2 if pairs else width  # the codes' bytes per row in a step
     cw = 2 * rc if pairs else rc  # an activations' chunk's columns
     groups = out_ref.shape[2] // lc
-    _half_scales_to(sc_ref, scales_ref, lc)
+    _half_scales_to(sc_ref, scales_ref, lc, codes_ref.shape[0])
     xs = [
         [ref[:, :, c * cw : (c + 1) * cw].reshape(parts * bm, cw) for c in range(half // rc)]
         for ref in x_refs
@@ -422,7 +441,16 @@ def _vmem_bytes(parts: int, tiles: Tiles, wide: bool = False, chunks: bool = Fal
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block", "n", "operand", "tiles", "interpret", "layout", "chunk_rows"),
+    static_argnames=(
+        "block",
+        "n",
+        "operand",
+        "tiles",
+        "interpret",
+        "layout",
+        "chunk_rows",
+        "tile_scales",
+    ),
 )
 def frozen_matmul(
     x: Float[Array, "m k"],
@@ -437,6 +465,7 @@ def frozen_matmul(
     layout: str | None = None,
     chunk_rows: int | None = None,
     layer: Array | int | None = None,
+    tile_scales: str = "caller",
 ) -> Float[Array, "m n"]:
     """`x @ W.T` in float32 for the NVFP4 weight `W` `(n, k)` held as `codes` and
     `scale_bits` (an `NVFP4Array`'s fields, padded layout), without its tensor scale.
@@ -458,6 +487,10 @@ def frozen_matmul(
       layer's tiles from the stack itself (the index prefetched into SMEM, in the blocks'
       index maps), with no copy of the layer's slice, which `lax.scan` over a stack makes
       before a custom call.
+    - `tile_scales`: for 16x16 tiles, where their scale bits become one row per weight
+      row: `"caller"` (a `jnp.repeat` before the call: an eighth of the codes' bytes
+      written and read again each call) or `"kernel"` (each step's tile of them expanded
+      in VMEM, `_scale_words`; exact in the TPU interpreter, not yet compiled on a TPU).
     - `chunk_rows`: the code bytes along the contraction of the `"chunks"` and `"pairs"`
       layouts' chunk (default `CHUNK[0]`; a multiple of 128 dividing the tile's).
     - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
@@ -514,7 +547,12 @@ def frozen_matmul(
     wide, chunks = layout == "wide", layout in ("chunks", "pairs")
     while bm > step and _vmem_bytes(parts, Tiles(bm, bn, bk), wide, chunks) > VMEM_BUDGET:
         bm = max(step, bm // 2 // step * step)  # (float32 activations: three parts)
-    if block == TILE:  # one scale row per weight row (see the module docstring)
+    if tile_scales not in ("caller", "kernel"):
+        raise ValueError(f"`tile_scales={tile_scales!r}`: 'caller' or 'kernel'.")
+    per_row = 1  # weight rows per scale row, as the kernel reads them
+    if block == TILE and tile_scales == "kernel":
+        per_row = BLOCK  # (expanded in VMEM: `_scale_words`)
+    elif block == TILE:  # one scale row per weight row (see the module docstring)
         if stacked_w:  # (the layer's 16x16 scales: 1/128 of its codes' bytes)
             scale_bits = lax.dynamic_index_in_dim(scale_bits, at[0], 0, keepdims=False)
         scale_bits = jnp.repeat(scale_bits, BLOCK, axis=-2)
@@ -524,7 +562,8 @@ def frozen_matmul(
     # A weight smaller than one tile is padded to it; a larger one may overhang.
     if rows < bn:
         codes = jnp.pad(codes, (*lead, (0, bn - rows), (0, 0)))
-        scale_bits = jnp.pad(scale_bits, (*lead[:stacked_s], (0, bn - rows), (0, 0)))
+        pad_r = (0, (bn - rows) // per_row)
+        scale_bits = jnp.pad(scale_bits, (*lead[:stacked_s], pad_r, (0, 0)))
     if width < bk // 2:
         codes = jnp.pad(codes, (*lead, (0, 0), (0, bk // 2 - width)))
         pad_s = (0, bk // 16 - scale_bits.shape[-1])
@@ -545,9 +584,11 @@ def frozen_matmul(
     codes_spec = pl.BlockSpec((bn, bk // 2), tile(lambda i, j, kk: (j, kk)))
     if stacked_w:
         codes_spec = pl.BlockSpec((None, bn, bk // 2), lambda i, j, kk, at: (at[0], j, kk))
-    scales_spec = pl.BlockSpec((bn, bk // BLOCK), tile(lambda i, j, kk: (j, kk)))
+    scales_spec = pl.BlockSpec((bn // per_row, bk // BLOCK), tile(lambda i, j, kk: (j, kk)))
     if stacked_s:
-        scales_spec = pl.BlockSpec((None, bn, bk // BLOCK), lambda i, j, kk, at: (at[0], j, kk))
+        scales_spec = pl.BlockSpec(
+            (None, bn // per_row, bk // BLOCK), lambda i, j, kk, at: (at[0], j, kk)
+        )
     prefetch = (at,) if stacked_w else ()
 
     def call_with(kernel, **kwargs):
