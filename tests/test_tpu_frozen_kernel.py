@@ -316,7 +316,9 @@ def test_tiles_fit_the_vmem_budget():
         assert f"grid={grid}" in str(jax.make_jaxpr(mm)(x, *weight)), operand
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", ["1x16_1_token_float32_small_weight", "16x16_130_tokens_float32_wide"]
+)
 def test_a_layer_of_a_stack_by_its_index(name):
     """`layer=`: the kernel reads one layer's tiles from stacked codes and scales by an
     index (prefetched, in the index maps): bit for bit the call on that layer's arrays,
@@ -336,11 +338,12 @@ def test_a_layer_of_a_stack_by_its_index(name):
         tiles=tiles,
         interpret=INTERPRET,
     )
+    by_index = jax.jit(lambda x, c, s, i: mm(x, c, s, layer=i))
     for index, want_layer in ((1, 1), (-4, 0), (7, 2)):
         want = np.asarray(mm(x, layers[want_layer].codes, layers[want_layer].scale_bits))
-        assert_same_bits(np.asarray(mm(x, codes, bits, layer=index)), want)
-        got = jax.jit(lambda x, c, s, i: mm(x, c, s, layer=i))(x, codes, bits, jnp.int32(index))
-        assert_same_bits(np.asarray(got), want)
+        if index == 1:  # (eagerly, with a Python index, once)
+            assert_same_bits(np.asarray(mm(x, codes, bits, layer=index)), want)
+        assert_same_bits(np.asarray(by_index(x, codes, bits, jnp.int32(index))), want)
     with pytest.raises(ValueError, match="stacked `codes` and `scale_bits`"):
         mm(x, layers[0].codes, layers[0].scale_bits, layer=0)
 
