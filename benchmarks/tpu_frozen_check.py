@@ -18,19 +18,22 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   (`memory_analysis`);
 - `--sweep`: the kernel alone over the stack, each tile of `SWEEP_TILES` per token
   bucket, printing the best (to fill `DEFAULT_TILES`).
-- `--attribute`: where the kernel's time goes (issue 38: the "planes" layout at a few
-  tokens reads its packed weights at ~100 GB/s): the kernel alone over the stack against
+- `--attribute`: where the kernel's time goes (issue 38): the kernel alone over the
+  stack (by `lax.scan`, or with `--unrolled` the layers as separate arrays) against
   variants of it that do part of its work, with the same tiles, blocks and pipeline
   (`ATTRIBUTION`): only the DMAs, the decode without the MXU dots, the dots without the
-  decode, the decode without the block scales; the kernel's opt-in "chunks" layout; and
-  XLA's dot of bf16 weights of the same shape. Diagnostic kernels, here only: not part
-  of nvfp4x.
-- `--dma`: only the reads (the attribution found the kernel's time is its DMAs, and a
-  `lax.scan` slice of stacked weights copied first): a Pallas call that reads random
-  packed codes and scales of `--layers` layers tile by tile and does nothing else, per
-  tile shape (`DMA_TILES`), codes as uint8 or uint32, each tile one DMA or four,
-  layers unrolled or by `lax.scan`, against XLA reading the same bytes and XLA's dot of
-  bf16 weights: which read pattern reaches the memory floor.
+  decode, the decode without the block scales; every layout ("planes", and "chunks" and
+  "pairs" at 128-512 code bytes a chunk; for 16x16 weights, `--recipes W4A4-16x16`, the
+  tile scales expanded in VMEM); the stack read by layer index under a scan; and XLA's
+  dot of bf16 weights of the same shape. Diagnostic kernels, here only: not part of
+  nvfp4x. (On a TPU v5e, 2026-12-06, the layers separate: DMAs alone 0.34 ms, decode
+  alone 0.35 ms, dots alone 0.43 ms, the kernel 0.69-0.74 ms, bf16 0.79 ms.)
+- `--dma`: only the reads: a Pallas call that reads random packed codes and scales of
+  `--layers` layers tile by tile and does nothing else, per tile shape (`DMA_TILES`),
+  codes as uint8 or uint32, each tile one DMA or four, layers unrolled or by `lax.scan`;
+  a whole layer into VMEM by explicit DMAs; against XLA reading the same bytes and XLA's
+  dot of bf16 weights. (On the v5e every pattern read at the HBM rate with the layers
+  separate; under `lax.scan` the slice copies took 0.41 of 0.69 ms.)
 
 Timing: every timed program runs its work `--inner` times (default 10) in one
 `lax.fori_loop`, each run on the last one's result (so nothing that reads the weights is
