@@ -329,28 +329,41 @@ def kernel_by_index(w, x, tiles, inner: int = 1) -> Callable[[], Any]:
     return functools.partial(f, x, w.codes, w.scale_bits)
 
 
+def over_layers(
+    step: Callable, h, *stacks, inner: int = 1, unrolled: bool = False
+) -> Callable[[], Any]:
+    """A thunk running `h = step(h, *layer's arrays)` over the layers of `stacks` (arrays
+    with a leading axis of layers), from `h`, the whole stack `inner` times in one
+    program (`looped`): by `lax.scan` over the stacked arrays, or, `unrolled`, from
+    separate arrays (each layer's slice taken once here: no slice of a stacked array
+    inside the program); compiled and run once."""
+    if unrolled:
+        n = stacks[0].shape[0]
+        args = [[a[i] for i in range(n)] for a in stacks]
+
+        def layers(h, *lists):
+            for arrays in zip(*lists, strict=True):
+                h = step(h, *arrays)
+            return h
+
+    else:
+        args = list(stacks)
+
+        def layers(h, *stacked):
+            return jax.lax.scan(lambda h, xs: (step(h, *xs), None), h, stacked)[0]
+
+    f = jax.jit(looped(layers, inner))
+    jax.block_until_ready(f(h, *args))
+    return functools.partial(f, h, *args)
+
+
 def over_stack(
     mm, x, codes, scale_bits, inner: int = 1, unrolled: bool = False
 ) -> Callable[[], Any]:
-    """A thunk running `mm(h, codes_l, scale_bits_l)` layer after layer by `lax.scan`
-    from `x` (the whole stack `inner` times: `looped`); compiled and run once.
-    `unrolled`: the layers as separate arrays, called in turn (no slice of the stack
-    copied before each call)."""
-    body = lambda h, cs: (mm(h, cs[0], cs[1]).astype(h.dtype), None)  # noqa: E731
-    if unrolled:
-        codes = [codes[i] for i in range(codes.shape[0])]
-        scale_bits = [scale_bits[i] for i in range(scale_bits.shape[0])]
-
-        def layers(h, cs, ss):
-            for c, s_ in zip(cs, ss, strict=True):
-                h = body(h, (c, s_))[0]
-            return h
-
-        f = jax.jit(looped(layers, inner))
-    else:
-        f = jax.jit(looped(lambda h, c, s: jax.lax.scan(body, h, (c, s))[0], inner))
-    jax.block_until_ready(f(x, codes, scale_bits))
-    return functools.partial(f, x, codes, scale_bits)
+    """A thunk running `mm(h, codes_l, scale_bits_l)` layer after layer from `x`
+    (`over_layers`)."""
+    step = lambda h, c, s: mm(h, c, s).astype(h.dtype)  # noqa: E731
+    return over_layers(step, x, codes, scale_bits, inner=inner, unrolled=unrolled)
 
 
 def sweep(rows: Rows, fz, args) -> None:
@@ -521,20 +534,13 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
             except Exception as e:  # noqa: BLE001
                 error(rows, f"attribute {variant}, {tokens} tokens", e)
         try:
-            if args.unrolled:
-                ws = [bf16.weight[i] for i in range(bf16.weight.shape[0])]
-
-                def bf16_layers(h, ws):
-                    for wt in ws:
-                        h = _bf16_layer(h, wt)[0]
-                    return h
-
-                g = jax.jit(looped(bf16_layers, args.inner))
-            else:
-                ws = bf16.weight
-                g = jax.jit(looped(lambda h, ws: jax.lax.scan(_bf16_layer, h, ws)[0], args.inner))
-            jax.block_until_ready(g(x, ws))
-            fns["bf16 weights (XLA dot)"] = functools.partial(g, x, ws)
+            fns["bf16 weights (XLA dot)"] = over_layers(
+                lambda h, w: _bf16_layer(h, w)[0],
+                x,
+                bf16.weight,
+                inner=args.inner,
+                unrolled=args.unrolled,
+            )
         except Exception as e:  # noqa: BLE001
             error(rows, f"attribute bf16 weights, {tokens} tokens", e)
         times = interleaved(fns, args.repeats, args.inner)
@@ -679,30 +685,9 @@ def dma(rows: Rows, args) -> None:
     )
     scales = jnp.full((nl, d, d // BLOCK), 0x38, jnp.uint8)
     nbytes = codes.nbytes + scales.nbytes
-    per_layer = lambda a: [a[i] for i in range(nl)]  # noqa: E731
-
     carry0 = jnp.zeros((8, 128), jnp.float32)
-
-    def unrolled(step, carry, *stacks):  # step(carry, *layer's arrays) -> carry
-        def layers_in_turn(c, *ls):
-            for xs in zip(*ls, strict=True):
-                c = step(c, *xs)
-            return c
-
-        layers = [per_layer(a) for a in stacks]
-        g = jax.jit(looped(layers_in_turn, args.inner))
-        jax.block_until_ready(g(carry, *layers))
-        return functools.partial(g, carry, *layers)
-
-    def scanned(step, carry, *stacks):
-        g = jax.jit(
-            looped(
-                lambda c, *st: jax.lax.scan(lambda c, xs: (step(c, *xs), None), c, st)[0],
-                args.inner,
-            )
-        )
-        jax.block_until_ready(g(carry, *stacks))
-        return functools.partial(g, carry, *stacks)
+    unrolled = functools.partial(over_layers, inner=args.inner, unrolled=True)
+    scanned = functools.partial(over_layers, inner=args.inner)
 
     def max_read(c, codes, scales):  # XLA reads the bytes (the xor keeps it in the loop)
         flag = (c[0, 0] > 3e38).astype(jnp.uint8)

@@ -87,25 +87,32 @@ LAYOUTS = [(name, None) for name in CASES] + [
 ]
 
 
+def case_matmul(name: str, **options):
+    """`CASES[name]`'s kernel call (`frozen_matmul` with its block, size, operand and
+    tiles, interpreted off a TPU, and `options`) and its activations (infinities in the
+    first and last tokens)."""
+    block, m, n, k, operand, tiles = CASES[name]
+    x = activations(m, k, jnp.bfloat16 if operand == "bfloat16" else jnp.float32, inf=True)
+    mm = functools.partial(
+        _tpu_frozen_gemm.frozen_matmul,
+        block=block,
+        n=n,
+        operand=operand,
+        tiles=tiles,
+        interpret=INTERPRET,
+        **options,
+    )
+    return mm, x
+
+
 @pytest.mark.parametrize(
     "name, layout", LAYOUTS, ids=[f"{n}-{layout or 'default'}" for n, layout in LAYOUTS]
 )
 def test_kernel_equals_reference(name, layout):
     block, m, n, k, operand, tiles = CASES[name]
     q = weight(n, k, block, nan=True)
-    dtype = jnp.bfloat16 if operand == "bfloat16" else jnp.float32
-    x = activations(m, k, dtype, inf=True)
-    got = _tpu_frozen_gemm.frozen_matmul(
-        x,
-        q.codes,
-        q.scale_bits,
-        block=block,
-        n=n,
-        operand=operand,
-        tiles=tiles,
-        interpret=INTERPRET,
-        layout=layout,
-    )
+    mm, x = case_matmul(name, layout=layout)
+    got = mm(x, q.codes, q.scale_bits)
     assert got.shape == (m, n) and got.dtype == jnp.float32
     check_close(got, reference(x, q, operand), x, q.operand()[0], k)
     # the NaN blocks and infinite activations reach the outputs (finite ones too, with
@@ -324,20 +331,12 @@ def test_a_layer_of_a_stack_by_its_index(name):
     index (prefetched, in the index maps): bit for bit the call on that layer's arrays,
     eagerly and under `jit` with a traced index, an index past either end clipped as
     `lax.dynamic_index_in_dim` clips it; a 2-D weight with an index is refused."""
-    block, m, n, k, operand, tiles = CASES[name]
+    block, _, n, k, _, _ = CASES[name]
     other = nvfp4x.to_nvfp4(jax.random.normal(jax.random.key(5), (n, k)), block=block)
     layers = [weight(n, k, block), weight(n, k, block, nan=True), other]
     codes = jnp.stack([q.codes for q in layers])
     bits = jnp.stack([q.scale_bits for q in layers])
-    x = activations(m, k, jnp.bfloat16 if operand == "bfloat16" else jnp.float32, inf=True)
-    mm = functools.partial(
-        _tpu_frozen_gemm.frozen_matmul,
-        block=block,
-        n=n,
-        operand=operand,
-        tiles=tiles,
-        interpret=INTERPRET,
-    )
+    mm, x = case_matmul(name)
     by_index = jax.jit(lambda x, c, s, i: mm(x, c, s, layer=i))
     for index, want_layer in ((1, 1), (-4, 0), (7, 2)):
         want = np.asarray(mm(x, layers[want_layer].codes, layers[want_layer].scale_bits))
@@ -362,18 +361,9 @@ def test_tile_scales_expanded_in_the_kernel(name, layout):
     call that expands them before it (`jnp.repeat`, an eighth of the codes' bytes written
     and read again per call), in each layout, for a layer of a stack too; the program
     around the kernel makes no expanded copy of the scales, and it lowers for a TPU."""
-    block, m, n, k, operand, tiles = CASES[name]
+    block, _, n, k, _, tiles = CASES[name]
     q = weight(n, k, block, nan=True)
-    x = activations(m, k, jnp.bfloat16 if operand == "bfloat16" else jnp.float32, inf=True)
-    mm = functools.partial(
-        _tpu_frozen_gemm.frozen_matmul,
-        block=block,
-        n=n,
-        operand=operand,
-        tiles=tiles,
-        layout=layout,
-        interpret=INTERPRET,
-    )
+    mm, x = case_matmul(name, layout=layout)
     want = np.asarray(mm(x, q.codes, q.scale_bits))
     assert_same_bits(np.asarray(mm(x, q.codes, q.scale_bits, tile_scales="kernel")), want)
     if layout == "pairs":  # a layer of a stack: its scales read by the index too
@@ -382,6 +372,9 @@ def test_tile_scales_expanded_in_the_kernel(name, layout):
         assert_same_bits(np.asarray(got), want)
     with pytest.raises(ValueError, match="tile_scales"):
         mm(x, q.codes, q.scale_bits, tile_scales="xla")
+    if layout == "planes":  # (a chunk size for a layout that does not chunk)
+        with pytest.raises(ValueError, match="chunk_rows=256.*'planes'"):
+            mm(x, q.codes, q.scale_bits, chunk_rows=256)
     lower = functools.partial(mm, interpret=False)
     text = jax.jit(functools.partial(lower, tile_scales="kernel")).trace(x, q.codes, q.scale_bits)
     assert "nvfp4_frozen_matmul_tpu" in text.lower(lowering_platforms=("tpu",)).as_text()

@@ -57,8 +57,8 @@ outputs that are dropped); a last step that overhangs the contraction masks the
 garbage it decodes (`jnp.where`), and the activations are padded with zeros. A weight
 smaller than one tile is padded to it (a copy of a small array). 16x16 tiles' scale
 bits are expanded to one row per weight row before the call (one scale per 1x16 block:
-an eighth of the codes' bytes, written once per call; left for a kernel that expands
-them in VMEM).
+an eighth of the codes' bytes, written once per call), or with `tile_scales="kernel"`
+tile by tile in VMEM (`_half_scale_rows`).
 
 Runs on the CPU in TPU interpret mode (`interpret=True`, the tests) and lowers for TPUs
 on the CPU; Mosaic's own compile runs only on a TPU.
@@ -221,23 +221,26 @@ def double_e2m1(words: Array, shift: int) -> Float[Array, "*s"]:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _scale_words(scales_ref, rows: int) -> Array:
-    """The step's block scales as transposed words `(depth/16, features/4)` int32: byte
-    `q` of lane `r` the scale bits of weight row `4r + q` (`rows` weight rows a tile).
-    `scales_ref` holds one scale row per weight row (16x16 tiles' expanded by the
-    caller), or, for 16x16 tiles, one per 16 weight rows (`rows / 16`): expanded here,
-    on 1/128 of the codes' bytes (each word of 4 scale rows split into its bytes, each
-    byte copied into all 4 of a word and down 4 word rows), instead of by a copy in HBM
-    before the call."""
+def _half_scale_rows(scales_ref, rows: int) -> list[Array]:
+    """The step's half block scales by byte `q` (`half_scales`), 4 arrays `(depth/16,
+    features/4)`: lane `r` of the `q`-th those of weight row `4r + q` (`rows` weight rows
+    a tile). `scales_ref` holds one scale row per weight row (16x16 tiles' expanded by the
+    caller), read as transposed words (byte `q` of a word: row `4r + q`); or, for 16x16
+    tiles, one per 16 weight rows (`rows / 16`): then the 4 rows of a word share their
+    scale, so one array is decoded for all 4, each scale row copied down the 4 word rows
+    of its 16 weight rows (on 1/128 of the codes' bytes, instead of a copy in HBM before
+    the call)."""
     if scales_ref.shape[0] == rows:
-        return pltpu.bitcast(scales_ref[...], jnp.int32).T
+        swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
+        return [half_scales((swords >> (8 * q)) & 0xFF) for q in range(4)]
     words = pltpu.bitcast(scales_ref[...], jnp.int32)  # (rows/64, depth/16): 4 tile rows
     n4, width = words.shape
     bands = []
     for q in range(4):  # tile row 4w + q: weight rows 64w + 16q .. + 15, word rows 4 of them
         byte = lax.shift_right_logical(words, 8 * q) & 0xFF
-        bands.append(jnp.broadcast_to((byte * 0x01010101)[:, None, :], (n4, 4, width)))
-    return jnp.stack(bands, axis=1).reshape(16 * n4, width).T
+        bands.append(jnp.broadcast_to(byte[:, None, :], (n4, 4, width)))
+    one = half_scales(jnp.stack(bands, axis=1).reshape(16 * n4, width).T)
+    return [one] * 4
 
 
 def _planes(codes_ref, scales_ref, tail):
@@ -246,15 +249,19 @@ def _planes(codes_ref, scales_ref, tail):
     odd ones) of byte `q` of each word (weight rows `4r + q`). `tail`: the codes' bytes
     per row when the last step overhangs them (bytes past it are garbage: zeroed)."""
     words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
-    swords = _scale_words(scales_ref, codes_ref.shape[0])  # (depth/16, features/4)
+    half_rows = _half_scale_rows(scales_ref, codes_ref.shape[0])  # 4 x (depth/16, features/4)
     half, quarter = words.shape
     valid = None
     if tail is not None:
         byte = pl.program_id(2) * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
         valid = byte < tail
+    expanded = {}  # by array: one broadcast where the 4 bytes share their scales
     for q in range(4):
-        s = half_scales((swords >> (8 * q)) & 0xFF)  # (depth/16, features/4)
-        s = jnp.broadcast_to(s[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
+        hs = half_rows[q]
+        if id(hs) not in expanded:
+            b = jnp.broadcast_to(hs[:, None, :], (half // 8, 8, quarter))
+            expanded[id(hs)] = b.reshape(half, quarter)
+        s = expanded[id(hs)]
         for h in range(2):
             w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
             yield q, h, w if valid is None else jnp.where(valid, w, 0.0)
@@ -306,9 +313,7 @@ def _half_scales_to(sc_ref, scales_ref, lanes: int, rows: int) -> None:
     """This step's half block scales, decoded once into `sc_ref` `(4, features/4/lanes,
     depth/16, lanes)`: `sc_ref[q, g]` the scales of weight rows `4r + q` for the lane
     group `g` of `r` (the "chunks" and "pairs" layouts; `rows`: the tile's weight rows)."""
-    swords = _scale_words(scales_ref, rows)  # (depth/16, features/4)
-    for q in range(4):
-        sq = half_scales((swords >> (8 * q)) & 0xFF)
+    for q, sq in enumerate(_half_scale_rows(scales_ref, rows)):
         for g in range(sc_ref.shape[1]):
             sc_ref[q, g] = sq[:, g * lanes : (g + 1) * lanes]
 
@@ -490,7 +495,8 @@ def frozen_matmul(
     - `tile_scales`: for 16x16 tiles, where their scale bits become one row per weight
       row: `"caller"` (a `jnp.repeat` before the call: an eighth of the codes' bytes
       written and read again each call) or `"kernel"` (each step's tile of them expanded
-      in VMEM, `_scale_words`; exact in the TPU interpreter, not yet compiled on a TPU).
+      in VMEM, `_half_scale_rows`; exact in the TPU interpreter, not yet compiled on a
+      TPU).
     - `chunk_rows`: the code bytes along the contraction of the `"chunks"` and `"pairs"`
       layouts' chunk (default `CHUNK[0]`; a multiple of 128 dividing the tile's).
     - `interpret`: `True`: run in Pallas's TPU interpreter (a CPU; reads past an
@@ -540,6 +546,11 @@ def frozen_matmul(
             f"`layout={layout!r}` with tiles {tiles}: `layout` is one of {LAYOUTS} ('wide': "
             f"tiles' tokens a multiple of {_LANES})."
         )
+    if chunk_rows is not None and layout not in ("chunks", "pairs"):
+        raise ValueError(
+            f"`chunk_rows={chunk_rows}` with `layout={layout!r}`: only the 'chunks' and "
+            "'pairs' layouts work in chunks."
+        )
     step = _LANES if layout == "wide" else TOKENS_STEP
     bm = min(tiles.tokens, -(-m // step) * step)
     bn, bk = tiles.features, tiles.depth
@@ -551,7 +562,7 @@ def frozen_matmul(
         raise ValueError(f"`tile_scales={tile_scales!r}`: 'caller' or 'kernel'.")
     per_row = 1  # weight rows per scale row, as the kernel reads them
     if block == TILE and tile_scales == "kernel":
-        per_row = BLOCK  # (expanded in VMEM: `_scale_words`)
+        per_row = BLOCK  # (expanded in VMEM: `_half_scale_rows`)
     elif block == TILE:  # one scale row per weight row (see the module docstring)
         if stacked_w:  # (the layer's 16x16 scales: 1/128 of its codes' bytes)
             scale_bits = lax.dynamic_index_in_dim(scale_bits, at[0], 0, keepdims=False)
@@ -581,14 +592,16 @@ def frozen_matmul(
         stacked = xp.astype(jnp.bfloat16)[None]
     # With `layer`, every index map also takes the prefetched layer index (`at[0]`).
     tile = lambda f: (lambda i, j, kk, _layer: f(i, j, kk)) if stacked_w else f  # noqa: E731
-    codes_spec = pl.BlockSpec((bn, bk // 2), tile(lambda i, j, kk: (j, kk)))
-    if stacked_w:
-        codes_spec = pl.BlockSpec((None, bn, bk // 2), lambda i, j, kk, at: (at[0], j, kk))
-    scales_spec = pl.BlockSpec((bn // per_row, bk // BLOCK), tile(lambda i, j, kk: (j, kk)))
-    if stacked_s:
-        scales_spec = pl.BlockSpec(
-            (None, bn // per_row, bk // BLOCK), lambda i, j, kk, at: (at[0], j, kk)
-        )
+
+    def weight_spec(shape: tuple[int, int], stacked: bool) -> pl.BlockSpec:
+        """A weight operand's tile `shape` at grid step `(j, kk)`, in the prefetched
+        layer of a stack where it is `stacked`."""
+        if stacked:
+            return pl.BlockSpec((None, *shape), lambda i, j, kk, at: (at[0], j, kk))
+        return pl.BlockSpec(shape, tile(lambda i, j, kk: (j, kk)))
+
+    codes_spec = weight_spec((bn, bk // 2), stacked_w)
+    scales_spec = weight_spec((bn // per_row, bk // BLOCK), stacked_s)
     prefetch = (at,) if stacked_w else ()
 
     def call_with(kernel, **kwargs):
