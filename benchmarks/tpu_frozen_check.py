@@ -24,7 +24,8 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   (`ATTRIBUTION`): only the DMAs, the decode without the MXU dots, the dots without the
   decode, the decode without the block scales; every layout ("planes", and "chunks" and
   "pairs" at 128-512 code bytes a chunk; for 16x16 weights, `--recipes W4A4-16x16`, the
-  tile scales expanded in VMEM); the stack read by layer index under a scan; and XLA's
+  tile scales expanded by XLA before the call, the default since in VMEM; the
+  feature chunks' loop unrolled); the stack read by layer index under a scan; and XLA's
   dot of bf16 weights of the same shape. Diagnostic kernels, here only: not part of
   nvfp4x. (On a TPU v5e, 2026-12-06, the layers separate: DMAs alone 0.34 ms, decode
   alone 0.35 ms, dots alone 0.43 ms, the kernel 0.69-0.74 ms, bf16 0.79 ms.)
@@ -65,6 +66,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -403,20 +405,29 @@ ATTRIBUTION = {
     "decode": "decode the 8 planes and store them, bfloat16, to VMEM: no MXU",
     "decode, no scales": "as `decode`, without the block scales' decode and multiply",
     "dots": "the 8 MXU dots on planes decoded once, in the first step of the call",
+    "dots, weight streamed": "as `dots`, each plane stored transposed (features, depth/2)"
+    " and multiplied as the dot's left operand, the activations' columns its right one"
+    " (`(features, depth) x (tokens, depth)^T`): the MXU holds the activations and streams"
+    " the weight",
 }
 
 
-def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref, *, variant):
+def _attribution_kernel(
+    xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref, acc_ref, *, variant
+):
     """One step of an `ATTRIBUTION` variant (see `_tpu_frozen_gemm._kernel`)."""
+    streamed = variant == "dots, weight streamed"
 
     @pl.when(pl.program_id(2) == 0)
     def _():
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
     def decode(scaled: bool):
         if scaled:
             for q, h, w in _tpu_frozen_gemm._planes(codes_ref, scales_ref, None):
-                dec_ref[2 * q + h] = w.astype(jnp.bfloat16)
+                w = w.astype(jnp.bfloat16)
+                dec_ref[2 * q + h] = w.T if streamed else w
             return
         words = pltpu.bitcast(codes_ref[...], jnp.int32).T
         for q in range(4):
@@ -438,12 +449,28 @@ def _attribution_kernel(xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref,
             decode(True)
 
         xs = (xe_ref[0], xo_ref[0])
+        nt = (((1,), (1,)), ((), ()))  # (features, depth/2) x (tokens, depth/2)^T
         for q in range(4):
+            if streamed:
+                d = [
+                    lax.dot_general(
+                        dec_ref[2 * q + h], xs[h], nt, preferred_element_type=jnp.float32
+                    )
+                    for h in range(2)
+                ]
+                acc_ref[q] += d[0] + d[1]
+                continue
             d = [
                 jnp.dot(xs[h], dec_ref[2 * q + h], preferred_element_type=jnp.float32)
                 for h in range(2)
             ]
             out_ref[q] += d[0] + d[1]
+        if streamed:  # (the products, transposed once at the call's last step)
+
+            @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+            def _():
+                for q in range(4):
+                    out_ref[q] += acc_ref[q].T
 
 
 def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, interpret=False):
@@ -472,7 +499,13 @@ def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, inte
             pl.BlockSpec((bn, bk // BLOCK), lambda i, j, kk: (j, kk)),
         ],
         out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
-        scratch_shapes=[pltpu.VMEM((8, bk // 2, bn // 4), jnp.bfloat16)],
+        scratch_shapes=[
+            pltpu.VMEM(
+                (8, bn // 4, bk // 2) if "streamed" in variant else (8, bk // 2, bn // 4),
+                jnp.bfloat16,
+            ),
+            pltpu.VMEM((4, bn // 4, bm), jnp.float32),
+        ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
             vmem_limit_bytes=100 << 20,
@@ -505,9 +538,13 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
             for lay in ("chunks", "pairs")
             for rc in (128, 256, 512)
         ]
+        layouts += [
+            ("pairs", {"unroll": u}, f"kernel, pairs layout, feature chunks unrolled {u}")
+            for u in (2, True)
+        ]
         if tuple(w.block) == (16, 16):  # the tiles' scales expanded in VMEM, not by XLA
             layouts += [
-                (lay, {"tile_scales": "kernel"}, f"kernel, {lay} layout, tile scales in VMEM")
+                (lay, {"tile_scales": "caller"}, f"kernel, {lay} layout, tile scales by XLA")
                 for lay in ("planes", "pairs")
             ]
         try:  # (a scan over indices, whatever --unrolled says)

@@ -356,25 +356,30 @@ def test_a_layer_of_a_stack_by_its_index(name):
     ],
 )
 def test_tile_scales_expanded_in_the_kernel(name, layout):
-    """`tile_scales="kernel"`: 16x16 tiles' scale bits go in as they are stored (one row
-    per 16 weight rows) and each step expands its tile of them in VMEM: bit for bit the
+    """`tile_scales="kernel"` (the default): 16x16 tiles' scale bits go in as they are
+    stored (one row per 16 weight rows) and each step expands its tile of them in VMEM:
+    bit for bit the
     call that expands them before it (`jnp.repeat`, an eighth of the codes' bytes written
     and read again per call), in each layout, for a layer of a stack too; the program
     around the kernel makes no expanded copy of the scales, and it lowers for a TPU."""
     block, _, n, k, _, tiles = CASES[name]
     q = weight(n, k, block, nan=True)
     mm, x = case_matmul(name, layout=layout)
-    want = np.asarray(mm(x, q.codes, q.scale_bits))
-    assert_same_bits(np.asarray(mm(x, q.codes, q.scale_bits, tile_scales="kernel")), want)
+    want = np.asarray(mm(x, q.codes, q.scale_bits, tile_scales="caller"))
+    assert_same_bits(np.asarray(mm(x, q.codes, q.scale_bits)), want)  # (the default)
     if layout == "pairs":  # a layer of a stack: its scales read by the index too
         stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (q.codes, q.scale_bits)]
         got = mm(x, *stack, tile_scales="kernel", layer=1)
         assert_same_bits(np.asarray(got), want)
+        # and the feature chunks' loop unrolled (one chunk's decode beside another's dots)
+        assert_same_bits(np.asarray(mm(x, q.codes, q.scale_bits, unroll=True)), want)
     with pytest.raises(ValueError, match="tile_scales"):
         mm(x, q.codes, q.scale_bits, tile_scales="xla")
-    if layout == "planes":  # (a chunk size for a layout that does not chunk)
+    if layout == "planes":  # (a chunk size or unrolling for a layout that does not chunk)
         with pytest.raises(ValueError, match="chunk_rows=256.*'planes'"):
             mm(x, q.codes, q.scale_bits, chunk_rows=256)
+        with pytest.raises(ValueError, match="unroll=True.*'planes'"):
+            mm(x, q.codes, q.scale_bits, unroll=True)
     lower = functools.partial(mm, interpret=False)
     text = jax.jit(functools.partial(lower, tile_scales="kernel")).trace(x, q.codes, q.scale_bits)
     assert "nvfp4_frozen_matmul_tpu" in text.lower(lowering_platforms=("tpu",)).as_text()
