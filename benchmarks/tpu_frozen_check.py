@@ -540,7 +540,7 @@ def attribute(rows: Rows, fz, bf16, args) -> None:
         ]
         layouts += [
             ("pairs", {"unroll": u}, f"kernel, pairs layout, feature chunks unrolled {u}")
-            for u in (2, True)
+            for u in (1, 2)
         ]
         if tuple(w.block) == (16, 16):  # the tiles' scales expanded in VMEM, not by XLA
             layouts += [

@@ -371,8 +371,10 @@ def test_tile_scales_expanded_in_the_kernel(name, layout):
         stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (q.codes, q.scale_bits)]
         got = mm(x, *stack, tile_scales="kernel", layer=1)
         assert_same_bits(np.asarray(got), want)
-        # and the feature chunks' loop unrolled (one chunk's decode beside another's dots)
-        assert_same_bits(np.asarray(mm(x, q.codes, q.scale_bits, unroll=True)), want)
+        # and the feature chunks' loop not unrolled (the default: wholly) or by 2
+        for unroll in (1, 2):
+            got = mm(x, q.codes, q.scale_bits, unroll=unroll)
+            assert_same_bits(np.asarray(got), want)
     with pytest.raises(ValueError, match="tile_scales"):
         mm(x, q.codes, q.scale_bits, tile_scales="xla")
     if layout == "planes":  # (a chunk size or unrolling for a layout that does not chunk)
