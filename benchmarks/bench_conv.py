@@ -7,7 +7,7 @@ layer, timed interleaved in one process (median of `--repeats` rounds). Target: 
 ratio of at most 2 (a quantised convolution is a GEMM plus its quantisers, as a linear
 layer is).
 
-    python -m benchmarks.bench_conv [--quick] [--repeats 15]
+    python -m benchmarks.bench_conv [--quick] [--repeats 15] [--only "medium: Conv2d"]
 
 Issue 34 item 7 (small, medium and large layers; same loaded 2-core CPU, `--repeats
 9`): small `Conv2d` 3->16 3x3 on 28x28 1.96x, small `ConvTranspose2d` 16->3 k4 s4 on
@@ -170,11 +170,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer images and rounds")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--only", default="", help="only the cases whose label holds this")
     args = parser.parse_args(argv)
     repeats = 5 if args.quick else args.repeats
     policy = nvfp4x.Policy([(".*", nvfp4x.recipes.nvfp4_training())], convolutions=True)
     result = {}
     for label, make, shape in CASES:
+        if args.only not in label:
+            continue
         if args.quick:
             shape = (max(1, shape[0] // QUICK_SHRINK), *shape[1:])
         layer = make(jax.random.key(0))

@@ -280,6 +280,26 @@ def ref_rht_tokens(a: np.ndarray) -> np.ndarray:
     return np.einsum("ij,cjk->cik", h, chunks).reshape(ap.shape).astype(F32)
 
 
+def ref_rht_float32(a: np.ndarray) -> np.ndarray:
+    """`nvfp4x.rht`'s float32 arithmetic along axis 0 of a 2-D array whose 16-row chunk
+    columns need no range scaling (magnitudes from 2^-100 below 2^124, or all zero), in
+    NumPy float32 in the order the library defines: each chunk times 1/4, the 16-point
+    fast Walsh-Hadamard transform's butterflies `a + b`, `a - b` over rows `j` and
+    `j + 2^s` for s = 0, 1, 2, 3 in turn, then times the signs (spec §4)."""
+    a = np.asarray(a, np.float32)
+    ap = np.pad(a, [(0, -a.shape[0] % 16), (0, 0)])
+    y = ap.reshape(-1, 16, ap.shape[1]) * np.float32(0.25)
+    half = 1
+    while half < 16:
+        y = y.copy()
+        for j in range(16):
+            if not j & half:
+                lo, hi = y[:, j].copy(), y[:, j + half].copy()
+                y[:, j], y[:, j + half] = lo + hi, lo - hi
+        half *= 2
+    return (y * np.asarray(TE_SIGNS, np.float32)[None, :, None]).reshape(ap.shape)
+
+
 def ref_gemms(x, w, g, *, rht: bool = False):
     """The three GEMMs of `nvfp4_training(rht=..., stochastic_rounding=False)`.
 

@@ -26,6 +26,7 @@ from reference import (
     assert_bits,
     ref_neighbours,
     ref_nvfp4,
+    ref_rht_float32,
     sylvester16,
     unpack,
 )
@@ -557,6 +558,26 @@ def test_rht_preserves_products(n):
     np.testing.assert_allclose(np.linalg.norm(ra, axis=0), np.linalg.norm(a, axis=0), rtol=1e-5)
     # Along another axis it is the same transform.
     np.testing.assert_allclose(np.asarray(rht_jit(jnp.asarray(a.T), axis=1)), ra.T, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_rht_sums_in_its_defined_order(mode):
+    """Each output of `rht` is its 16 terms `±x_j / 4` summed in one defined float32
+    order (the fast Walsh-Hadamard transform's butterflies), the same on every backend:
+    bit for bit a NumPy float32 implementation of that order, on data spanning 2^-90 to
+    2^110 (columns within the range that needs no scaling) with exact cancellations,
+    zero columns and a length that pads."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((100, 24)) * np.exp2(rng.integers(-90, 110, (100, 24)))
+    x[:, 3] = 0.0
+    x[::2, 5] = -x[1::2, 5]  # pairs that cancel exactly in the first butterflies
+    x[:, 7] = np.float32(2.0**-99)  # (normal, small: no scaling)
+    x = x.astype(F32)
+    fn = nvfp4x.rht if mode == "eager" else rht_jit
+    got = np.asarray(fn(jnp.asarray(x), axis=0))
+    assert_bits(got, ref_rht_float32(x), "rht against its defined order")
+    # Along another axis, the same bits.
+    assert_bits(np.asarray(fn(jnp.asarray(x.T), axis=1)), ref_rht_float32(x).T, "axis 1")
 
 
 # ---------------------------------------------------------------------------------------

@@ -78,9 +78,26 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
 
 def _plain(chunks: Array) -> Array:
     """`H` times each chunk (no column big, non-finite or tiny but nonzero: an all-zero
-    column's results are the same signed zeros `_guarded`'s scalings give)."""
-    h = jnp.asarray(hadamard_matrix())
-    return jnp.einsum("ij,cjm->cim", h, chunks, precision="highest")
+    column's results are the same signed zeros `_guarded`'s scalings give), as the
+    16-point fast Walsh-Hadamard transform in float32 elementwise operations, so the
+    order of every sum is defined and the same on every backend (a dot's is the
+    backend's: XLA:CPU's, a GPU's autotuned algorithm, a TPU's bfloat16 passes): the
+    chunk times 1/4 (exact in the range this branch gets), four butterfly stages `a + b`,
+    `a - b` over rows `j` and `j + 2^s` (s = 0..3: two per pass over the data), then
+    times the signs (exact). Each output is the pairwise sum, in that tree, of its 16
+    terms `±x_j / 4`."""
+    c, _, m = chunks.shape
+    y = chunks * np.float32(0.25)
+    for half in (1, 4):  # two stages a pass: rows j, j + half, j + 2 half, j + 3 half
+        v = y.reshape(c, BLOCK // (4 * half), 4, half, m)
+        a, b, d, e = (v[:, :, i] for i in range(4))
+        s0, d0, s1, d1 = a + b, a - b, d + e, d - e
+        parts = [s0 + s1, d0 + d1, s0 - s1, d0 - d1]
+        if half == 4:  # the last pass: part i holds rows 4i..4i+3
+            signs = np.asarray(RHT_SIGNS, np.float32).reshape(4, 1, 4, 1)
+            parts = [p * jnp.asarray(signs[i]) for i, p in enumerate(parts)]
+        y = jnp.stack(parts, axis=2).reshape(chunks.shape)
+    return y
 
 
 def _unguarded(chunks: Array, amax_bits: Array) -> Array:
@@ -95,7 +112,7 @@ def _guarded(chunks: Array, amax_bits: Array) -> Array:
     chunks, masks = _scaled_into_range(chunks, amax_bits)
     y = _plain(chunks)
     # Scaled results in the top binades (|y| >= 2^123, the result >= 2^127) of finite
-    # big columns: there the einsum's summation error could decide whether scaling back
+    # big columns: there the transform's summation error could decide whether scaling back
     # overflows; they are computed again, to float32's nearest (`_accurate`).
     near_max = masks[0] & (abs_bits(y) >= _NEAR_MAX_BITS) & (abs_bits(y) < INF_BITS)
     y = jax.lax.cond(jnp.any(near_max), _accurate, _as_is, chunks, y, near_max)
