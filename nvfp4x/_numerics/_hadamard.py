@@ -82,7 +82,9 @@ def _plain(chunks: Array) -> Array:
     16-point fast Walsh-Hadamard transform in float32 elementwise operations, so the
     order of every sum is defined and the same on every backend (a dot's is the
     backend's: XLA:CPU's, a GPU's autotuned algorithm, a TPU's bfloat16 passes): the
-    chunk times 1/4 (exact in the range this branch gets), four butterfly stages `a + b`,
+    chunk times 1/4 (exact but for elements below 2^-124, at most 2^-24 of their
+    column's largest, whose quarters are subnormal: flushed to zero where the device
+    flushes subnormals, as XLA:CPU and TPUs do), four butterfly stages `a + b`,
     `a - b` over rows `j` and `j + 2^s` (s = 0..3: two per pass over the data), then
     times the signs (exact). Each output is the pairwise sum, in that tree, of its 16
     terms `±x_j / 4`."""
