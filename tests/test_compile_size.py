@@ -15,10 +15,12 @@ from nvfp4x._policy import Format
 
 #: Optimised HLO instructions of one NVFP4 linear layer, forward and backward (64 tokens,
 #: 32 -> 48, the full recipe): 3,548 before issue 37's work, 3,443 after (one hash for
-#: dgrad's and wgrad's SR keys), 3,495 with wgrad's RHTs as butterflies in elementwise
-#: operations (a defined summation order; four copies: two transforms, each in both
-#: branches of its range `cond`) instead of an einsum each.
-LAYER_INSTRUCTIONS = 3_500
+#: dgrad's and wgrad's SR keys), 3,623 with wgrad's RHTs as the fast Walsh-Hadamard
+#: transform's butterflies in elementwise operations (a summation order defined on every
+#: backend, instead of a dot's; four copies: two transforms, each in both branches of its
+#: range `cond`; the 8-block step's compile time the same within noise,
+#: `benchmarks/bench_compile.py --depths 8`: 9.1 s against the einsum's 9.5 s).
+LAYER_INSTRUCTIONS = 3_650
 
 CASES = {
     "1x16 nearest": (Format("nvfp4", ROW_BLOCK, "nearest", "nearest"), -1),
