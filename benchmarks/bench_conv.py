@@ -60,6 +60,18 @@ materialised before the gather that reads each 3 times (medium `Conv2d`: 1.45 ms
 step is the quantisers' element loops (dy's transposed reads in dgrad, SR's hash) and
 the two RHTs (a `cond` each), about 250 us against the float layer's 120 us.
 
+The RHT as the fast Walsh-Hadamard transform's butterflies (2026-12-06; two full runs
+at `--repeats 21` in `docs/benchmarks.md`): every layer 0.25-2.00x but the medium
+`Conv2d` at 2.13-2.14x in full runs, 1.74-1.95x alone (`--only "medium: Conv2d"
+--repeats 61`). Where that layer's remaining ~1.1 ms goes (same machine): 69 XLA
+operations a step against the float layer's 15, whose device times add up to ~1.3x the
+float layer's in a profile (the patch operand's gather 0.47 ms, the wgrad GEMM 0.31 ms
+against the float wgrad convolution's 0.87 ms, each quantiser's reductions and element
+loops 0.03-0.16 ms); and `eqx.filter_jit`'s call adds 0.41 ms to its executable's time
+against 0.16 ms for the float layer (in jax's C++ call path, no Python in it). A
+chunk-granular gather of the patch operand (blocks of 16 rows instead of rows) timed
+the same and was left out.
+
 Expected on a (loaded) 2-core CPU, issue 23 item 13 (wgrad from the distinct patch
 chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` about
 1.6x, `ConvTranspose2d` k4 s4 about 0.9x, k4 s2 p1 about 0.3x (before: 2.05-2.45x,
