@@ -133,12 +133,18 @@ def compare_speeds(model: Any, cfg: Config, n: int, weight_only: Any = None) -> 
     2) of the frozen `model` and of its bfloat16 twin (`bf16_twin`), in this process;
     with `weight_only` (the model frozen with NVFP4 weights and bfloat16-or-wider
     activations), its speed too: what the activations' quantisation costs per step."""
-    packed = generation_speed(model, cfg, max(n, 2))
-    bf16 = generation_speed(bf16_twin(model), cfg, max(n, 2))
+
+    def timed(label: str, m: Any) -> float:  # (each figure printed as it comes)
+        speed = generation_speed(m, cfg, max(n, 2))
+        print(f"  {label}: {speed:,.1f} bytes/s", flush=True)
+        return speed
+
+    packed = timed("NVFP4 packed", model)
+    bf16 = timed("bfloat16", bf16_twin(model))
     out = {"packed bytes/s": packed, "bf16 bytes/s": bf16}
     w4a16 = ""
     if weight_only is not None:
-        out["packed W4A16 bytes/s"] = speed = generation_speed(weight_only, cfg, max(n, 2))
+        out["packed W4A16 bytes/s"] = speed = timed("NVFP4 weights only (W4A16)", weight_only)
         w4a16 = f", NVFP4 weights only (W4A16) {speed:,.1f} bytes/s ({speed / bf16:.2f}x)"
     print(
         f"generation on {jax.devices()[0].device_kind}, one token per step against a "
@@ -155,6 +161,12 @@ def time_generation(cfg: Config, n: int) -> dict[str, float]:
     twin and the same policy with NVFP4 weights only (W4A16): the speeds only (its text
     means nothing)."""
     model = build_model(cfg, jax.random.key(cfg.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    print(
+        f"random model: {cfg.n_layers} blocks, d_model={cfg.d_model}, {cfg.n_heads} heads, "
+        f"d_ff={cfg.d_ff}, {n_params / 1e6:.2f}M parameters",
+        flush=True,
+    )
 
     def frozen_by(policy):
         return eqx.filter_jit(lambda m: nvfp4x.freeze(nvfp4x.quantize(m, policy)))(model)
@@ -166,11 +178,6 @@ def time_generation(cfg: Config, n: int) -> dict[str, float]:
             training=nvfp4x.recipes.nvfp4_weight_only(),
             tensor_scale_groups=FUSED_SCALE_GROUPS,
         )
-    )
-    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-    print(
-        f"random model: {cfg.n_layers} blocks, d_model={cfg.d_model}, {cfg.n_heads} heads, "
-        f"d_ff={cfg.d_ff}, {n_params / 1e6:.2f}M parameters"
     )
     return compare_speeds(frozen, cfg, n, weight_only)
 
