@@ -67,8 +67,10 @@ at `--repeats 21` in `docs/benchmarks.md`): every layer 0.25-2.00x but the mediu
 operations a step against the float layer's 15, whose device times add up to ~1.3x the
 float layer's in a profile (the patch operand's gather 0.47 ms, the wgrad GEMM 0.31 ms
 against the float wgrad convolution's 0.87 ms, each quantiser's reductions and element
-loops 0.03-0.16 ms); and `eqx.filter_jit`'s call adds 0.41 ms to its executable's time
-against 0.16 ms for the float layer (in jax's C++ call path, no Python in it). A
+loops 0.03-0.16 ms); and the step under `eqx.filter_jit` takes 0.41 ms longer than
+`jax.jit` of the same function on the split arrays, against 0.16 ms for the float layer
+(a call's dispatch alone is 30-110 us for both: the difference is in what runs; not
+explained). A
 chunk-granular gather of the patch operand (blocks of 16 rows instead of rows) timed
 the same and was left out.
 
