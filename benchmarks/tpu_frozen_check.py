@@ -398,6 +398,9 @@ def sweep(rows: Rows, fz, args) -> None:
             )
 
 
+#: The `ATTRIBUTION` variant that holds each decoded plane transposed (`(features,
+#: depth/2)`: its scratch too).
+STREAMED = "dots, weight streamed"
 #: `--attribute`'s variants of the "planes" kernel (bfloat16 activations), by what each
 #: step does with its tile of codes and scales (DMA'd into VMEM by the pipeline in all).
 ATTRIBUTION = {
@@ -405,7 +408,7 @@ ATTRIBUTION = {
     "decode": "decode the 8 planes and store them, bfloat16, to VMEM: no MXU",
     "decode, no scales": "as `decode`, without the block scales' decode and multiply",
     "dots": "the 8 MXU dots on planes decoded once, in the first step of the call",
-    "dots, weight streamed": "as `dots`, each plane stored transposed (features, depth/2)"
+    STREAMED: "as `dots`, each plane stored transposed (features, depth/2)"
     " and multiplied as the dot's left operand, the activations' columns its right one"
     " (`(features, depth) x (tokens, depth)^T`): the MXU holds the activations and streams"
     " the weight",
@@ -416,7 +419,7 @@ def _attribution_kernel(
     xe_ref, xo_ref, codes_ref, scales_ref, out_ref, dec_ref, acc_ref, *, variant
 ):
     """One step of an `ATTRIBUTION` variant (see `_tpu_frozen_gemm._kernel`)."""
-    streamed = variant == "dots, weight streamed"
+    streamed = variant == STREAMED
 
     @pl.when(pl.program_id(2) == 0)
     def _():
@@ -501,7 +504,7 @@ def attribution_matmul(x, codes, scale_bits, *, block, variant: str, tiles, inte
         out_specs=pl.BlockSpec((4, bm, bn // 4), lambda i, j, kk: (0, i, j)),
         scratch_shapes=[
             pltpu.VMEM(
-                (8, bn // 4, bk // 2) if "streamed" in variant else (8, bk // 2, bn // 4),
+                (8, bn // 4, bk // 2) if variant == STREAMED else (8, bk // 2, bn // 4),
                 jnp.bfloat16,
             ),
             pltpu.VMEM((4, bn // 4, bm), jnp.float32),

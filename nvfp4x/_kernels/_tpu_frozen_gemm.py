@@ -56,9 +56,9 @@ Edges: the last tile of features may overhang the weight (its garbage rows make
 outputs that are dropped); a last step that overhangs the contraction masks the
 garbage it decodes (`jnp.where`), and the activations are padded with zeros. A weight
 smaller than one tile is padded to it (a copy of a small array). 16x16 tiles' scale
-bits are expanded to one row per weight row before the call (one scale per 1x16 block:
-an eighth of the codes' bytes, written once per call), or with `tile_scales="kernel"`
-tile by tile in VMEM (`_half_scale_rows`).
+bits are expanded to their weight rows tile by tile in VMEM (`_half_scale_rows`), or
+with `tile_scales="caller"` to one row per weight row before the call (one scale per
+1x16 block: an eighth of the codes' bytes, written once per call).
 
 Runs on the CPU in TPU interpret mode (`interpret=True`, the tests) and lowers for TPUs
 on the CPU; Mosaic's own compile runs only on a TPU.
@@ -222,14 +222,15 @@ def double_e2m1(words: Array, shift: int) -> Float[Array, "*s"]:
 
 
 def _half_scale_rows(scales_ref, rows: int) -> list[Array]:
-    """The step's half block scales by byte `q` (`half_scales`), 4 arrays `(depth/16,
+    """The step's half block scales by byte `q` (`half_scales`), arrays `(depth/16,
     features/4)`: lane `r` of the `q`-th those of weight row `4r + q` (`rows` weight rows
-    a tile). `scales_ref` holds one scale row per weight row (16x16 tiles' expanded by the
-    caller), read as transposed words (byte `q` of a word: row `4r + q`); or, for 16x16
-    tiles, one per 16 weight rows (`rows / 16`): then the 4 rows of a word share their
-    scale, so one array is decoded for all 4, each scale row copied down the 4 word rows
-    of its 16 weight rows (on 1/128 of the codes' bytes, instead of a copy in HBM before
-    the call)."""
+    a tile), byte `q`'s at index `q % len(result)`. `scales_ref` holds one scale row per
+    weight row (1x16 blocks, or 16x16 tiles' expanded by the caller), read as transposed
+    words (byte `q` of a word: row `4r + q`): 4 arrays; or, for 16x16 tiles, one per 16
+    weight rows (`rows / 16`): then the 4 rows of a word share their scale, so one array
+    is decoded for all 4 (the result's only one), each scale row copied down the 4 word
+    rows of its 16 weight rows (on 1/128 of the codes' bytes, instead of a copy in HBM
+    before the call)."""
     if scales_ref.shape[0] == rows:
         swords = pltpu.bitcast(scales_ref[...], jnp.int32).T  # (depth/16, features/4)
         return [half_scales((swords >> (8 * q)) & 0xFF) for q in range(4)]
@@ -239,8 +240,7 @@ def _half_scale_rows(scales_ref, rows: int) -> list[Array]:
     for q in range(4):  # tile row 4w + q: weight rows 64w + 16q .. + 15, word rows 4 of them
         byte = lax.shift_right_logical(words, 8 * q) & 0xFF
         bands.append(jnp.broadcast_to(byte[:, None, :], (n4, 4, width)))
-    one = half_scales(jnp.stack(bands, axis=1).reshape(16 * n4, width).T)
-    return [one] * 4
+    return [half_scales(jnp.stack(bands, axis=1).reshape(16 * n4, width).T)]
 
 
 def _planes(codes_ref, scales_ref, tail):
@@ -249,19 +249,17 @@ def _planes(codes_ref, scales_ref, tail):
     odd ones) of byte `q` of each word (weight rows `4r + q`). `tail`: the codes' bytes
     per row when the last step overhangs them (bytes past it are garbage: zeroed)."""
     words = pltpu.bitcast(codes_ref[...], jnp.int32).T  # (depth/2, features/4)
-    half_rows = _half_scale_rows(scales_ref, codes_ref.shape[0])  # 4 x (depth/16, features/4)
     half, quarter = words.shape
+    expanded = [  # each scale down its 8 code bytes: (depth/2, features/4), 1 or 4 of them
+        jnp.broadcast_to(hs[:, None, :], (half // 8, 8, quarter)).reshape(half, quarter)
+        for hs in _half_scale_rows(scales_ref, codes_ref.shape[0])
+    ]
     valid = None
     if tail is not None:
         byte = pl.program_id(2) * half + lax.broadcasted_iota(jnp.int32, (half, 1), 0)
         valid = byte < tail
-    expanded = {}  # by array: one broadcast where the 4 bytes share their scales
     for q in range(4):
-        hs = half_rows[q]
-        if id(hs) not in expanded:
-            b = jnp.broadcast_to(hs[:, None, :], (half // 8, 8, quarter))
-            expanded[id(hs)] = b.reshape(half, quarter)
-        s = expanded[id(hs)]
+        s = expanded[q % len(expanded)]
         for h in range(2):
             w = double_e2m1(words, 8 * q + 4 * h) * s  # exact block values
             yield q, h, w if valid is None else jnp.where(valid, w, 0.0)
@@ -310,9 +308,11 @@ CHUNK = (256, 128)
 
 
 def _half_scales_to(sc_ref, scales_ref, lanes: int, rows: int) -> None:
-    """This step's half block scales, decoded once into `sc_ref` `(4, features/4/lanes,
-    depth/16, lanes)`: `sc_ref[q, g]` the scales of weight rows `4r + q` for the lane
-    group `g` of `r` (the "chunks" and "pairs" layouts; `rows`: the tile's weight rows)."""
+    """This step's half block scales, decoded once into `sc_ref` `(1 or 4,
+    features/4/lanes, depth/16, lanes)`: `sc_ref[q % len(sc_ref), g]` the scales of
+    weight rows `4r + q` for the lane group `g` of `r` (the "chunks" and "pairs" layouts;
+    `rows`: the tile's weight rows; one for all 4 bytes where they share their scales,
+    `_half_scale_rows`)."""
     for q, sq in enumerate(_half_scale_rows(scales_ref, rows)):
         for g in range(sc_ref.shape[1]):
             sc_ref[q, g] = sq[:, g * lanes : (g + 1) * lanes]
@@ -333,10 +333,11 @@ def _kernel_chunked(*refs, parts, tail, rc, pairs: bool, unroll: int | bool = 1)
     multiplied a `CHUNK` at a time (a loop over the features, the contraction
     unrolled), so that a chunk's codes, values and products can stay in vector
     registers instead of whole `(depth/2, features/4)` planes passing through VMEM
-    between operations. The half scales are decoded once per step into `sc_ref` `(4,
-    features/4/L, depth/16, L)`; each feature chunk's four products (by byte `q`) go to
-    `acc_ref` `(4, features/4/L, parts*tokens, L)`, added into the output block at the
-    end of the step.
+    between operations. The half scales are decoded once per step into `sc_ref` `(1 or 4,
+    features/4/L, depth/16, L)` (`_half_scales_to`), and expanded down their code bytes
+    once per chunk for the bytes that share them; each feature chunk's four products (by
+    byte `q`) go to `acc_ref` `(4, features/4/L, parts*tokens, L)`, added into the
+    output block at the end of the step.
 
     "chunks" (`refs`: the activations' even and odd columns apart) multiplies each
     nibble's chunk by its columns, 8 dots a chunk. "pairs" (`refs`: the activations as
@@ -374,9 +375,14 @@ def _kernel_chunked(*refs, parts, tail, rc, pairs: bool, unroll: int | bool = 1)
             if tail is not None:
                 byte = kk * half + c0 + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)
                 valid = byte < tail
+            scales = [  # each (rc/8, lc) scale down its 8 code bytes: (rc, lc)
+                jnp.broadcast_to(
+                    sc_ref[i, g, c0 // 8 : (c0 + rc) // 8][:, None, :], (rc // 8, 8, lc)
+                ).reshape(rc, lc)
+                for i in range(sc_ref.shape[0])
+            ]
             for q in range(4):
-                s = sc_ref[q, g, c0 // 8 : (c0 + rc) // 8, :]  # (rc/8, lc)
-                s = jnp.broadcast_to(s[:, None, :], (rc // 8, 8, lc)).reshape(rc, lc)
+                s = scales[q % len(scales)]
                 w = [double_e2m1(words, 8 * q + 4 * h) * s for h in range(2)]  # exact
                 if valid is not None:
                     w = [jnp.where(valid, v, 0.0) for v in w]
@@ -527,7 +533,7 @@ def frozen_matmul(
     m, k = x.shape
     block = (block[0], block[1])
     stacked_w = layer is not None
-    at = jnp.zeros((1,), jnp.int32)  # the layer's index, prefetched (with `layer`)
+    at = None  # the layer's index, prefetched (with `layer`)
     if stacked_w:
         if codes.ndim != 3 or scale_bits.ndim != 3 or codes.shape[0] != scale_bits.shape[0]:
             raise ValueError(
@@ -573,7 +579,7 @@ def frozen_matmul(
     if block == TILE and tile_scales == "kernel":
         per_row = BLOCK  # (expanded in VMEM: `_half_scale_rows`)
     elif block == TILE:  # one scale row per weight row (see the module docstring)
-        if stacked_w:  # (the layer's 16x16 scales: 1/128 of its codes' bytes)
+        if at is not None:  # (a stack: the layer's 16x16 scales: 1/128 of its codes' bytes)
             scale_bits = lax.dynamic_index_in_dim(scale_bits, at[0], 0, keepdims=False)
         scale_bits = jnp.repeat(scale_bits, BLOCK, axis=-2)
     stacked_s = scale_bits.ndim == 3
@@ -681,8 +687,9 @@ def frozen_matmul(
             )
         kernel = functools.partial(kernel, rc=rc, unroll=True if unroll is None else unroll)
         groups = bn // 4 // CHUNK[1]
+        scale_sets = 4 if per_row == 1 else 1  # (a word's 4 bytes share 16x16 scales)
         scratch = [
-            pltpu.VMEM((4, groups, bk // BLOCK, CHUNK[1]), jnp.float32),
+            pltpu.VMEM((scale_sets, groups, bk // BLOCK, CHUNK[1]), jnp.float32),
             pltpu.VMEM((4, groups, parts * bm, CHUNK[1]), jnp.float32),
         ]
     call = call_with(
