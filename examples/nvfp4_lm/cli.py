@@ -6,6 +6,7 @@ The command line of `examples/train_lm.py` (its docstring says what it does).
 import argparse
 import dataclasses
 import os
+import time
 from typing import Any
 
 import equinox as eqx
@@ -134,9 +135,12 @@ def compare_speeds(model: Any, cfg: Config, n: int, weight_only: Any = None) -> 
     with `weight_only` (the model frozen with NVFP4 weights and bfloat16-or-wider
     activations), its speed too: what the activations' quantisation costs per step."""
 
-    def timed(label: str, m: Any) -> float:  # (each figure printed as it comes)
+    def timed(label: str, m: Any) -> float:  # (each stage printed as it comes)
+        print(f"  {label}: compiling and timing ...", flush=True)
+        t0 = time.perf_counter()
         speed = generation_speed(m, cfg, max(n, 2))
-        print(f"  {label}: {speed:,.1f} bytes/s", flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"  {label}: {speed:,.1f} bytes/s ({seconds:.1f} s with its compile)", flush=True)
         return speed
 
     packed = timed("NVFP4 packed", model)
@@ -168,16 +172,21 @@ def time_generation(cfg: Config, n: int) -> dict[str, float]:
         flush=True,
     )
 
-    def frozen_by(policy):
-        return eqx.filter_jit(lambda m: nvfp4x.freeze(nvfp4x.quantize(m, policy)))(model)
+    def frozen_by(label: str, policy: nvfp4x.Policy) -> Any:
+        t0 = time.perf_counter()
+        out = eqx.filter_jit(lambda m: nvfp4x.freeze(nvfp4x.quantize(m, policy)))(model)
+        jax.block_until_ready(eqx.filter(out, eqx.is_array))
+        print(f"  frozen ({label}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        return out
 
-    frozen = frozen_by(paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS))
+    frozen = frozen_by("W4A4", paper_policy(cfg, tensor_scale_groups=FUSED_SCALE_GROUPS))
     weight_only = frozen_by(
+        "W4A16",
         paper_policy(
             cfg,
             training=nvfp4x.recipes.nvfp4_weight_only(),
             tensor_scale_groups=FUSED_SCALE_GROUPS,
-        )
+        ),
     )
     return compare_speeds(frozen, cfg, n, weight_only)
 
