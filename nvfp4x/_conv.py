@@ -25,7 +25,11 @@ back to the input, wgrad `Q(dy).T @ Q(patches)`):
   `Q(H dy)` and `Q(H patches)` value for value, without building the patch matrix:
   its distinct 16-token chunks are gathered from the input and transformed and
   quantised once each, and for a transposed convolution (dilated input, mostly zero
-  patches) each tap multiplies only the chunks where it reads input (`WgradPlan`).
+  patches) each tap multiplies only the chunks where it reads input (`WgradPlan`);
+  where the output rows are whole chunks and the leading axes have stride 1 (a 3x3
+  convolution of 16- or 32-pixel-wide images), the input is quantised once per tap of
+  the last axis and `Q(H dy)` placed at each leading tap's rows: one GEMM, no gather
+  (`shifts_rows`).
   Only float32 summation order differs from the reference (the tests bound it, and
   compare the quantised operands directly). The primitives (`conv_qdot_p`,
   `conv_dgrad_p`, `conv_wgrad_p`, the JVP's `conv_tx_p` / `conv_tw_p`) batch as
@@ -424,6 +428,80 @@ def tap_groups(slot_ids: np.ndarray) -> np.ndarray:
     return np.arange(len(slot_ids), dtype=np.int32)[:, None]
 
 
+def shifts_rows(geom: Geometry, unit: int) -> bool:
+    """Whether wgrad can multiply shifted copies of `Q(H dy)` with the quantised input
+    (`shifted_wgrad_operands`): a convolution (input not dilated) of two or more spatial
+    axes, stride 1 along every axis but the last, more than one tap along the leading
+    axes, and output rows (the last axis) of whole `unit`-token chunks. Then every chunk
+    of the patch matrix is a chunk of the input read at one offset along the last axis
+    (one of that axis's taps), and the leading axes' taps read the same chunks shifted
+    by whole rows."""
+    out = geom.out_spatial
+    return (
+        len(geom.window) >= 2
+        and all(d == 1 for d in geom.lhs_dilation)
+        and all(s == 1 for s in geom.strides[:-1])
+        and math.prod(geom.window[:-1]) > 1
+        and min(out) > 0
+        and out[-1] % unit == 0
+    )
+
+
+def shifted_wgrad_operands(
+    dy, x, seed, *, recipe: Recipe, geom: Geometry
+) -> tuple[Array, Array | None, Array, Array | None]:
+    """wgrad's quantised operands where `shifts_rows(geom, ...)`: `(g, gs, q, xs)` over
+    `R` rows, the images' output rows each at every padded input row the leading taps
+    put them (`images x padded leading extents x out width`):
+
+    - `q` `(R, last taps x C)`: the input read at each of the last axis's taps (after
+      `covered`, padded as the convolution pads), transformed and quantised along the
+      rows: `Q(H x)` of the reference's patch matrix, each chunk once (a chunk of tap
+      `(i, j)` at output row `h` is the chunk of `q`'s tap `j` at row `h + i x dilation`);
+      `xs` its tensor scale (over the pixels some patch reads, as the reference's).
+    - `g` `(R, leading taps x O)`: the reference's `Q(H dy)` (the same call, SR key
+      included), its output rows placed, for each leading tap `i`, at the rows that tap
+      reads, zeros elsewhere; `gs` its tensor scale.
+
+    `g.T @ q` is wgrad for all taps at once, `(leading taps x O, last taps x C)`: each
+    product of the reference's patch GEMM once, plus products of zeros."""
+    nsp = len(geom.window)
+    x, _ = _images(covered(x, geom), nsp)
+    c, out = x.shape[-1], geom.out_spatial
+    config = [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in geom.padding] + [(0, 0, 0)]
+    xp = lax.pad(x, jnp.zeros((), x.dtype), config)  # (N, padded spatial..., C)
+    kw, dw, sw = geom.window[-1], geom.rhs_dilation[-1], geom.strides[-1]
+    taps = [
+        lax.slice_in_dim(xp, j * dw, j * dw + (out[-1] - 1) * sw + 1, sw, axis=nsp)
+        for j in range(kw)
+    ]
+    q = jnp.stack(taps, axis=-2)  # (N, padded leading..., out width, last taps, C)
+    rows = q.shape[:-2]
+    gv, gs, qv, xs = wgrad_quantised(dy, q.reshape(-1, kw * c), seed, recipe)
+    g = _kernels.materialized(gv)  # read once per leading tap (XLA:CPU would requantise)
+    g = g.reshape((rows[0], *out, gv.shape[-1]))
+    placed = []
+    for offset in itertools.product(*(range(k) for k in geom.window[:-1])):
+        pads = [
+            (i * d, (k - 1 - i) * d)
+            for i, d, k in zip(offset, geom.rhs_dilation[:-1], geom.window[:-1], strict=True)
+        ]
+        placed.append(jnp.pad(g, [(0, 0), *pads, (0, 0), (0, 0)]))
+    g = jnp.stack(placed, axis=-2)  # (N, padded leading..., out width, leading taps, O)
+    assert g.shape[:-2] == rows, (g.shape, rows)
+    return g.reshape(math.prod(rows), -1), gs, qv, xs
+
+
+def shifted_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
+    """wgrad where `shifts_rows`: one GEMM of `shifted_wgrad_operands`, its blocks put in
+    the patch matrix's column order `(O, window x C)`."""
+    g, gs, q, xs = shifted_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)
+    out = quantised_dot(g, gs, recipe.grad, q, xs, recipe.input, ((0,), (0,)), dtype=dtype)
+    lead, kw = math.prod(geom.window[:-1]), geom.window[-1]
+    n, c = out.shape[0] // lead, out.shape[1] // kw
+    return out.reshape(lead, n, kw, c).transpose(1, 0, 2, 3).reshape(n, -1)
+
+
 def conv_wgrad_operands(
     dy, x, seed, *, recipe: Recipe, geom: Geometry
 ) -> tuple[WgradPlan, Array, Array | None, Array, Array | None]:
@@ -465,6 +543,8 @@ def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
     and its quantisation (which XLA fuses into its readers) computed, once. A skipped
     chunk contributes `Q(H dy) x 0`: nothing, unless that chunk of `Q(H dy)` is not
     finite, where the reference's sum is NaN; so is this one."""
+    if shifts_rows(geom, token_unit(recipe)):
+        return shifted_wgrad(dy, x, seed, recipe=recipe, dtype=dtype, geom=geom)
     plan, g, gs, operand, xs = conv_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom)
     if plan.chunks is None or plan.dead is None or plan.taps is None:
         dims = ((0,), (0,))

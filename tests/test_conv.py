@@ -10,6 +10,7 @@ on a TPU a frozen NVFP4 patch GEMM is the Mosaic kernel, which sums in its own o
 """
 
 import functools
+import itertools
 import math
 
 import equinox as eqx
@@ -28,6 +29,9 @@ from nvfp4x._conv import (
     conv_wgrad,
     conv_wgrad_operands,
     reference_only,
+    shifted_wgrad,
+    shifted_wgrad_operands,
+    shifts_rows,
     wgrad_plan,
 )
 from nvfp4x._gemm import wgrad_quantised
@@ -193,6 +197,9 @@ FAST_CASES = [
         True,
         id="convT-k2s2-grouped",
     ),
+    pytest.param(  # output rows of 16 pixels: wgrad on shifted copies of dy (`shifts_rows`)
+        lambda k: eqx.nn.Conv2d(16, 8, 3, padding=1, key=k), (2, 16, 4, 16), True, id="c16-rows"
+    ),
 ]
 
 
@@ -315,6 +322,100 @@ def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe
         finite = ~np.isnan(want)
         assert finite.any() and (grad is dy) == finite.all()
         assert_close(got[finite], want[finite], "wgrad", rtol=1e-6)
+
+
+SHIFTED_CASES = [
+    pytest.param(
+        Geometry((3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), (5, 16)), id="3x3-pad1"
+    ),
+    pytest.param(  # a dilated leading axis, a strided last one, uneven padding, 32 wide
+        Geometry((3, 2), (1, 2), ((0, 2), (1, 0)), (1, 1), (2, 1), (6, 32)),
+        id="dilated-strided",
+    ),
+    pytest.param(  # 3 rows out, dilation 4: input rows 3 and 7 are read by no tap
+        Geometry((3, 3), (1, 1), ((0, 0), (1, 1)), (1, 1), (4, 1), (11, 16)),
+        id="unread-rows",
+    ),
+    pytest.param(
+        Geometry((2, 3, 3), (1, 1, 1), ((1, 0), (1, 1), (1, 1)), (1, 1, 1), (1, 2, 1), (3, 4, 16)),
+        id="3d",
+    ),
+]
+
+
+@pytest.mark.parametrize("geom", SHIFTED_CASES)
+@pytest.mark.parametrize("recipe", [TRAIN, nvfp4x.recipes.nvfp4_training(rht=False)])
+def test_the_shifted_wgrad_multiplies_the_reference_quantised_operands(geom, recipe):
+    """A convolution whose output rows are whole 16-token chunks and whose leading axes
+    have stride 1 (`shifts_rows`): wgrad quantises the input once per tap of the last
+    axis and pairs it with `Q(H dy)` placed at each leading tap's rows. Mapped back to
+    the patch matrix, the operands are the reference's value for value (RHT, SR key,
+    both tensor scales; rows no tap reads count in no amax), the GEMM equals the
+    reference's up to float32 summation order, and a non-finite `dy` gives NaN where
+    the reference does."""
+    assert shifts_rows(geom, 16)
+    x, dy = normal(8, (2, *geom.in_spatial, 16)), normal(9, (2, *geom.out_spatial, 8))
+    x = x.at[0, 3].set(1e4) if geom.rhs_dilation[0] == 4 else x  # an unread row, largest
+    seed = jnp.array([3, 4], jnp.uint32)
+    ref = jax.jit(lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, recipe))
+    fast = jax.jit(lambda dy, x: shifted_wgrad_operands(dy, x, seed, recipe=recipe, geom=geom))
+    gv, gs, pv, ps = ref(dy, x)
+    g, gs2, q, ps2 = fast(dy, x)
+    assert_same(gs2, gs, "dy's tensor scale")
+    assert_same(ps2, ps, "x's tensor scale")
+    # `q` and `g` back in the patch matrix's layout: tap (i, j) of output row h reads
+    # `q`'s tap j at padded row h + i x dilation, where `g` holds dy's row h for tap i.
+    out, lead = geom.out_spatial, geom.window[:-1]
+    padded = [o + (k - 1) * d for o, k, d in zip(out[:-1], lead, geom.rhs_dilation, strict=False)]
+    q = np.asarray(q.astype(jnp.float32)).reshape(2, *padded, out[-1], geom.window[-1], 16)
+    g = np.asarray(g.astype(jnp.float32)).reshape(2, *padded, out[-1], math.prod(lead), 8)
+    patches = np.zeros((2, *out, *geom.window, 16), np.float32)
+    for t, offset in enumerate(itertools.product(*(range(k) for k in lead))):
+        rows = tuple(
+            slice(i * d, i * d + o) for i, d, o in zip(offset, geom.rhs_dilation, out, strict=False)
+        )
+        patches[(slice(None), ..., *offset, slice(None), slice(None))] = q[(slice(None), *rows)]
+        np.testing.assert_array_equal(
+            g[(slice(None), *rows, slice(None), t)].reshape(-1, 8),
+            np.asarray(gv.astype(jnp.float32)),
+            f"Q(H dy) at tap {offset}'s rows",
+        )
+        zeros = np.ones(g.shape[:-2], bool)
+        zeros[(slice(None), *rows)] = False
+        assert not np.any(g[..., t, :][zeros]), "dy placed outside its tap's rows"
+    want_p = np.asarray(pv.astype(jnp.float32))
+    np.testing.assert_array_equal(patches.reshape(want_p.shape), want_p, "Q(H x)")
+    run = jax.jit(
+        lambda dy, x: shifted_wgrad(
+            dy, x, seed, recipe=recipe, dtype=jnp.dtype(jnp.float32), geom=geom
+        )
+    )
+    for grad in (dy, dy.at[1, -1, -1, 2].set(jnp.inf)):
+        gv, gs, pv, ps = (np.asarray(a, np.float64) for a in ref(grad, x))
+        with np.errstate(invalid="ignore"):
+            want = gv.T @ pv * (gs * ps)  # the reference's GEMM, in float64
+        got = np.asarray(run(grad, x))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        if grad is dy:
+            assert_close(got, want, "wgrad", rtol=1e-6)
+
+
+def test_only_whole_rows_with_unit_leading_strides_shift():
+    """`shifts_rows` holds exactly where its pairing is the patch GEMM's."""
+    base = dict(
+        window=(3, 3), strides=(1, 1), padding=((1, 1), (1, 1)),
+        lhs_dilation=(1, 1), rhs_dilation=(1, 1), in_spatial=(4, 16),
+    )  # fmt: skip
+    assert shifts_rows(Geometry(**base), 16)
+    assert shifts_rows(Geometry(**base), 1)
+    for change in (
+        dict(in_spatial=(4, 12)),  # rows of 12 tokens: chunks straddle rows
+        dict(strides=(2, 1)),  # a leading stride
+        dict(lhs_dilation=(2, 2)),  # transposed: `WgradPlan`'s compact layout
+        dict(window=(1, 3)),  # no leading taps to share chunks
+    ):
+        assert not shifts_rows(Geometry(**{**base, **change}), 16), change
+    assert not shifts_rows(Geometry((3,), (1,), ((1, 1),), (1,), (1,), (16,)), 16)
 
 
 def test_a_grouped_convolution_is_one_problem_per_group():
