@@ -52,7 +52,7 @@ chunk_files() {
     6) echo tests/test_freeze.py tests/test_telemetry.py ;;
     7) echo tests/test_moe.py tests/test_conv.py ;;
     8) echo tests/test_transform.py tests/test_hf.py ;;
-    9) echo tests/test_save_load.py tests/test_requantize.py ;;
+    9) echo tests/test_save_load.py tests/test_requantize.py tests/test_scan_layers.py ;;
     *) return 1 ;;
     esac
 }

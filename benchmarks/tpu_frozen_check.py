@@ -13,7 +13,9 @@ A stack of frozen layers `d x d` (default 16 x 8192x8192, as in issue 38), run b
   ratio to bf16 and the GB/s at which the packed weights are read;
 - `--unrolled`: also the bf16 stack and the kernel path with the layers as separate
   arrays run one after another (at 1-16 tokens): under `lax.scan` a layer's slice of a
-  stacked weight feeding the kernel's custom call is copied first;
+  stacked weight feeding the kernel's custom call is copied first (every run also
+  times the kernel path under `nvfp4x.scan_layers`, which reads each layer from the
+  whole stack by index: no copy);
 - memory: argument, output and temporary bytes of each compiled forward
   (`memory_analysis`);
 - `--sweep`: the kernel alone over the stack, each tile of `SWEEP_TILES` per token
@@ -119,15 +121,21 @@ def stack_of(layers: int, d: int, key) -> eqx.nn.Linear:
     return eqx.filter_vmap(make)(keys)
 
 
-def forwards(stack, unrolled: bool = False) -> tuple[Callable, Any]:
+def forwards(stack, unrolled: bool = False, by_index: bool = False) -> tuple[Callable, Any]:
     """`(forward, weights)`: `forward(x, weights)` runs the stack's layers on `x`
-    (`(tokens, d)`) one after another, by `jax.lax.scan` over the stacked arrays, or,
-    `unrolled`, from separate arrays (each layer's slice taken once here, as a model of
-    separate layers holds them: no slice of a stacked weight inside the program)."""
+    (`(tokens, d)`) one after another, by `jax.lax.scan` over the stacked arrays
+    (`by_index`: by `nvfp4x.scan_layers`, each frozen layer read from the whole stack by
+    index), or, `unrolled`, from separate arrays (each layer's slice taken once here, as
+    a model of separate layers holds them: no slice of a stacked weight inside the
+    program)."""
     params, static = eqx.partition(stack, eqx.is_array)
 
     def layer(h, p):
         return jax.vmap(eqx.combine(p, static))(h).astype(h.dtype)
+
+    if by_index:
+        step = lambda h, m: (jax.vmap(m)(h).astype(h.dtype), None)  # noqa: E731
+        return lambda x, ps: nvfp4x.scan_layers(step, x, eqx.combine(ps, static))[0], params
 
     def in_turn(x, layers):
         for p in layers:
@@ -244,11 +252,13 @@ def run(args) -> Rows:
         except Exception as e:  # noqa: BLE001
             error(rows, f"freeze {name}", e)
 
-    def time_row(timed: dict, label: str, impl: str | None, model, x, unrolled=False) -> None:
+    def time_row(
+        timed: dict, label: str, impl: str | None, model, x, unrolled=False, by_index=False
+    ) -> None:
         """`timed[label]`: the thunk of the model's forward (`forwards`, `looped`, the
         frozen GEMM `impl`; None: bf16 weights), its memory note and weight bytes."""
         try:
-            fwd, weights = forwards(model, unrolled)
+            fwd, weights = forwards(model, unrolled, by_index)
             fn, mem = thunk(impl, looped(fwd, args.inner), x, weights)
             nbytes = bf16.weight.nbytes if impl is None else packed_bytes(model)
             timed[label] = fn, memory_note(mem), nbytes
@@ -273,6 +283,8 @@ def run(args) -> Rows:
                         error(rows, f"check {name} {dname}, {tokens} tokens", e)
                 for impl in ("mosaic", "xla"):
                     time_row(timed, f"{name} {dname} activations ({impl})", impl, fz, x)
+                label = f"{name} {dname} activations (mosaic), nvfp4x.scan_layers"
+                time_row(timed, label, "mosaic", fz, x, by_index=True)
                 if unrolled:
                     label = f"{name} {dname} activations (mosaic), layers unrolled"
                     time_row(timed, label, "mosaic", fz, x, unrolled=True)

@@ -16,7 +16,11 @@ from ._formats import FORMATS as FORMATS, Format as Format
 from ._formats._fp8 import FP8Array as FP8Array, to_fp8 as to_fp8
 from ._formats._mxfp8 import MXFP8Array as MXFP8Array, to_mxfp8 as to_mxfp8
 from ._freeze import freeze as freeze
-from ._frozen import FrozenLinear as FrozenLinear, FrozenWeight as FrozenWeight
+from ._frozen import (
+    FrozenLayerOfStack as FrozenLayerOfStack,
+    FrozenLinear as FrozenLinear,
+    FrozenWeight as FrozenWeight,
+)
 from ._gemm import qdot as qdot
 from ._hf import (
     export_hf as export_hf,
@@ -28,6 +32,7 @@ from ._numerics._hadamard import hadamard_matrix as hadamard_matrix
 from ._policy import Policy as Policy, Recipe as Recipe, recipes as recipes
 from ._qweight import QWeight as QWeight
 from ._rht import rht as rht
+from ._scan import scan_layers as scan_layers
 from ._sensitivity import (
     SensitivityReport as SensitivityReport,
     SensitivityRow as SensitivityRow,

@@ -245,7 +245,10 @@ def _frozen_row(eqn, repeats: int) -> CoverageRow:
     recipe: Recipe = p["recipe"]
     grouped = eqn.primitive is frozen_grouped_p  # (x, sizes, *leaves)
     x = eqn.invars[0].aval
-    w = jax.tree_util.tree_unflatten(p["wdef"], [v.aval for v in eqn.invars[1 + grouped :]])
+    leaves = [v.aval for v in eqn.invars[1 + grouped :]]
+    if p.get("indexed"):  # a layer of a stack, by its index (`scan_layers`)
+        leaves = leaves[:-1]
+    w = jax.tree_util.tree_unflatten(p["wdef"], leaves)
     n, k = w.shape[-2], w.shape[-1]
     if grouped and p["experts_kn"]:
         n, k = k, n

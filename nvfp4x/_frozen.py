@@ -294,13 +294,63 @@ class FrozenLinear(eqx.nn.Linear):
         return apply_linear(self, x, matmul, tuple(leaves), weight, self.weight.dtype)
 
 
-def _matmul(x: Array, *leaves: Array, wdef, recipe: Recipe, fast: bool) -> Array:
-    """The GEMM of a `FrozenLinear`, on its packed weight's leaves."""
+class FrozenLayerOfStack(FrozenLinear):
+    """A [`nvfp4x.FrozenLinear`][] that is one layer of a stack, as
+    [`nvfp4x.scan_layers`][] hands it to its body: `weight` is the layer's slice (what
+    anything that reads the weight sees, as under `lax.scan`), `stack` the whole stack's
+    [`nvfp4x.FrozenWeight`][] and `index` the layer's position in it. Its forward reads
+    the layer from the stack inside the GEMM (on a TPU, the kernel's `layer`: no copy of
+    the slice before the call; elsewhere the slice, as `lax.scan` gives it): the same
+    numbers as the sliced layer's forward."""
+
+    stack: Any
+    index: Array
+
+    def __init__(self, layer: FrozenLinear, stack: Any, index: Array):
+        super().__init__(
+            layer.weight,
+            layer.bias,
+            layer.in_features,
+            layer.out_features,
+            layer.use_bias,
+            layer.recipe,
+            layer.fast,
+        )
+        self.stack = stack
+        self.index = index
+
+    def __call__(
+        self,
+        x: Shaped[ArrayLike, "*batch in"] | Shaped[ArrayLike, "*batch"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Array:
+        """The forward pass, as [`nvfp4x.FrozenLinear`][]'s on the layer's slice."""
+        w = as_qweight(self.stack)
+        if not isinstance(w, FrozenWeight) or len(self.weight_shape) != 2:
+            return super().__call__(x, key=key)
+        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
+        matmul = functools.partial(
+            _matmul, wdef=wdef, recipe=self.recipe, fast=self.fast, indexed=True
+        )
+        index = jnp.asarray(self.index, jnp.int32)
+        # (the slice's codes carry the logical weight's partition spec; only its type is read)
+        weight = (self.weight_shape, jax.tree_util.tree_leaves(self.weight)[0])
+        return apply_linear(self, x, matmul, (*leaves, index), weight, self.weight.dtype)
+
+
+def _matmul(
+    x: Array, *leaves: Array, wdef, recipe: Recipe, fast: bool, indexed: bool = False
+) -> Array:
+    """The GEMM of a `FrozenLinear`, on its packed weight's leaves (`indexed`: the leaves
+    of a stack of layers' packed weights, then the layer's index)."""
     dtype = gemm_dtype(fast)
     # The implementation is a parameter, so that a program traced under another choice
     # (`_kernels.use`) is not reused for this one.
     gemm = pick("frozen_gemm")
-    return frozen_p.bind(x, *leaves, wdef=wdef, recipe=recipe, dtype=dtype, gemm=gemm, nbatch=0)
+    return frozen_p.bind(
+        x, *leaves, wdef=wdef, recipe=recipe, dtype=dtype, gemm=gemm, indexed=indexed, nbatch=0
+    )
 
 
 def weight_operand(w: PackedWeight, recipe: Recipe):
@@ -309,11 +359,19 @@ def weight_operand(w: PackedWeight, recipe: Recipe):
     return quantize_operand(w, recipe.weight, axis=-1)
 
 
-def _frozen_fprop(x, *leaves, wdef, recipe, dtype, gemm):
-    w = jax.tree_util.tree_unflatten(wdef, leaves)
+def _frozen_fprop(x, *leaves, wdef, recipe, dtype, gemm, indexed=False):
     xv, xs = quantize_operand(x, recipe.input, axis=-1)
     dims = ((x.ndim - 1,), (1,))
     spec = None if recipe.weight is None else recipe.weight.spec
+    if indexed:  # a stack of layers' packed weights and the layer's index
+        *leaves, index = leaves
+        if spec is not None:  # a kernel that reads the layer from the stack
+            stack = jax.tree_util.tree_unflatten(wdef, leaves)
+            out = spec.packed_gemm(xv, xs, stack, gemm, layer=index)
+            if out is not None:
+                return out
+        leaves = [lax.dynamic_index_in_dim(leaf, index, keepdims=False) for leaf in leaves]
+    w = jax.tree_util.tree_unflatten(wdef, leaves)
     if spec is not None:  # a kernel decoding inside the GEMM, where the format has one
         out = spec.packed_gemm(xv, xs, w, gemm)
         if out is not None:
@@ -342,7 +400,8 @@ def _frozen_fprop(x, *leaves, wdef, recipe, dtype, gemm):
     return quantised_dot(xv, xs, recipe.input, wv, ws, recipe.weight, dims, dtype=dtype)
 
 
-def _frozen_abstract(x, *leaves, wdef, recipe, dtype, gemm, nbatch):
+def _frozen_abstract(x, *leaves, wdef, recipe, dtype, gemm, nbatch, indexed=False):
+    leaves = leaves[:-1] if indexed else leaves  # (the layer's index last)
     n = jax.tree_util.tree_unflatten(wdef, leaves).shape[-2]  # avals stand in for arrays
     return x.shape[:-1] + (n,), jnp.float32
 

@@ -148,18 +148,30 @@ class NVFP4Spec(FormatSpec):
         return jnp.vectorize(lambda m: tensor_scales(m)[1])(amax)
 
     def packed_gemm(
-        self, x: Array, x_scale: Array | None, w: Any, implementation: str
+        self,
+        x: Array,
+        x_scale: Array | None,
+        w: Any,
+        implementation: str,
+        layer: Array | None = None,
     ) -> Float[Array, "*m n"] | None:
-        got = self.packed_product(x, w, implementation)
+        got = self.packed_product(x, w, implementation, layer)
         return None if got is None else apply_scales(got[0], x_scale, got[1])
 
     def packed_product(
-        self, x: Array, w: Any, implementation: str
+        self, x: Array, w: Any, implementation: str, layer: Array | None = None
     ) -> tuple[Float[Array, "*m n"], Array | None] | None:
-        if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
+        if not isinstance(w, NVFP4Array) or len(w.shape) != (2 if layer is None else 3):
             return None
-        out = _kernels.frozen_gemm(x, w.codes, w.scale_bits, w.block, w.shape, implementation)
-        return None if out is None else (out, w.tensor_scale)
+        out = _kernels.frozen_gemm(
+            x, w.codes, w.scale_bits, w.block, w.shape[-2:], implementation, layer=layer
+        )
+        if out is None:
+            return None
+        scale = w.tensor_scale
+        if layer is not None:  # (clamped into range, as the kernel's index)
+            scale = lax.dynamic_index_in_dim(scale, layer, keepdims=False)
+        return out, scale
 
     def chunked_gemm(
         self, x: Array, x_scale: Array | None, w: Any, tie: Callable[[Array], Array]

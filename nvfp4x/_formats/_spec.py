@@ -119,22 +119,31 @@ class FormatSpec:
         raise NotImplementedError(f"Format `{self.name}` has no tensor scale from an amax.")
 
     def packed_gemm(
-        self, x: Array, x_scale: Array | None, w: Any, implementation: str
+        self,
+        x: Array,
+        x_scale: Array | None,
+        w: Any,
+        implementation: str,
+        layer: Array | None = None,
     ) -> Float[Array, "*m n"] | None:
         """`x @ w.T` times `x_scale` and `w`'s tensor scale, in float32, for the 2-D
         packed weight `w` (this format's packed array), by a kernel that decodes `w`
         inside the GEMM (`_kernels.frozen_gemm`'s `implementation`); None where the
-        format or the case has none (the caller decodes the weight)."""
+        format or the case has none (the caller decodes the weight). With `layer` (an
+        int32 scalar), `w` is a stack of 2-D weights `(layers, n, k)` and the product is
+        with its layer `layer`, read from the stack by the kernel (no copy of the
+        slice); None where the kernel cannot (the caller slices)."""
         return None
 
     def packed_product(
-        self, x: Array, w: Any, implementation: str
+        self, x: Array, w: Any, implementation: str, layer: Array | None = None
     ) -> tuple[Float[Array, "*m n"], Array | None] | None:
         """`packed_gemm` before its scales: `(x @ w.T, w's tensor scale)` (the product in
         float32 up to float32 summation order; the scale None for a format without one),
-        for the 2-D packed weight `w` by a kernel decoding it inside the GEMM; None where
-        the format or the case has none. (Frozen experts run it per expert, then scale
-        each token's row by its own group's scales.)"""
+        for the 2-D packed weight `w` (or, with `layer`, that layer of a stack) by a
+        kernel decoding it inside the GEMM; None where the format or the case has none.
+        (Frozen experts run it per expert, then scale each token's row by its own
+        group's scales.)"""
         return None
 
     def chunked_gemm(

@@ -406,12 +406,17 @@ def frozen_gemm(
     block,
     shape: tuple[int, ...],
     implementation: str | None = None,
+    layer: Array | None = None,
 ) -> Array | None:
     """`x @ W.T` in float32 before the tensor scales, for the 2-D NVFP4 weight `W` of
     `shape` held as `codes` and `scale_bits` (an `NVFP4Array`'s fields), by
     `implementation` (default: the picked one, `pick("frozen_gemm")`); or `None` where
     the reference is picked or the case is one the kernel does not cover (float64 or
-    non-float activations, an empty product): the caller runs the reference.
+    non-float activations, an empty product): the caller runs the reference. With
+    `layer` (an int32 scalar), `codes` and `scale_bits` are a stack of layers' (a
+    leading axis) and `W` is layer `layer` of it, read from the stack by the TPU kernel
+    (`_tpu_frozen_gemm.frozen_matmul`'s `layer`); other implementations return `None`
+    for it (the caller slices the stack).
 
     The kernel's products are exact for any GEMM dtype (`gemm_dtype`): bfloat16
     activations multiply as they are, wider ones as three exact bfloat16 parts; only
@@ -422,8 +427,12 @@ def frozen_gemm(
     block = tuple(block)
     n, k = shape
     wide = jnp.dtype(x.dtype).itemsize > 4 or not jnp.issubdtype(x.dtype, jnp.floating)
-    if block not in (ROW_BLOCK, TILE) or codes.ndim != 2 or wide or x.size == 0 or n == 0:
+    if layer is not None and implementation != "mosaic":
         return None
+    matrix = 2 if layer is None else 3
+    if block not in (ROW_BLOCK, TILE) or codes.ndim != matrix or wide or x.size == 0 or n == 0:
+        return None
+    by_layer = {} if layer is None else {"layer": layer}
     operand = "bfloat16" if x.dtype == jnp.bfloat16 else "float32"
     if implementation == "mosaic":
         from . import _tpu_frozen_gemm  # Pallas is imported only where a kernel is picked
@@ -443,5 +452,6 @@ def frozen_gemm(
         n=n,
         operand=operand,
         interpret=interpret,
+        **by_layer,
     )
     return out.reshape(*x.shape[:-1], n)
