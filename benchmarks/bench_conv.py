@@ -8,6 +8,12 @@ ratio of at most 2 (a quantised convolution is a GEMM plus its quantisers, as a 
 layer is).
 
     python -m benchmarks.bench_conv [--quick] [--repeats 15] [--only "medium: Conv2d"]
+        [--gathered-wgrad]
+
+`--gathered-wgrad`: for the layers whose wgrad pairs shifted copies of `dy` with the
+input quantised once per last-axis tap (`_conv.shifts_rows`: stride 1 along the leading
+axes, output rows of whole 16-token chunks), also the step with that path off (the patch
+operand gathered from its distinct chunks), timed interleaved with the others.
 
 Issue 34 item 7 (small, medium and large layers; same loaded 2-core CPU, `--repeats
 9`): small `Conv2d` 3->16 3x3 on 28x28 1.96x, small `ConvTranspose2d` 16->3 k4 s4 on
@@ -74,6 +80,13 @@ explained). A
 chunk-granular gather of the patch operand (blocks of 16 rows instead of rows) timed
 the same and was left out.
 
+Wgrad on shifted copies of `dy` (2026-12-06, ninth session; an A/B in one process, 300
+interleaved rounds, the path switched off as `--gathered-wgrad` does): medium `Conv2d`
+step 1.87 ms against 1.96 ms gathered (float32 1.14 ms), its wgrad alone 0.88 against
+1.09 ms, large `Conv2d` 26.2 against 30.8 ms. Three full runs after it: medium
+1.96x / 1.59x / 1.90x, small `ConvTranspose2d` k4 s4 1.91x / 1.68x / 2.20x,
+`ConvTranspose1d` k4 s4 1.81x / 1.52x / 2.09x, every other layer 0.24-1.86x.
+
 Expected on a (loaded) 2-core CPU, issue 23 item 13 (wgrad from the distinct patch
 chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` about
 1.6x, `ConvTranspose2d` k4 s4 about 0.9x, k4 s2 p1 about 0.3x (before: 2.05-2.45x,
@@ -81,6 +94,7 @@ chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` abou
 """
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -90,6 +104,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4x
+from nvfp4x import _conv
 
 # (label, layer, input shape of one batch): small (an MNIST/CIFAR stem, a Mixer's
 # patch (de-)embedding), medium and large layers, as public models use them.
@@ -174,6 +189,33 @@ def step_fn() -> Callable:
     return lambda layer, x: grad((layer, x))
 
 
+def _shifts(layer, shape: tuple[int, ...]) -> bool:
+    """Whether the layer's wgrad takes the shifted path (`_conv.shifts_rows`)."""
+    if isinstance(layer, eqx.nn.ConvTranspose):
+        return False  # (its input is dilated)
+    spatial = shape[2:]
+    geom = _conv.Geometry(
+        tuple(layer.kernel_size),
+        tuple(layer.stride),
+        tuple(tuple(p) for p in layer.padding),
+        (1,) * len(spatial),
+        tuple(layer.dilation),
+        tuple(spatial),
+    )
+    return _conv.shifts_rows(geom, _conv.token_unit(nvfp4x.recipes.nvfp4_training()))
+
+
+@contextlib.contextmanager
+def _no_shifted_wgrad():
+    """Within: convolutions traced take the gathered wgrad (`shifts_rows` off)."""
+    shifts = _conv.shifts_rows
+    _conv.shifts_rows = lambda geom, unit: False
+    try:
+        yield
+    finally:
+        _conv.shifts_rows = shifts
+
+
 def timed(fn: Callable, *args) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -185,6 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer images and rounds")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--only", default="", help="only the cases whose label holds this")
+    parser.add_argument(
+        "--gathered-wgrad",
+        action="store_true",
+        help="also time each layer whose wgrad pairs shifted copies of dy (`shifts_rows`) "
+        "with that path off (the patch operand gathered from distinct chunks), same process",
+    )
     args = parser.parse_args(argv)
     repeats = 5 if args.quick else args.repeats
     policy = nvfp4x.Policy([(".*", nvfp4x.recipes.nvfp4_training())], convolutions=True)
@@ -200,13 +248,25 @@ def main(argv: list[str] | None = None) -> dict:
         step = step_fn()
         for m in (layer, qlayer):  # compile both first
             timed(step, m, x)
-        f32, q = [], []
-        for _ in range(repeats):  # interleaved: both see the same machine load
+        gathered = None
+        if args.gathered_wgrad and _shifts(layer, shape):
+            gathered = step_fn()
+            with _no_shifted_wgrad():
+                timed(gathered, qlayer, x)  # traced and compiled with the path off
+        f32, q, qg = [], [], []
+        for _ in range(repeats):  # interleaved: all see the same machine load
             f32.append(timed(step, layer, x))
             q.append(timed(step, qlayer, x))
+            if gathered is not None:
+                qg.append(timed(gathered, qlayer, x))
         t32, tq = statistics.median(f32), statistics.median(q)
         result[label] = {"float32 ms": 1e3 * t32, "nvfp4 ms": 1e3 * tq, "ratio": tq / t32}
-        print(f"{label}: float32 {1e3 * t32:.2f} ms, nvfp4 {1e3 * tq:.2f} ms, x{tq / t32:.2f}")
+        line = f"{label}: float32 {1e3 * t32:.2f} ms, nvfp4 {1e3 * tq:.2f} ms, x{tq / t32:.2f}"
+        if qg:
+            tg = statistics.median(qg)
+            result[label]["gathered wgrad ms"] = 1e3 * tg
+            line += f" (wgrad gathered: {1e3 * tg:.2f} ms, x{tg / t32:.2f})"
+        print(line)
     return result
 
 

@@ -324,27 +324,30 @@ def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe
         assert_close(got[finite], want[finite], "wgrad", rtol=1e-6)
 
 
+NO_RHT = nvfp4x.recipes.nvfp4_training(rht=False)
 SHIFTED_CASES = [
     pytest.param(
-        Geometry((3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), (5, 16)), id="3x3-pad1"
+        Geometry((3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), (5, 16)), TRAIN, id="3x3-pad1"
     ),
     pytest.param(  # a dilated leading axis, a strided last one, uneven padding, 32 wide
         Geometry((3, 2), (1, 2), ((0, 2), (1, 0)), (1, 1), (2, 1), (6, 32)),
-        id="dilated-strided",
+        NO_RHT,
+        id="dilated-strided-no-rht",
     ),
     pytest.param(  # 3 rows out, dilation 4: input rows 3 and 7 are read by no tap
         Geometry((3, 3), (1, 1), ((0, 0), (1, 1)), (1, 1), (4, 1), (11, 16)),
+        TRAIN,
         id="unread-rows",
     ),
     pytest.param(
         Geometry((2, 3, 3), (1, 1, 1), ((1, 0), (1, 1), (1, 1)), (1, 1, 1), (1, 2, 1), (3, 4, 16)),
-        id="3d",
+        NO_RHT,
+        id="3d-no-rht",
     ),
 ]
 
 
-@pytest.mark.parametrize("geom", SHIFTED_CASES)
-@pytest.mark.parametrize("recipe", [TRAIN, nvfp4x.recipes.nvfp4_training(rht=False)])
+@pytest.mark.parametrize("geom, recipe", SHIFTED_CASES)
 def test_the_shifted_wgrad_multiplies_the_reference_quantised_operands(geom, recipe):
     """A convolution whose output rows are whole 16-token chunks and whose leading axes
     have stride 1 (`shifts_rows`): wgrad quantises the input once per tap of the last
