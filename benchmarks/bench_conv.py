@@ -80,10 +80,12 @@ explained). A
 chunk-granular gather of the patch operand (blocks of 16 rows instead of rows) timed
 the same and was left out.
 
-Wgrad on shifted copies of `dy` (2026-12-06, ninth session; an A/B in one process, 300
-interleaved rounds, the path switched off as `--gathered-wgrad` does): medium `Conv2d`
-step 1.87 ms against 1.96 ms gathered (float32 1.14 ms), its wgrad alone 0.88 against
-1.09 ms, large `Conv2d` 26.2 against 30.8 ms. Three full runs after it: medium
+Wgrad on shifted copies of `dy` (2026-12-06, ninth session): the wgrad alone is faster
+(medium 0.88 against 1.09 ms gathered, large 15.1 against 19.9 ms), the whole step the
+same within noise (`--gathered-wgrad`, and an A/B of the two alone in one process, 200
+rounds: medium 2.18 against 2.19 ms, large 31.7 against 31.6 ms; which program runs
+right after the float32 one moves its time by up to ~15% between processes, so a
+single run's ratios carry that much noise). Three full runs after it: medium
 1.96x / 1.59x / 1.90x, small `ConvTranspose2d` k4 s4 1.91x / 1.68x / 2.20x,
 `ConvTranspose1d` k4 s4 1.81x / 1.52x / 2.09x, every other layer 0.24-1.86x.
 
