@@ -136,3 +136,15 @@ def test_layers_of_different_lengths_are_refused():
         nvfp4x.scan_layers(body, H, bad)
     with pytest.raises(ValueError, match="one length"):
         nvfp4x.scan_layers(body, H, {"scalar": jnp.float32(1.0)})
+
+
+def test_an_ensemble_of_stacks_vmapped():
+    """`jax.vmap` over an ensemble of stacks (each member its own weights): each member's
+    scan, by index, equals its `lax.scan`, on the XLA path and the TPU kernel's."""
+    make = lambda k: eqx.filter_vmap(Block)(jax.random.split(k, LAYERS))  # noqa: E731
+    ensemble = eqx.filter_vmap(make)(jax.random.split(jax.random.key(2), 2))
+    frozen = nvfp4x.freeze(nvfp4x.quantize(ensemble, "nvfp4_inference"))
+    run = lambda f: eqx.filter_jit(eqx.filter_vmap(f, in_axes=(0, None)))  # noqa: E731
+    for impl in ("xla", "mosaic"):
+        with _kernels.use("frozen_gemm", impl):
+            assert_bits(run(by_index)(frozen, H), run(by_scan)(frozen, H))
