@@ -10,10 +10,11 @@ layer is).
     python -m benchmarks.bench_conv [--quick] [--repeats 15] [--only "medium: Conv2d"]
         [--gathered-wgrad]
 
-`--gathered-wgrad`: for the layers whose wgrad pairs shifted copies of `dy` with the
-input quantised once per last-axis tap (`_conv.shifts_rows`: stride 1 along the leading
-axes, output rows of whole 16-token chunks), also the step with that path off (the patch
-operand gathered from its distinct chunks), timed interleaved with the others.
+`--gathered-wgrad`: also each layer's step with the wgrad that pairs shifted copies of
+`dy` with the input quantised once per last-axis tap off (`_conv.shifts_rows`: stride 1
+along the leading axes, output rows of whole 16-token chunks; the patch operand gathered
+from its distinct chunks instead), timed interleaved with the others (where that path
+does not apply, the same program).
 
 Issue 34 item 7 (small, medium and large layers; same loaded 2-core CPU, `--repeats
 9`): small `Conv2d` 3->16 3x3 on 28x28 1.96x, small `ConvTranspose2d` 16->3 k4 s4 on
@@ -191,22 +192,6 @@ def step_fn() -> Callable:
     return lambda layer, x: grad((layer, x))
 
 
-def _shifts(layer, shape: tuple[int, ...]) -> bool:
-    """Whether the layer's wgrad takes the shifted path (`_conv.shifts_rows`)."""
-    if isinstance(layer, eqx.nn.ConvTranspose):
-        return False  # (its input is dilated)
-    spatial = shape[2:]
-    geom = _conv.Geometry(
-        tuple(layer.kernel_size),
-        tuple(layer.stride),
-        tuple(tuple(p) for p in layer.padding),
-        (1,) * len(spatial),
-        tuple(layer.dilation),
-        tuple(spatial),
-    )
-    return _conv.shifts_rows(geom, _conv.token_unit(nvfp4x.recipes.nvfp4_training()))
-
-
 @contextlib.contextmanager
 def _no_shifted_wgrad():
     """Within: convolutions traced take the gathered wgrad (`shifts_rows` off)."""
@@ -232,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--gathered-wgrad",
         action="store_true",
-        help="also time each layer whose wgrad pairs shifted copies of dy (`shifts_rows`) "
-        "with that path off (the patch operand gathered from distinct chunks), same process",
+        help="also time each layer with the wgrad that pairs shifted copies of dy "
+        "(`shifts_rows`) off (the patch operand gathered from distinct chunks), same process",
     )
     args = parser.parse_args(argv)
     repeats = 5 if args.quick else args.repeats
@@ -251,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         for m in (layer, qlayer):  # compile both first
             timed(step, m, x)
         gathered = None
-        if args.gathered_wgrad and _shifts(layer, shape):
+        if args.gathered_wgrad:  # (the same program where the shifted path does not apply)
             gathered = step_fn()
             with _no_shifted_wgrad():
                 timed(gathered, qlayer, x)  # traced and compiled with the path off

@@ -476,10 +476,9 @@ def shifted_wgrad_operands(
         for j in range(kw)
     ]
     q = jnp.stack(taps, axis=-2)  # (N, padded leading..., out width, last taps, C)
-    rows = q.shape[:-2]
     gv, gs, qv, xs = wgrad_quantised(dy, q.reshape(-1, kw * c), seed, recipe)
     g = _kernels.materialized(gv)  # read once per leading tap (XLA:CPU would requantise)
-    g = g.reshape((rows[0], *out, gv.shape[-1]))
+    g = g.reshape((x.shape[0], *out, gv.shape[-1]))
     placed = []
     for offset in itertools.product(*(range(k) for k in geom.window[:-1])):
         pads = [
@@ -488,8 +487,7 @@ def shifted_wgrad_operands(
         ]
         placed.append(jnp.pad(g, [(0, 0), *pads, (0, 0), (0, 0)]))
     g = jnp.stack(placed, axis=-2)  # (N, padded leading..., out width, leading taps, O)
-    assert g.shape[:-2] == rows, (g.shape, rows)
-    return g.reshape(math.prod(rows), -1), gs, qv, xs
+    return g.reshape(qv.shape[0], -1), gs, qv, xs  # (row for row with `q`)
 
 
 def shifted_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:

@@ -147,17 +147,6 @@ class NVFP4Spec(FormatSpec):
     def tensor_decode_scale(self, amax: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
         return jnp.vectorize(lambda m: tensor_scales(m)[1])(amax)
 
-    def packed_gemm(
-        self,
-        x: Array,
-        x_scale: Array | None,
-        w: Any,
-        implementation: str,
-        layer: Array | None = None,
-    ) -> Float[Array, "*m n"] | None:
-        got = self.packed_product(x, w, implementation, layer)
-        return None if got is None else apply_scales(got[0], x_scale, got[1])
-
     def packed_product(
         self, x: Array, w: Any, implementation: str, layer: Array | None = None
     ) -> tuple[Float[Array, "*m n"], Array | None] | None:

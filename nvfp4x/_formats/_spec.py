@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float
 
 from .._kernels._native import NativeOperand
 from .._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS
+from ._dot import apply_scales
 
 FORMATS: dict[str, str] = {}  # filled by `register`
 """The format names a [`nvfp4x.Format`][] accepts, each with a one-line description.
@@ -132,8 +133,10 @@ class FormatSpec:
         format or the case has none (the caller decodes the weight). With `layer` (an
         int32 scalar), `w` is a stack of 2-D weights `(layers, n, k)` and the product is
         with its layer `layer`, read from the stack by the kernel (no copy of the
-        slice); None where the kernel cannot (the caller slices)."""
-        return None
+        slice); None where the kernel cannot (the caller slices). `packed_product` with
+        its scales applied."""
+        got = self.packed_product(x, w, implementation, layer)
+        return None if got is None else apply_scales(got[0], x_scale, got[1])
 
     def packed_product(
         self, x: Array, w: Any, implementation: str, layer: Array | None = None

@@ -432,14 +432,14 @@ def frozen_gemm(
     matrix = 2 if layer is None else 3
     if block not in (ROW_BLOCK, TILE) or codes.ndim != matrix or wide or x.size == 0 or n == 0:
         return None
-    by_layer = {} if layer is None else {"layer": layer}
     operand = "bfloat16" if x.dtype == jnp.bfloat16 else "float32"
     if implementation == "mosaic":
         from . import _tpu_frozen_gemm  # Pallas is imported only where a kernel is picked
 
         # (off a TPU: Pallas's generic interpreter, which runs inside the frozen
         # layer's primitive under `lax.scan`; the tests run the TPU interpreter directly)
-        matmul, interpret = _tpu_frozen_gemm.frozen_matmul, backend() != "tpu" and "plain"
+        matmul = functools.partial(_tpu_frozen_gemm.frozen_matmul, layer=layer)
+        interpret = backend() != "tpu" and "plain"
     else:
         from . import _pallas_gemm
 
@@ -452,6 +452,5 @@ def frozen_gemm(
         n=n,
         operand=operand,
         interpret=interpret,
-        **by_layer,
     )
     return out.reshape(*x.shape[:-1], n)
