@@ -124,7 +124,10 @@ if [ -n "$files" ]; then
     tail -2 "$OUT/$name.log"
 fi
 if [ $# -gt 0 ]; then
-    timeout "${BENCH_SECONDS:-300}" python3 "$@" >"$OUT/script.log" 2>&1
+    # At its limit the script gets SIGABRT, on which Python's faulthandler writes every
+    # thread's stack to the log: a script that hangs shows where.
+    PYTHONFAULTHANDLER=1 timeout -s ABRT -k 20 "${BENCH_SECONDS:-300}" python3 "$@" \
+        >"$OUT/script.log" 2>&1
     echo "script exit $?" >>"$OUT/script.log"
     tail -60 "$OUT/script.log"
 fi
