@@ -550,17 +550,30 @@ def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:
     window, slots = plan.chunks.shape
     nchunks, unit, n = plan.nchunks, plan.unit, g.shape[-1]
     groups, per = plan.taps.shape
-    g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)])  # and a zero chunk
-    # Each group's taps' chunks of `dy` side by side: `(groups, slots x unit, per x n)`.
-    met_rows = plan.chunks[plan.taps].transpose(0, 2, 1)[:, :, None, :] * unit
-    met_rows = met_rows + np.arange(unit)[None, None, :, None]  # (groups, slots, unit, per)
-    met = g[jnp.asarray(met_rows.reshape(-1))].reshape(groups, slots * unit, per * n)
-    # One GEMM per group: `scaled_dot` vmapped over them (a batched GEMM: its dtype).
-    tap_gemm = lambda m, o: scaled_dot(m, gs, o, xs, ((0,), (0,)), dtype=batched_gemm_dtype(dtype))
-    out = jax.vmap(tap_gemm)(met, operand).reshape(window, n, -1)  # taps in group order
+    # `dy` as chunks, and a zero chunk last: `(nchunks + 1, unit, n)`.
+    g = jnp.concatenate([g, jnp.zeros((unit, n), g.dtype)]).reshape(nchunks + 1, unit, n)
+    met_chunks = plan.chunks[plan.taps].transpose(0, 2, 1)  # (groups, slots, per)
+    if groups > 1 and (met_chunks == met_chunks[:1]).all():
+        # Every group meets the same chunks of `dy` (a transposed convolution whose
+        # kernel is its stride: a group is a column phase, its taps the row phases):
+        # one GEMM, `dy`'s chunks gathered once, the groups' operands side by side.
+        met = g[jnp.asarray(met_chunks[0])]  # (slots, per, unit, n)
+        met = met.transpose(0, 2, 1, 3).reshape(slots * unit, per * n)
+        side = operand.transpose(1, 0, 2).reshape(slots * unit, -1)  # (.., groups x C)
+        out = scaled_dot(met, gs, side, xs, ((0,), (0,)), dtype=dtype)  # (per x n, groups x C)
+        out = out.reshape(per, n, groups, -1).transpose(2, 0, 1, 3).reshape(window, n, -1)
+    else:
+        # Each group's taps' chunks of `dy` side by side: `(groups, slots x unit, per x n)`.
+        met = g[jnp.asarray(met_chunks)]  # (groups, slots, per, unit, n)
+        met = met.transpose(0, 1, 3, 2, 4).reshape(groups, slots * unit, per * n)
+        # One GEMM per group: `scaled_dot` vmapped over them (a batched GEMM: its dtype).
+        tap_gemm = lambda m, o: scaled_dot(
+            m, gs, o, xs, ((0,), (0,)), dtype=batched_gemm_dtype(dtype)
+        )
+        out = jax.vmap(tap_gemm)(met, operand).reshape(window, n, -1)  # taps in group order
     if per > 1:
         out = out[jnp.asarray(np.argsort(plan.taps.reshape(-1)))]  # (window, n, C)
-    bad = jnp.any(~jnp.isfinite(g[: nchunks * unit].reshape(nchunks, unit, n)), axis=1)
+    bad = jnp.any(~jnp.isfinite(g[:nchunks]), axis=1)  # (nchunks, n)
     skipped_bad = jnp.any(jnp.asarray(plan.dead)[:, :, None] & bad[None], axis=1)
     out = jnp.where(skipped_bad[:, :, None], jnp.float32(jnp.nan), out)
     return jnp.transpose(out, (1, 0, 2)).reshape(n, -1)
