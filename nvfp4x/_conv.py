@@ -172,10 +172,39 @@ class Geometry:
             masks.append(np.array([i * ld + lo in read for i in range(s)]))
         return masks
 
+    @property
+    def pixel_shuffle(self) -> bool:
+        """Whether this is a transposed convolution whose kernel is its stride, without
+        padding (`ConvTranspose(k, stride=k)`: a Mixer's patch de-embedding, a U-Net's
+        up-sampling): each output pixel reads one input pixel through one tap."""
+        return all(
+            ld == w and st == 1 and rd == 1 and pad == (w - 1, w - 1)
+            for ld, w, st, rd, pad in zip(
+                self.lhs_dilation,
+                self.window,
+                self.strides,
+                self.rhs_dilation,
+                self.padding,
+                strict=True,
+            )
+        )
+
     def conv(self, a: Array, kernel: Array, precision, preferred) -> Array:
         """The convolution of channels-last `a: (N, spatial..., C)` with `kernel: (O,
-        window..., C)`, channels last."""
+        window..., C)`, channels last. Where `pixel_shuffle`, one GEMM over the channels
+        and its outputs put in place (output pixel `i x w + r` is input pixel `i`
+        through tap `w - 1 - r`): the same products, without the dilated input's zeros
+        (up to the sign of a zero sum)."""
         nsp = len(self.window)
+        if self.pixel_shuffle:
+            flipped = lax.rev(kernel, tuple(range(1, nsp + 1)))
+            dims = (((a.ndim - 1,), (kernel.ndim - 1,)), ((), ()))
+            y = lax.dot_general(
+                a, flipped, dims, precision=precision, preferred_element_type=preferred
+            )  # (N, spatial..., O, window...)
+            order = [0, *itertools.chain(*((1 + d, 2 + nsp + d) for d in range(nsp))), 1 + nsp]
+            y = jnp.transpose(y, order)  # (N, s1, w1, s2, w2, ..., O)
+            return y.reshape(a.shape[0], *self.out_spatial, kernel.shape[0])
         spec = (0, nsp + 1, *range(1, nsp + 1))
         return lax.conv_general_dilated(
             a,

@@ -9,6 +9,7 @@ telemetry runs, and what is a convolution does not depend on how the class is wr
 on a TPU a frozen NVFP4 patch GEMM is the Mosaic kernel, which sums in its own order.)
 """
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -419,6 +420,37 @@ def test_only_whole_rows_with_unit_leading_strides_shift():
     ):
         assert not shifts_rows(Geometry(**{**base, **change}), 16), change
     assert not shifts_rows(Geometry((3,), (1,), ((1, 1),), (1,), (1,), (16,)), 16)
+
+
+@pytest.mark.parametrize("window, spatial", [((4, 4), (3, 5)), ((4,), (7,)), ((2, 3, 2), (2, 3, 2))])
+def test_a_transposed_convolution_whose_kernel_is_its_stride_is_one_gemm(window, spatial):
+    """`Geometry.conv` where `pixel_shuffle` (a GEMM over the channels, its outputs put in
+    place) and its transpose (dgrad) give the convolution's and its transpose's values
+    up to float32 summation order; padding or output padding make it a plain
+    convolution again."""
+    nsp = len(window)
+    geom = Geometry(
+        window, (1,) * nsp, tuple((w - 1, w - 1) for w in window), window, (1,) * nsp, spatial
+    )
+    assert geom.pixel_shuffle
+    padded = dataclasses.replace(geom, padding=((window[0] - 2, window[0] - 1),) + geom.padding[1:])
+    assert not padded.pixel_shuffle  # (ConvTranspose's padding=1 or output_padding)
+    a, kernel = normal(0, (2, *spatial, 5)), normal(1, (3, *window, 5))
+    spec = (0, nsp + 1, *range(1, nsp + 1))
+    dn = lax.ConvDimensionNumbers(spec, spec, spec)
+    hi = lax.Precision.HIGHEST
+
+    def plain(x):
+        return lax.conv_general_dilated(
+            x, kernel, geom.strides, geom.padding, window, geom.rhs_dilation, dn, precision=hi
+        )
+
+    shuffled = jax.jit(lambda x: geom.conv(x, kernel, hi, jnp.float32))
+    assert_close(shuffled(a), jax.jit(plain)(a), "the convolution", rtol=1e-6)
+    ct = normal(2, (2, *geom.out_spatial, 3))
+    (got,) = jax.jit(jax.linear_transpose(shuffled, a))(ct)
+    (want,) = jax.jit(jax.linear_transpose(plain, a))(ct)
+    assert_close(got, want, "its transpose", rtol=1e-6)
 
 
 def test_a_grouped_convolution_is_one_problem_per_group():
