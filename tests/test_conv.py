@@ -422,7 +422,10 @@ def test_only_whole_rows_with_unit_leading_strides_shift():
     assert not shifts_rows(Geometry((3,), (1,), ((1, 1),), (1,), (1,), (16,)), 16)
 
 
-@pytest.mark.parametrize("window, spatial", [((4, 4), (3, 5)), ((4,), (7,)), ((2, 3, 2), (2, 3, 2))])
+PIXEL_SHUFFLES = [((4, 4), (3, 5)), ((4,), (7,)), ((2, 3, 2), (2, 3, 2))]
+
+
+@pytest.mark.parametrize("window, spatial", PIXEL_SHUFFLES)
 def test_a_transposed_convolution_whose_kernel_is_its_stride_is_one_gemm(window, spatial):
     """`Geometry.conv` where `pixel_shuffle` (a GEMM over the channels, its outputs put in
     place) and its transpose (dgrad) give the convolution's and its transpose's values
