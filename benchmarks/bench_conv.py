@@ -13,8 +13,10 @@ layer is).
 `--gathered-wgrad`: also each layer's step with the wgrad that pairs shifted copies of
 `dy` with the input quantised once per last-axis tap off (`_conv.shifts_rows`: stride 1
 along the leading axes, output rows of whole 16-token chunks; the patch operand gathered
-from its distinct chunks instead), timed interleaved with the others (where that path
-does not apply, the same program).
+from its distinct chunks instead), against the same step with it on, both compiled
+ahead of time with JAX's caches cleared before each (else the second compilation reuses
+the first's traces: the same program twice) and timed interleaved with the others,
+without `filter_jit`'s dispatch (where that path does not apply, the same program).
 
 Issue 34 item 7 (small, medium and large layers; same loaded 2-core CPU, `--repeats
 9`): small `Conv2d` 3->16 3x3 on 28x28 1.96x, small `ConvTranspose2d` 16->3 k4 s4 on
@@ -82,11 +84,13 @@ chunk-granular gather of the patch operand (blocks of 16 rows instead of rows) t
 the same and was left out.
 
 Wgrad on shifted copies of `dy` (2026-12-06, ninth session): the wgrad alone is faster
-(medium 0.88 against 1.09 ms gathered, large 15.1 against 19.9 ms), the whole step the
-same within noise (`--gathered-wgrad`, and an A/B of the two alone in one process, 200
-rounds: medium 2.18 against 2.19 ms, large 31.7 against 31.6 ms; which program runs
-right after the float32 one moves its time by up to ~15% between processes, so a
-single run's ratios carry that much noise). Three full runs after it: medium
+(medium 0.88 against 1.09 ms gathered, large 15.1 against 19.9 ms). The ninth session's
+whole-step A/B (the same within noise) compiled one program twice (JAX's caches reused
+the first trace); `--gathered-wgrad` clears them since (tenth session, `--repeats 41` /
+`9`): the whole step with the gathered wgrad 1.12x the shifted one's time (medium,
+2.66 against 2.37 ms) and 1.16x (large, 37.2 against 32.2 ms). Which program runs right
+after the float32 one moves its time by up to ~15% between processes, so a single
+run's ratios carry that much noise. Three full runs after it: medium
 1.96x / 1.59x / 1.90x, small `ConvTranspose2d` k4 s4 1.91x / 1.68x / 2.20x,
 `ConvTranspose1d` k4 s4 1.81x / 1.52x / 2.09x, every other layer 0.24-1.86x.
 
@@ -101,6 +105,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -203,6 +208,27 @@ def _no_shifted_wgrad():
         _conv.shifts_rows = shifts
 
 
+def compiled_pair(qlayer, x) -> tuple[tuple[Callable, Callable], tuple[Any, Any]]:
+    """The quantised layer's step compiled ahead of time twice, with wgrad on shifted
+    copies of `dy` and with it off (`_no_shifted_wgrad`), JAX's caches cleared before
+    each: nvfp4x's primitives trace jitted functions, which JAX would otherwise reuse
+    from the first trace (two compilations of one program). `((exe, exe), (args, args))`."""
+
+    def loss(args):
+        layer, x = args
+        return jnp.mean(jax.vmap(layer)(x) ** 2)
+
+    dynamic, static = eqx.partition((qlayer, x), eqx.is_array)
+    fn = jax.jit(lambda d: eqx.filter_value_and_grad(loss)(eqx.combine(d, static)))
+    exes = []
+    for context in (contextlib.nullcontext, _no_shifted_wgrad):
+        jax.clear_caches()
+        with context():
+            exes.append(fn.lower(dynamic).compile())
+    jax.clear_caches()
+    return (exes[0], exes[1]), (dynamic, dynamic)
+
+
 def timed(fn: Callable, *args) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -232,27 +258,30 @@ def main(argv: list[str] | None = None) -> dict:
         layer = make(jax.random.key(0))
         qlayer = nvfp4x.quantize(layer, policy)
         x = jax.random.normal(jax.random.key(1), shape)
+        gathered = None
+        if args.gathered_wgrad:  # (the same program where the shifted path does not apply)
+            gathered = compiled_pair(qlayer, x)  # (first: it clears JAX's caches)
         step = step_fn()
         for m in (layer, qlayer):  # compile both first
             timed(step, m, x)
-        gathered = None
-        if args.gathered_wgrad:  # (the same program where the shifted path does not apply)
-            gathered = step_fn()
-            with _no_shifted_wgrad():
-                timed(gathered, qlayer, x)  # traced and compiled with the path off
-        f32, q, qg = [], [], []
+        f32, q, qs, qg = [], [], [], []
         for _ in range(repeats):  # interleaved: all see the same machine load
             f32.append(timed(step, layer, x))
             q.append(timed(step, qlayer, x))
             if gathered is not None:
-                qg.append(timed(gathered, qlayer, x))
+                for exe, args_, times in zip(gathered[0], gathered[1], (qs, qg), strict=True):
+                    times.append(timed(exe, args_))
         t32, tq = statistics.median(f32), statistics.median(q)
         result[label] = {"float32 ms": 1e3 * t32, "nvfp4 ms": 1e3 * tq, "ratio": tq / t32}
         line = f"{label}: float32 {1e3 * t32:.2f} ms, nvfp4 {1e3 * tq:.2f} ms, x{tq / t32:.2f}"
         if qg:
-            tg = statistics.median(qg)
-            result[label]["gathered wgrad ms"] = 1e3 * tg
-            line += f" (wgrad gathered: {1e3 * tg:.2f} ms, x{tg / t32:.2f})"
+            ts, tg = statistics.median(qs), statistics.median(qg)
+            result[label]["shifted wgrad executable ms"] = 1e3 * ts
+            result[label]["gathered wgrad executable ms"] = 1e3 * tg
+            line += (
+                f" (the executables alone: wgrad on shifted dy {1e3 * ts:.2f} ms, "
+                f"gathered {1e3 * tg:.2f} ms, x{tg / ts:.2f})"
+            )
         print(line)
     return result
 
