@@ -193,8 +193,8 @@ class Geometry:
         """The convolution of channels-last `a: (N, spatial..., C)` with `kernel: (O,
         window..., C)`, channels last. Where `pixel_shuffle`, one GEMM over the channels
         and its outputs put in place (output pixel `i x w + r` is input pixel `i`
-        through tap `w - 1 - r`): the same products, without the dilated input's zeros
-        (up to the sign of a zero sum)."""
+        through tap `w - 1 - r`): the same products without the dilated input's zeros,
+        equal up to float32 summation order."""
         nsp = len(self.window)
         if self.pixel_shuffle:
             flipped = lax.rev(kernel, tuple(range(1, nsp + 1)))
