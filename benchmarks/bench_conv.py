@@ -186,14 +186,18 @@ CASES: tuple[tuple[str, Callable, tuple[int, ...]], ...] = (
 QUICK_SHRINK = 4  # --quick: a quarter of the images
 
 
+def _loss(args):
+    layer, x = args
+    return jnp.mean(jax.vmap(layer)(x) ** 2)
+
+
+#: `((layer, x)) -> (loss, (d layer, d x))`: fprop, wgrad and dgrad.
+_value_and_grad = eqx.filter_value_and_grad(_loss)
+
+
 def step_fn() -> Callable:
-    """`(layer, x) -> (loss, (d layer, d x))`: fprop, wgrad and dgrad."""
-
-    def loss(args):
-        layer, x = args
-        return jnp.mean(jax.vmap(layer)(x) ** 2)
-
-    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    """`(layer, x) -> (loss, (d layer, d x))`, jitted (a fresh cache per call)."""
+    grad = eqx.filter_jit(_value_and_grad)
     return lambda layer, x: grad((layer, x))
 
 
@@ -208,25 +212,21 @@ def _no_shifted_wgrad():
         _conv.shifts_rows = shifts
 
 
-def compiled_pair(qlayer, x) -> tuple[tuple[Callable, Callable], tuple[Any, Any]]:
+def compiled_pair(qlayer, x) -> tuple[list[Callable], Any]:
     """The quantised layer's step compiled ahead of time twice, with wgrad on shifted
     copies of `dy` and with it off (`_no_shifted_wgrad`), JAX's caches cleared before
     each: nvfp4x's primitives trace jitted functions, which JAX would otherwise reuse
-    from the first trace (two compilations of one program). `((exe, exe), (args, args))`."""
-
-    def loss(args):
-        layer, x = args
-        return jnp.mean(jax.vmap(layer)(x) ** 2)
-
+    from the first trace (two compilations of one program). `([shifted, gathered],
+    arrays)`: each executable takes the step's arrays."""
     dynamic, static = eqx.partition((qlayer, x), eqx.is_array)
-    fn = jax.jit(lambda d: eqx.filter_value_and_grad(loss)(eqx.combine(d, static)))
+    fn = jax.jit(lambda d: _value_and_grad(eqx.combine(d, static)))
     exes = []
     for context in (contextlib.nullcontext, _no_shifted_wgrad):
         jax.clear_caches()
         with context():
             exes.append(fn.lower(dynamic).compile())
     jax.clear_caches()
-    return (exes[0], exes[1]), (dynamic, dynamic)
+    return exes, dynamic
 
 
 def timed(fn: Callable, *args) -> float:
@@ -269,8 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
             f32.append(timed(step, layer, x))
             q.append(timed(step, qlayer, x))
             if gathered is not None:
-                for exe, args_, times in zip(gathered[0], gathered[1], (qs, qg), strict=True):
-                    times.append(timed(exe, args_))
+                exes, arrays = gathered
+                for exe, times in zip(exes, (qs, qg), strict=True):
+                    times.append(timed(exe, arrays))
         t32, tq = statistics.median(f32), statistics.median(q)
         result[label] = {"float32 ms": 1e3 * t32, "nvfp4 ms": 1e3 * tq, "ratio": tq / t32}
         line = f"{label}: float32 {1e3 * t32:.2f} ms, nvfp4 {1e3 * tq:.2f} ms, x{tq / t32:.2f}"

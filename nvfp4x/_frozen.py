@@ -281,17 +281,27 @@ class FrozenLinear(eqx.nn.Linear):
         if not isinstance(w, FrozenWeight):
             fix = "as `nvfp4x.freeze` makes it."
             return product_seen_by_interpreter(self, x, "nvfp4x.FrozenWeight", fix)
-        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
         if len(self.weight_shape) != 2:
             raise ValueError(
                 f"This layer's weight is stacked {self.weight_shape}; call it inside "
                 "`jax.lax.scan` or `eqx.filter_vmap` over the leading axis."
             )
+        return self._packed_forward(x, w)
 
-        matmul = functools.partial(_matmul, wdef=wdef, recipe=self.recipe, fast=self.fast)
-        # The codes take the logical weight's partition spec (`packed_sharding`).
-        weight = (self.weight_shape, leaves[0])
-        return apply_linear(self, x, matmul, tuple(leaves), weight, self.weight.dtype)
+    def _packed_forward(self, x: Any, w: "FrozenWeight", index: Array | None = None) -> Array:
+        """The GEMM on `w`'s packed leaves (with `index`: `w` is a stack of layers' and
+        the GEMM's is layer `index` of it), through `apply_linear`."""
+        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
+        indexed = index is not None
+        matmul = functools.partial(
+            _matmul, wdef=wdef, recipe=self.recipe, fast=self.fast, indexed=indexed
+        )
+        # The codes take the logical weight's partition spec (`packed_sharding`): this
+        # layer's own codes (a layer of a stack: its slice's; only its type is read).
+        codes = jax.tree_util.tree_leaves(as_qweight(self.weight).packed)[0]
+        weight = (self.weight_shape, codes)
+        operands = (*leaves, index) if indexed else tuple(leaves)
+        return apply_linear(self, x, matmul, operands, weight, self.weight.dtype)
 
 
 class FrozenLayerOfStack(FrozenLinear):
@@ -329,14 +339,7 @@ class FrozenLayerOfStack(FrozenLinear):
         w = as_qweight(self.stack)
         if not isinstance(w, FrozenWeight) or len(self.weight_shape) != 2:
             return super().__call__(x, key=key)
-        leaves, wdef = jax.tree_util.tree_flatten(w.packed)
-        matmul = functools.partial(
-            _matmul, wdef=wdef, recipe=self.recipe, fast=self.fast, indexed=True
-        )
-        index = jnp.asarray(self.index, jnp.int32)
-        # (the slice's codes carry the logical weight's partition spec; only its type is read)
-        weight = (self.weight_shape, jax.tree_util.tree_leaves(self.weight)[0])
-        return apply_linear(self, x, matmul, (*leaves, index), weight, self.weight.dtype)
+        return self._packed_forward(x, w, jnp.asarray(self.index, jnp.int32))
 
 
 def _matmul(

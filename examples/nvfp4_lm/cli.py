@@ -174,8 +174,9 @@ def time_generation(cfg: Config, n: int) -> dict[str, float]:
 
     def frozen_by(label: str, policy: nvfp4x.Policy) -> Any:
         # Eagerly: each weight's quantiser compiles once per shape, not the whole model
-        # as one program (on the CPU 1.9 s against 5.2 s, the same bits; on a TPU that
-        # program's compile is a suspect for a run that printed nothing in 530 s).
+        # as one program (the same bits; on the CPU 1.9 s against 5.2 s, on a TPU v5e
+        # 15-19 s for d_model 2048 x 8 blocks, where a run with the jitted freeze
+        # printed nothing in 530 s).
         t0 = time.perf_counter()
         out = nvfp4x.freeze(nvfp4x.quantize(model, policy))
         jax.block_until_ready(eqx.filter(out, eqx.is_array))
