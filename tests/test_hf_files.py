@@ -60,8 +60,9 @@ def read_either(directory, exports) -> str:
     again while it read it (a writer swapping exports in without pause) and said so.
     (Each `import_hf` reads one export whole; while a writer swaps exports in, the try
     with one `like` may see the other export, and the next try the first again: a few
-    rounds.)"""
-    for _ in range(5):
+    rounds; on a loaded machine the writer's swaps can fall in step with the tries for
+    many rounds in a row, each try then refused cleanly as the other export's.)"""
+    for _ in range(50):
         for kind, (_, like, frozen) in exports.items():
             try:
                 back = nvfp4x.import_hf(directory, like, names=NAMES)
