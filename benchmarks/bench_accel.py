@@ -269,6 +269,12 @@ def fastest(op: str) -> str:
     return implementations(op)[-1]
 
 
+def fastest_kernel(op: str) -> str:
+    """The last of `implementations(op)`: a kernel for this backend where there is one,
+    else the reference (on the CPU the kernel, interpreted: `--smoke` covers its rows)."""
+    return implementations(op)[-1]
+
+
 def skipped_implementations(op: str, table: Table, section: str) -> None:
     """A row naming the implementations of `op` that do not run on this backend."""
     skipped = [i for i in _kernels.IMPLEMENTATIONS[op] if i not in implementations(op)]
@@ -451,6 +457,36 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
                     note.append(f"{secs / ot:.2f}x {other}")
             table.add("quantize", f"{k}, {name} {s.rows}x{s.cols}", ms(secs), ", ".join(note))
         del x, compiled, fns
+    rht_rows(s, table, bw)
+
+
+def rht_rows(s: Sizes, table: Table, bw: float) -> None:
+    """`nvfp4x.rht` along the rows of a float32 array by each implementation of `"rht"`
+    that runs here (the Mosaic kernel on TPUs), against the floor of one read and one
+    write of it, and checked bit for bit against XLA's."""
+    x = jax.random.normal(jax.random.key(5), (s.rows, s.cols), jnp.float32)
+    floor = 2 * x.nbytes / bw
+
+    def transform(a):
+        return nvfp4x.rht(a, axis=0)
+
+    impls = implementations("rht")
+    lowerings = {f"rht ({impl})": lowering(transform, x, rht=impl) for impl in impls}
+    compiled = compile_many(lowerings, table, "quantize", 1)
+    want = compiled.get("rht (xla)")
+    for impl in impls[1:]:
+        got = compiled.get(f"rht ({impl})")
+        if want is not None and got is not None:
+            same = same_bits(want(x), got(x))
+            table.add("quantize", f"rht ({impl}) == xla bit for bit, float32", str(same))
+    fns = {k: functools.partial(f, x) for k, f in compiled.items()}
+    t = interleaved(fns, s.repeats, table, "quantize")
+    base = t.get("rht (xla)")
+    for k, secs in t.items():
+        note = f"{secs / floor:.2f}x floor (one read, one write)"
+        if base and k != "rht (xla)":
+            note += f", {secs / base:.2f}x xla"
+        table.add("quantize", f"{k}, float32 {s.rows}x{s.cols} along the rows", ms(secs), note)
 
 
 def square_gemms(s: Sizes, table: Table, section: str, fns: dict, label: str) -> None:
@@ -638,6 +674,11 @@ def train(s: Sizes, table: Table, state: dict) -> None:
     for impl in impls:
         picks = {"nvfp4_quantize": impl}
         variants[f"nvfp4 ({impl})"] = lambda p=picks: model_step(q(model, nv()), x, y, picks=p)
+    rht_kernel = {"nvfp4_quantize": best, "rht": fastest_kernel("rht")}
+    if rht_kernel["rht"] != "xla":  # (the RHT's own kernel, where one runs here)
+        variants[f"nvfp4 ({best}, rht {rht_kernel['rht']})"] = lambda: model_step(
+            q(model, nv()), x, y, picks=rht_kernel
+        )
     no_rht_sr = nv(rht=False, stochastic_rounding=False)
     variants |= {
         f"nvfp4 no RHT, no SR ({best})": lambda: model_step(q(model, no_rht_sr), x, y, picks=quick),
@@ -671,6 +712,8 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         "mixed bf16 step": steps.get("mixed bf16"),
         f"nvfp4 ({best}) step": steps.get(f"nvfp4 ({best})"),
     }
+    if state["profile_steps"] and (k := f"nvfp4 ({best}, rht {rht_kernel['rht']})") in steps:
+        state["profile_steps"][f"{k} step"] = steps[k]
     t = interleaved(dict(steps), s.repeats, table, "train")
     _zeros.clear()  # (the steps hold theirs until they go)
     base = t.get("mixed bf16")

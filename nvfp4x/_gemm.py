@@ -49,7 +49,6 @@ from ._checks import check_bool, check_float, check_str
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
-from ._numerics._hadamard import rht
 from ._numerics._threefry import fold_in_tags
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
@@ -186,7 +185,7 @@ def wgrad_operands(dy: Array, x: Array, recipe: Recipe) -> tuple[Array, Array]:
     g = dy.reshape(-1, dy.shape[-1])
     a = x.reshape(-1, x.shape[-1])
     if recipe.rht:
-        g, a = rht(g, axis=0), rht(a, axis=0)
+        g, a = _kernels.rht(g, axis=0), _kernels.rht(a, axis=0)
     return g, a
 
 

@@ -57,6 +57,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int, UInt32
 
 from ._formats import Format, batched_gemm_dtype, gemm_dtype, widest_float
+from . import _kernels
 from ._formats._dot import dot_precision
 from ._gemm import (
     batched_problem,
@@ -70,7 +71,6 @@ from ._gemm import (
     wgrad,
 )
 from ._numerics._constants import BLOCK, ROW_BLOCK
-from ._numerics._hadamard import rht
 from ._numerics._ieee import INF_BITS, abs_bits, from_bits
 from ._policy import Recipe
 from ._prims import (
@@ -373,7 +373,7 @@ def grouped_wgrad(dy, x, sizes, seeds, *, recipe: Recipe, dtype) -> Float[Array,
     dp = _to_padded(dy.astype(jnp.float32), g)
     xp = _to_padded(x.astype(jnp.float32), g)
     if recipe.rht:  # 16-row chunks: each within a group
-        dp, xp = rht(dp, axis=0), rht(xp, axis=0)
+        dp, xp = _kernels.rht(dp, axis=0), _kernels.rht(xp, axis=0)
     keys = _keys(seeds, 2) if needs_key(recipe) else None
     gv, gs = quantize_tokens(dp, recipe.grad, g, keys)
     xv, xs = quantize_tokens(xp, recipe.input, g, None)

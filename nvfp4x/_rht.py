@@ -1,11 +1,12 @@
 """`nvfp4x.rht`, the random Hadamard transform with its input checks: the checked
-public face of `_numerics._hadamard.rht` (which imports nothing from above it)."""
+public face of `_numerics._hadamard.rht` (which imports nothing from above it), its
+product by the implementation `nvfp4x._kernels` picks (a Mosaic kernel on TPUs)."""
 
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from ._checks import check_axis, check_float, check_ndim
-from ._numerics import _hadamard
+from . import _kernels
 
 
 def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
@@ -44,4 +45,4 @@ def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:
     """
     x = check_float(x)
     check_ndim(x, 1, "`rht` (a transform along `axis`)")
-    return _hadamard.rht(x, check_axis(axis, x.ndim))
+    return _kernels.rht(x, check_axis(axis, x.ndim))

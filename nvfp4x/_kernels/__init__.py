@@ -95,6 +95,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._numerics import _hadamard
 from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
 from .._numerics._threefry import seed_words
@@ -107,6 +108,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("xla", "native"),
     "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
     "frozen_gemm": ("xla", "pallas", "mosaic"),
+    "rht": ("xla", "mosaic"),
 }
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {
@@ -251,9 +253,10 @@ def pick(op: str, on: str | None = None) -> str:
 
 
 def picks() -> tuple[tuple[str, str], ...]:
-    """Every operation's pick now, `((op, implementation), ...)`: a cache key for code
-    that asks `pick` when it is traced (`_prims.compiled`)."""
-    return tuple((op, pick(op)) for op in IMPLEMENTATIONS)
+    """Every operation's pick now, `((op, implementation), ...)`, and the backend traced
+    for (`("backend", ...)`: whether a kernel runs compiled or interpreted): a cache key
+    for code that asks `pick` when it is traced (`_prims.compiled`)."""
+    return (*((op, pick(op)) for op in IMPLEMENTATIONS), ("backend", backend()))
 
 
 @contextlib.contextmanager
@@ -365,6 +368,38 @@ def nvfp4_operand(a: Array, block, rounding: str, scale_rounding: str, axis: int
     assert values is not None  # `kernel("values")` returns them
     values = values[tuple(slice(0, n) for n in moved.shape)]
     return (values if moved is a else jnp.moveaxis(values, -1, axis)), s_dec
+
+
+def rht(x: Array, axis: int = 0) -> Array:
+    """`_hadamard.rht(x, axis)` (the random Hadamard transform along `axis`, unchecked),
+    its product by the picked implementation of `"rht"`: `"mosaic"` (`_tpu_rht`) where
+    no chunk column needs scaling and the array is one the kernel takes, else XLA's
+    `_plain`; the same bits either way."""
+    if pick("rht") == "mosaic":
+        return _hadamard.rht(x, axis, product=_MOSAIC_RHT_PRODUCTS[backend() == "tpu"])
+    return _hadamard.rht(x, axis)
+
+
+def _mosaic_rht_product(chunks: Array, interpret: bool | str) -> Array:
+    """`_hadamard._plain(chunks)` by the TPU kernel, where it takes the `(chunks * 16,
+    columns)` array."""
+    from . import _tpu_rht
+
+    c, rows, m = chunks.shape
+    if not _tpu_rht.applies((c * rows, m)):
+        return _hadamard._plain(chunks)
+    flat = _tpu_rht.transform(chunks.reshape(c * rows, m), interpret=interpret)
+    return flat.reshape(chunks.shape)
+
+
+#: `_mosaic_rht_product` compiled (on a TPU: `True`) or, off a TPU, in Pallas's generic
+#: interpreter, which runs inside the layers' primitives (the tests run the TPU
+#: interpreter directly). One function each: `lax.cond` keeps a branch's trace by the
+#: function, so the two must not share one.
+_MOSAIC_RHT_PRODUCTS = {
+    True: functools.partial(_mosaic_rht_product, interpret=False),
+    False: functools.partial(_mosaic_rht_product, interpret="plain"),
+}
 
 
 def native_gemm(

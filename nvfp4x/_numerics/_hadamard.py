@@ -1,6 +1,8 @@
 """The random Hadamard transform of spec §4: `H = diag(s) @ H16 / 4` on 16-row chunks."""
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +54,15 @@ def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
     return (np.asarray(signs, np.float32)[:, None] * h / 4.0).astype(np.float32)
 
 
-def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+def rht(
+    x: Float[Array, "..."], axis: int = 0, product: Callable[[Array], Array] | None = None
+) -> Float[Array, "..."]:
     """`nvfp4x.rht` on a float array and a valid axis, without input checks (its callers:
     `nvfp4x.rht`, which checks them, and the GEMMs, whose operands are checked already);
-    see `nvfp4x.rht` (`_rht.py`) for what it computes."""
+    see `nvfp4x.rht` (`_rht.py`) for what it computes. `product`: where no chunk column
+    needs scaling, the function that computes `_plain(chunks)` (bit for bit; a kernel,
+    picked in `nvfp4x._kernels`); default `_plain`. A module-level function, so that
+    `lax.cond` reuses its traced branch."""
     axis = axis % x.ndim
     x = jnp.moveaxis(to_float32(x), axis, 0)
     pad = -x.shape[0] % BLOCK
@@ -68,7 +75,8 @@ def rht(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     # `cond` on that path, as the other has one for `near_max`).
     amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
     special = (amax_bits >= _BIG_BITS) | ((amax_bits < _TINY_BITS) & (amax_bits > 0))
-    y = jax.lax.cond(jnp.any(special), _guarded, _unguarded, chunks, amax_bits)
+    unguarded = _unguarded if product is None else _unguarded_by(product)
+    y = jax.lax.cond(jnp.any(special), _guarded, unguarded, chunks, amax_bits)
     y = y.reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
 
@@ -108,6 +116,17 @@ def _plain(chunks: Array) -> Array:
 def _unguarded(chunks: Array, amax_bits: Array) -> Array:
     del amax_bits
     return _plain(chunks)
+
+
+@functools.cache
+def _unguarded_by(product: Callable[[Array], Array]) -> Callable[[Array, Array], Array]:
+    """`_unguarded` with `product` for `_plain` (one function per product: `cond`'s cache)."""
+
+    def unguarded(chunks: Array, amax_bits: Array) -> Array:
+        del amax_bits
+        return product(chunks)
+
+    return unguarded
 
 
 def _guarded(chunks: Array, amax_bits: Array) -> Array:

@@ -1,0 +1,115 @@
+"""The Mosaic (Pallas TPU) Hadamard transform equals the library's defined order bit for bit.
+
+On a CPU the kernel runs in the TPU interpreter (`pltpu.InterpretParams()`); on a TPU the
+same tests run it compiled. The kernel is picked explicitly (`use("rht", "mosaic")`), so
+these tests run it on every backend whatever the default.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import F32, assert_bits, ref_rht_float32
+
+import nvfp4x
+from nvfp4x import _kernels
+from nvfp4x._kernels import _tpu_rht
+from nvfp4x._numerics import _hadamard
+
+
+def data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """float32 from 2^-90 to 2^110 (no chunk column needs scaling), with exact
+    cancellations, a zero column, a column of negative zeros and one of small normals."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)) * np.exp2(rng.integers(-90, 110, (rows, cols)))
+    x[:, 3] = 0.0
+    x[:, 4] = -0.0
+    x[::2, 5] = -x[1::2, 5]
+    x[:, 7] = np.float32(2.0**-99)
+    return x.astype(F32)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(144, 200), (2064, 130)],
+    ids=["one tile, rows padded, lanes overhang", "two row tiles, two lane tiles"],
+)
+def test_the_kernel_is_the_defined_order(shape):
+    """The kernel's product equals `_plain` (the XLA path) and the NumPy float32 order,
+    bit for bit, signed zeros included; called eagerly (it is jitted) and inside a jit."""
+    x = data(*shape)
+    want = ref_rht_float32(x)
+    got = _tpu_rht.transform(jnp.asarray(x), interpret=_kernels.backend() != "tpu")
+    assert_bits(np.asarray(got), want, "kernel")
+    plain = jax.jit(lambda a: _hadamard._plain(a.reshape(-1, 16, a.shape[1])).reshape(a.shape))
+    assert_bits(np.asarray(plain(jnp.asarray(x))), want, "_plain")
+
+
+def test_rht_with_the_kernel_picked_is_rht():
+    """`nvfp4x.rht` with the kernel picked gives XLA's bits along either axis, eagerly and
+    under `jit` (a padded length); columns that need scaling (big, tiny, non-finite) take
+    the XLA path in both (the whole array then), and an array the kernel does not take
+    (8 columns) runs `_plain`."""
+    x = data(300, 160, seed=1)
+    special = x.copy()
+    special[:, 10] = np.linspace(-1.0, 1.0, x.shape[0], dtype=F32) * F32(2.0**126)  # big
+    special[:, 11] = np.float32(1e-35)  # tiny
+    special[17, 12] = np.inf
+    cases = [(x, 0, "eager"), (x.T, 1, "jit"), (special, 0, "eager"), (data(40, 8), 0, "jit")]
+    for a, axis, mode in cases:
+        want = np.asarray(nvfp4x.rht(jnp.asarray(a), axis=axis))
+        fn = nvfp4x.rht if mode == "eager" else jax.jit(nvfp4x.rht, static_argnames="axis")
+        with _kernels.use("rht", "mosaic"):
+            got = fn(jnp.asarray(a), axis=axis)
+        assert_bits(np.asarray(got), want, f"{mode} {a.shape} axis {axis}")
+
+
+def _grad_fn(model):
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def loss(arrays, x):
+        return jnp.sum(jax.vmap(eqx.combine(arrays, static))(x) ** 2)
+
+    return jax.jit(jax.grad(loss)), arrays  # (a new function: traced anew)
+
+
+def test_a_training_step_with_the_kernel_picked_has_the_same_gradients():
+    """An NVFP4 layer's gradients (wgrad's operands through the RHT) with the kernel picked
+    equal XLA's bit for bit; traced for a TPU, the step holds the kernel twice (wgrad's
+    `dy` and `x`) and lowers."""
+    model = nvfp4x.quantize(
+        eqx.nn.Linear(128, 144, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
+    )
+    x = jax.random.normal(jax.random.key(1), (256, 128))
+    fn, arrays = _grad_fn(model)
+    want = fn(arrays, x)
+    fn, arrays = _grad_fn(model)
+    with _kernels.use("rht", "mosaic"):
+        got = fn(arrays, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_bits(np.asarray(g), np.asarray(w), "gradient")
+    with pytest.MonkeyPatch.context() as mp, _kernels.use("rht", "mosaic"):
+        mp.setattr(_kernels, "backend", lambda: "tpu")
+        fn, arrays = _grad_fn(model)
+        text = fn.trace(arrays, x).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count('"nvfp4x_rht_tpu"') == 2, text.count("nvfp4x_rht_tpu")
+
+
+def test_the_kernel_lowers_for_a_tpu():
+    """The kernel lowers for a TPU (Mosaic's own compile runs on the device), on a square
+    operand and on one that pads and overhangs."""
+    for shape in ((8192, 8192), (2064, 130)):
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        lowered = jax.jit(_tpu_rht.transform).trace(x).lower(lowering_platforms=("tpu",))
+        assert "nvfp4x_rht_tpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((100, 128), jnp.float32), ((128, 64), jnp.float32), ((128, 128), jnp.bfloat16)],
+    ids=["rows not whole chunks", "too narrow", "bfloat16"],
+)
+def test_the_kernel_refuses_what_it_does_not_take(shape, dtype):
+    with pytest.raises(ValueError, match="TPU Hadamard kernel takes float32"):
+        _tpu_rht.transform(jnp.zeros(shape, dtype))
