@@ -46,7 +46,7 @@ chunk_files() {
     2) echo tests/test_fp8_tables.py tests/test_gemm_reference.py tests/test_gemm_sr.py \
         tests/test_frozen_speed_paths.py ;;
     3) echo tests/test_gemm_vmap.py tests/test_unbiased_sr.py tests/test_gemm_jax.py ;;
-    4) echo tests/test_tpu_kernels.py tests/test_tpu_frozen_kernel.py tests/test_kernels.py \
+    4) echo tests/test_tpu_kernels.py tests/test_tpu_frozen_kernel.py tests/test_tpu_rht.py tests/test_kernels.py \
         tests/test_frozen_kernel.py ;;
     5) echo tests/test_native_gemm.py tests/test_tied.py tests/test_any_model.py ;;
     6) echo tests/test_freeze.py tests/test_telemetry.py ;;

@@ -41,6 +41,16 @@ Operations:
   (`ragged_dot` on a `FrozenWeight` stored `(E, out, in)`) at a few tokens run it on
   every expert (`_frozen.FEW_EXPERT_TOKENS`), each token keeping its expert's row.
 
+- `"rht"`: the product of the random Hadamard transform (`_numerics._hadamard`'s
+  16-point fast Walsh-Hadamard butterflies, in its defined order) where no chunk column
+  needs scaling (the checks and the scaled path stay XLA's): `"xla"` (`_plain`,
+  elementwise operations) or `"mosaic"` (`_tpu_rht`, Pallas TPU: row `j` of 8 chunks
+  one vector register by strided loads; the same bits). Callers ask `rht(...)`
+  (`nvfp4x.rht`, wgrad's operands). `"mosaic"` is opt-in: on a TPU v5e (2026-12-06)
+  XLA's transform of an 8192x8192 float32 operand took ~10 ms (its reshapes use one
+  sublane of eight), 33 ms of a 79 ms training step; the kernel lowers for a TPU on the
+  CPU and equals `_plain` in the TPU interpreter, but has not been compiled on a TPU.
+
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
 CPU, and compiled on a TPU v5e (2026-12-05) bit for bit the XLA path on every case of
