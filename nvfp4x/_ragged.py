@@ -56,8 +56,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int, UInt32
 
-from ._formats import Format, batched_gemm_dtype, gemm_dtype, widest_float
 from . import _kernels
+from ._formats import Format, batched_gemm_dtype, gemm_dtype, widest_float
 from ._formats._dot import dot_precision
 from ._gemm import (
     batched_problem,

@@ -5,8 +5,8 @@ product by the implementation `nvfp4x._kernels` picks (a Mosaic kernel on TPUs).
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
-from ._checks import check_axis, check_float, check_ndim
 from . import _kernels
+from ._checks import check_axis, check_float, check_ndim
 
 
 def rht(x: ArrayLike, axis: int = 0) -> Float[Array, "..."]:

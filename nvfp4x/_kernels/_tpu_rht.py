@@ -10,8 +10,9 @@ at the copy bandwidth (TPU v5e, 2026-12-06, the training step's profile in
 `benchmarks/results/tpu_v5e.md`).
 
 Here each tile of `rows x 128` is in VMEM once, and the transform is worked on 8 chunks
-at a time (unrolled, so that every index is static): row `j` of each of 8 consecutive chunks is one strided load (sublane stride 16)
-into one vector register, the 16 such registers go through the four butterfly stages
+at a time (unrolled, so that every index is static): row `j` of each of 8 consecutive
+chunks is one strided load (sublane stride 16) into one vector register, the 16 such
+registers go through the four butterfly stages
 (`a + b`, `a - b` over rows `j` and `j + h`, `h = 1, 2, 4, 8`) and the signs, and are
 stored back the same way. The same float32 operations in the same order as `_plain`
 (times 1/4 first, then the stages, then the signs), so the same bits; the tile's last
@@ -50,7 +51,8 @@ def applies(shape: tuple[int, ...]) -> bool:
     """Whether the kernel takes a `(rows, columns)` array: rows a multiple of 16 (whole
     chunks) and at least `GROUP_ROWS`, columns at least one tile of lanes (narrower arrays
     run `_plain`: too small to matter)."""
-    return len(shape) == 2 and shape[0] % BLOCK == 0 and shape[0] >= GROUP_ROWS and shape[1] >= LANES
+    rows_ok = len(shape) == 2 and shape[0] % BLOCK == 0 and shape[0] >= GROUP_ROWS
+    return rows_ok and shape[1] >= LANES
 
 
 def _kernel(x_ref, o_ref):
