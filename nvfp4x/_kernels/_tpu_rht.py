@@ -41,10 +41,10 @@ from .._numerics._constants import BLOCK, RHT_SIGNS
 LANES = 128
 #: Rows of a tile at most (a multiple of `GROUP_ROWS`): 1 MiB of float32 in, 1 MiB out.
 ROWS = 2048
-#: `transform`'s `interpret` values: what `pallas_call` is given for each.
-_INTERPRETERS = {False: False, True: pltpu.InterpretParams(), "plain": True}
 #: Rows worked on at a time: 8 chunks of 16, one vector register per row of a chunk.
 GROUP_ROWS = 8 * BLOCK
+#: `transform`'s `interpret` values: what `pallas_call` is given for each.
+_INTERPRETERS = {False: False, True: pltpu.InterpretParams(), "plain": True}
 
 
 def applies(shape: tuple[int, ...]) -> bool:
