@@ -65,35 +65,34 @@ def test_rht_with_the_kernel_picked_is_rht():
         assert_bits(np.asarray(got), want, f"{mode} {a.shape} axis {axis}")
 
 
-def _grad_fn(model):
+def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transforms(
+    monkeypatch,
+):
+    """An NVFP4 layer's gradient step with the kernel picked, traced for a TPU, holds the
+    kernel twice (wgrad's `dy` and `x`: `_kernels.rht`, whose bits the tests above check)
+    and lowers. On a TPU the step runs too, and its gradients equal the XLA transform's
+    bit for bit (elsewhere the kernel would run interpreted: slow, and its bits are
+    checked above)."""
+    model = nvfp4x.quantize(
+        eqx.nn.Linear(128, 144, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
+    )
+    x = jax.random.normal(jax.random.key(1), (256, 128))
     arrays, static = eqx.partition(model, eqx.is_array)
 
     def loss(arrays, x):
         return jnp.sum(jax.vmap(eqx.combine(arrays, static))(x) ** 2)
 
-    return jax.jit(jax.grad(loss)), arrays  # (a new function: traced anew)
-
-
-def test_a_training_step_with_the_kernel_picked_has_the_same_gradients():
-    """An NVFP4 layer's gradients (wgrad's operands through the RHT) with the kernel picked
-    equal XLA's bit for bit; traced for a TPU, the step holds the kernel twice (wgrad's
-    `dy` and `x`) and lowers."""
-    model = nvfp4x.quantize(
-        eqx.nn.Linear(128, 144, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
-    )
-    x = jax.random.normal(jax.random.key(1), (256, 128))
-    fn, arrays = _grad_fn(model)
-    want = fn(arrays, x)
-    fn, arrays = _grad_fn(model)
+    on_tpu = _kernels.backend() == "tpu"
+    if on_tpu:
+        want = jax.jit(jax.grad(loss))(arrays, x)
+        with _kernels.use("rht", "mosaic"):
+            got = jax.jit(jax.grad(loss))(arrays, x)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert_bits(np.asarray(g), np.asarray(w), "gradient")
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
     with _kernels.use("rht", "mosaic"):
-        got = fn(arrays, x)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert_bits(np.asarray(g), np.asarray(w), "gradient")
-    with pytest.MonkeyPatch.context() as mp, _kernels.use("rht", "mosaic"):
-        mp.setattr(_kernels, "backend", lambda: "tpu")
-        fn, arrays = _grad_fn(model)
-        text = fn.trace(arrays, x).lower(lowering_platforms=("tpu",)).as_text()
-    assert text.count('"nvfp4x_rht_tpu"') == 2, text.count("nvfp4x_rht_tpu")
+        lowered = jax.jit(jax.grad(loss)).trace(arrays, x).lower(lowering_platforms=("tpu",))
+    assert lowered.as_text().count('"nvfp4x_rht_tpu"') == 2
 
 
 def test_the_kernel_lowers_for_a_tpu():
