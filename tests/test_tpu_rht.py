@@ -51,7 +51,7 @@ def test_rht_with_the_kernel_picked_is_rht():
     under `jit` (a padded length); columns that need scaling (big, tiny, non-finite) take
     the XLA path in both (the whole array then), and an array the kernel does not take
     (8 columns) runs `_plain`."""
-    x = data(300, 160, seed=1)
+    x = data(150, 130, seed=1)
     special = x.copy()
     special[:, 10] = np.linspace(-1.0, 1.0, x.shape[0], dtype=F32) * F32(2.0**126)  # big
     special[:, 11] = np.float32(1e-35)  # tiny
