@@ -460,6 +460,11 @@ def quantize(s: Sizes, table: Table, state: dict) -> None:
     rht_rows(s, table, bw)
 
 
+#: The RHT kernel's tile rows the quantize section times on a TPU (`_tpu_rht.ROWS` the
+#: default).
+RHT_ROWS = (1024, 2048, 4096)
+
+
 def rht_rows(s: Sizes, table: Table, bw: float) -> None:
     """`nvfp4x.rht` along the rows of a float32 array by each implementation of `"rht"`
     that runs here (the Mosaic kernel on TPUs), against the floor of one read and one
@@ -480,6 +485,17 @@ def rht_rows(s: Sizes, table: Table, bw: float) -> None:
             same = same_bits(want(x), got(x))
             table.add("quantize", f"rht ({impl}) == xla bit for bit, float32", str(same))
     fns = {k: functools.partial(f, x) for k, f in compiled.items()}
+    if "mosaic" in impls and _kernels.backend() == "tpu":  # the kernel's tile rows, swept
+        from nvfp4x._kernels import _tpu_rht
+
+        for rows in RHT_ROWS:
+            kernel = jax.jit(functools.partial(_tpu_rht.transform, rows=rows))
+            try:
+                same = same_bits(want(x), kernel(x)) if want is not None else None
+                table.add("quantize", f"rht kernel, {rows}-row tiles == xla bit for bit", str(same))
+                fns[f"rht kernel, {rows}-row tiles"] = functools.partial(kernel, x)
+            except Exception as e:  # noqa: BLE001
+                table.error("quantize", f"rht kernel, {rows}-row tiles", e)
     t = interleaved(fns, s.repeats, table, "quantize")
     base = t.get("rht (xla)")
     for k, secs in t.items():

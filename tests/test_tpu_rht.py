@@ -112,3 +112,8 @@ def test_the_kernel_lowers_for_a_tpu():
 def test_the_kernel_refuses_what_it_does_not_take(shape, dtype):
     with pytest.raises(ValueError, match="TPU Hadamard kernel takes float32"):
         _tpu_rht.transform(jnp.zeros(shape, dtype))
+
+
+def test_the_kernel_refuses_tiles_of_partial_groups():
+    with pytest.raises(ValueError, match="`rows` must be a positive multiple of 128"):
+        _tpu_rht.transform(jnp.zeros((256, 128), jnp.float32), rows=100)

@@ -74,13 +74,18 @@ def _kernel(x_ref, o_ref):
             o_ref[pl.ds(base + j, 8, stride=BLOCK), :] = rows[j] * signs[j]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def transform(x: Float[Array, "n m"], *, interpret: bool | str = False) -> Float[Array, "n m"]:
+@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
+def transform(
+    x: Float[Array, "n m"], *, interpret: bool | str = False, rows: int = ROWS
+) -> Float[Array, "n m"]:
     """`H` times each chunk of 16 rows of the float32 `x` (`applies(x.shape)`): the bits of
     `_hadamard._plain(x.reshape(-1, 16, m)).reshape(n, m)`. `interpret`: `True` runs the
     kernel in Pallas's TPU interpreter (any backend: tests); `"plain"` in its generic
     interpreter, which also runs inside nvfp4x's primitives (their lowering has no token
-    for the TPU interpreter's ordered callbacks)."""
+    for the TPU interpreter's ordered callbacks). `rows`: a tile's rows at most (a
+    multiple of `GROUP_ROWS`; `benchmarks/bench_accel.py` times a few on a TPU)."""
+    if rows % GROUP_ROWS or rows <= 0:
+        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
     if x.dtype != jnp.float32 or not applies(x.shape):
         raise ValueError(
             f"the TPU Hadamard kernel takes float32 (rows, columns) arrays with rows a "
@@ -90,7 +95,7 @@ def transform(x: Float[Array, "n m"], *, interpret: bool | str = False) -> Float
     n, m = x.shape
     pad = -n % GROUP_ROWS  # (zero chunks, cut off again: whole groups in every tile)
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    rows = min(ROWS, n + pad)
+    rows = min(rows, n + pad)
     spec = pl.BlockSpec((rows, LANES), lambda i, j: (i, j))
     # The last tile may overhang the array (rows: by whole groups of chunks, whose results
     # are dropped; lanes: the columns are independent).
