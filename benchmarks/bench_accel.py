@@ -269,12 +269,6 @@ def fastest(op: str) -> str:
     return implementations(op)[-1]
 
 
-def fastest_kernel(op: str) -> str:
-    """The last of `implementations(op)`: a kernel for this backend where there is one,
-    else the reference (on the CPU the kernel, interpreted: `--smoke` covers its rows)."""
-    return implementations(op)[-1]
-
-
 def skipped_implementations(op: str, table: Table, section: str) -> None:
     """A row naming the implementations of `op` that do not run on this backend."""
     skipped = [i for i in _kernels.IMPLEMENTATIONS[op] if i not in implementations(op)]
@@ -690,8 +684,9 @@ def train(s: Sizes, table: Table, state: dict) -> None:
     for impl in impls:
         picks = {"nvfp4_quantize": impl}
         variants[f"nvfp4 ({impl})"] = lambda p=picks: model_step(q(model, nv()), x, y, picks=p)
-    rht_kernel = {"nvfp4_quantize": best, "rht": fastest_kernel("rht")}
-    if rht_kernel["rht"] != "xla":  # (the RHT's own kernel, where one runs here)
+    # The RHT's own kernel, where one runs here (on the CPU interpreted: `--smoke`).
+    rht_kernel = {"nvfp4_quantize": best, "rht": implementations("rht")[-1]}
+    if rht_kernel["rht"] != "xla":
         variants[f"nvfp4 ({best}, rht {rht_kernel['rht']})"] = lambda: model_step(
             q(model, nv()), x, y, picks=rht_kernel
         )

@@ -6,7 +6,6 @@ from ._axes import _auto_gemm
 from ._conv import wgrad_plan
 from ._dispatch import interpreted_class
 from ._kernels import _cpu_multiplies_bf16, _device_capability
-from ._numerics._hadamard import _unguarded_by
 from ._numerics._nvfp4 import _fake_quantize_loops
 from ._prims import _compiled
 from ._ragged import _grouped_dot
@@ -16,8 +15,7 @@ from ._sites import _cached_traced_gemm
 #: `_auto_gemm`, `_fake_quantize_loops`), the grouped GEMM's vmap rule per dimension
 #: numbers (`_grouped_dot`), traced layer calls (`_cached_traced_gemm`, "does this
 #: module's call run a GEMM?"), the convolutions' wgrad plans (`wgrad_plan`: index tables
-#: per geometry), the RHT's branch for a kernel's product (`_unguarded_by`: emptied, the
-#: next trace makes another), the CPU feature probe and the device's compute capability.
+#: per geometry), the CPU feature probe and the device's compute capability.
 CLEARED = (
     _compiled,
     wgrad_plan,
@@ -25,7 +23,6 @@ CLEARED = (
     _fake_quantize_loops,
     _grouped_dot,
     _cached_traced_gemm,
-    _unguarded_by,
     _cpu_multiplies_bf16,
     _device_capability,
 )

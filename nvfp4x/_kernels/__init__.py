@@ -386,29 +386,29 @@ def rht(x: Array, axis: int = 0) -> Array:
     no chunk column needs scaling and the array is one the kernel takes, else XLA's
     `_plain`; the same bits either way."""
     if pick("rht") == "mosaic":
-        return _hadamard.rht(x, axis, product=_MOSAIC_RHT_PRODUCTS[backend() == "tpu"])
+        return _hadamard.rht(x, axis, unguarded=_MOSAIC_RHT_BRANCHES[backend() == "tpu"])
     return _hadamard.rht(x, axis)
 
 
-def _mosaic_rht_product(chunks: Array, interpret: bool | str) -> Array:
-    """`_hadamard._plain(chunks)` by the TPU kernel, where it takes the `(chunks * 16,
-    columns)` array."""
+def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:
+    """`_hadamard._unguarded(chunks, amax_bits)` (`_plain(chunks)`) by the TPU kernel,
+    where it takes the `(chunks * 16, columns)` array."""
     from . import _tpu_rht
 
     c, rows, m = chunks.shape
     if not _tpu_rht.applies((c * rows, m)):
-        return _hadamard._plain(chunks)
+        return _hadamard._unguarded(chunks, amax_bits)
     flat = _tpu_rht.transform(chunks.reshape(c * rows, m), interpret=interpret)
     return flat.reshape(chunks.shape)
 
 
-#: `_mosaic_rht_product` compiled (on a TPU: `True`) or, off a TPU, in Pallas's generic
+#: `_mosaic_rht_branch` compiled (on a TPU: `True`) or, off a TPU, in Pallas's generic
 #: interpreter, which runs inside the layers' primitives (the tests run the TPU
 #: interpreter directly). One function each: `lax.cond` keeps a branch's trace by the
 #: function, so the two must not share one.
-_MOSAIC_RHT_PRODUCTS = {
-    True: functools.partial(_mosaic_rht_product, interpret=False),
-    False: functools.partial(_mosaic_rht_product, interpret="plain"),
+_MOSAIC_RHT_BRANCHES = {
+    True: functools.partial(_mosaic_rht_branch, interpret=False),
+    False: functools.partial(_mosaic_rht_branch, interpret="plain"),
 }
 
 

@@ -93,12 +93,14 @@ def transform(
             f"got {x.dtype} {x.shape} (callers check `applies` first)."
         )
     n, m = x.shape
-    pad = -n % GROUP_ROWS  # (zero chunks, cut off again: whole groups in every tile)
+    # An array shorter than a tile is padded to whole groups (zero chunks, cut off again);
+    # a longer one is not copied: its last tile may overhang it (by whole chunks, as the
+    # rows are whole chunks: their results are dropped; lanes: the columns are
+    # independent).
+    pad = -n % GROUP_ROWS if n < rows else 0
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     rows = min(rows, n + pad)
     spec = pl.BlockSpec((rows, LANES), lambda i, j: (i, j))
-    # The last tile may overhang the array (rows: by whole groups of chunks, whose results
-    # are dropped; lanes: the columns are independent).
     y = pl.pallas_call(
         _kernel,
         out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.float32),

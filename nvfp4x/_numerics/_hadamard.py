@@ -1,6 +1,5 @@
 """The random Hadamard transform of spec §4: `H = diag(s) @ H16 / 4` on 16-row chunks."""
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -55,14 +54,16 @@ def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
 
 
 def rht(
-    x: Float[Array, "..."], axis: int = 0, product: Callable[[Array], Array] | None = None
+    x: Float[Array, "..."],
+    axis: int = 0,
+    unguarded: Callable[[Array, Array], Array] | None = None,
 ) -> Float[Array, "..."]:
     """`nvfp4x.rht` on a float array and a valid axis, without input checks (its callers:
     `nvfp4x.rht`, which checks them, and the GEMMs, whose operands are checked already);
-    see `nvfp4x.rht` (`_rht.py`) for what it computes. `product`: where no chunk column
-    needs scaling, the function that computes `_plain(chunks)` (bit for bit; a kernel,
-    picked in `nvfp4x._kernels`); default `_plain`. A module-level function, so that
-    `lax.cond` reuses its traced branch."""
+    see `nvfp4x.rht` (`_rht.py`) for what it computes. `unguarded`: the branch where no
+    chunk column needs scaling, `(chunks, amax_bits) -> _plain(chunks)` bit for bit (a
+    kernel's, picked in `nvfp4x._kernels`); default `_unguarded`. A module-level
+    function, so that `lax.cond` reuses its traced branch."""
     axis = axis % x.ndim
     x = jnp.moveaxis(to_float32(x), axis, 0)
     pad = -x.shape[0] % BLOCK
@@ -75,7 +76,7 @@ def rht(
     # `cond` on that path, as the other has one for `near_max`).
     amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
     special = (amax_bits >= _BIG_BITS) | ((amax_bits < _TINY_BITS) & (amax_bits > 0))
-    unguarded = _unguarded if product is None else _unguarded_by(product)
+    unguarded = _unguarded if unguarded is None else unguarded
     y = jax.lax.cond(jnp.any(special), _guarded, unguarded, chunks, amax_bits)
     y = y.reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
@@ -116,17 +117,6 @@ def _plain(chunks: Array) -> Array:
 def _unguarded(chunks: Array, amax_bits: Array) -> Array:
     del amax_bits
     return _plain(chunks)
-
-
-@functools.cache
-def _unguarded_by(product: Callable[[Array], Array]) -> Callable[[Array, Array], Array]:
-    """`_unguarded` with `product` for `_plain` (one function per product: `cond`'s cache)."""
-
-    def unguarded(chunks: Array, amax_bits: Array) -> Array:
-        del amax_bits
-        return product(chunks)
-
-    return unguarded
 
 
 def _guarded(chunks: Array, amax_bits: Array) -> Array:
