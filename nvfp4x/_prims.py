@@ -217,6 +217,19 @@ def _batch(
     return prim.bind(*folded, *args[act:], **params), nbatch
 
 
+class _Primitive(Primitive):
+    """A primitive that records, when it is bound, the implementations `nvfp4x._kernels`
+    picks then (its parameter `picks`, `_kernels.picks()`; a rebinding keeps the one it
+    is given): its impl and lowering run under those picks, so a GEMM runs what was in
+    force when it was traced, however much later it is lowered (`jax.jit(f).lower`
+    outside a `_kernels.use` block that `f`'s trace ran in, or a cached lowering reused
+    for a trace under other picks)."""
+
+    def bind(self, *args, **params):
+        params.setdefault("picks", _kernels.picks())
+        return super().bind(*args, **params)
+
+
 def primitive(
     name: str,
     fn: Callable,
@@ -245,20 +258,21 @@ def primitive(
     - `problem`: how the parameters of each problem change when there are independent
       problems (`nbatch > 0`), e.g. the GEMM operand dtype (`batched_gemm_dtype`).
 
-    **Returns:** the primitive. Its parameters are those `fn` takes, `nbatch` and
-    `labels`; bind it with `nbatch=0`. Give it derivative rules with `def_jvp` /
-    `def_transpose`.
+    **Returns:** the primitive. Its parameters are those `fn` takes, `nbatch`,
+    `labels` and `picks` (added when it is bound: `_Primitive`); bind it with
+    `nbatch=0`. Give it derivative rules with `def_jvp` / `def_transpose`.
     """
-    prim = Primitive(name)
+    prim = _Primitive(name)
 
-    def impl(*args, nbatch, **params):
+    def impl(*args, nbatch, picks=(), **params):
         for label in labels:
             del params[label]
         if nbatch and problem is not None:
             params = problem(params)
-        return compiled(fn, nbatch, **params)(*args)
+        with _kernels.picked(picks):
+            return compiled(fn, nbatch, **params)(*args)
 
-    def abstract_eval(*avals, **params):
+    def abstract_eval(*avals, picks=(), **params):
         shape, dtype = abstract(*avals, **params)
         return shaped(shape, dtype)
 

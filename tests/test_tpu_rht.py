@@ -70,9 +70,9 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
 ):
     """An NVFP4 layer's gradient step with the kernel picked, traced for a TPU, holds the
     kernel twice (wgrad's `dy` and `x`: `_kernels.rht`, whose bits the tests above check)
-    and lowers. On a TPU the step runs too, and its gradients equal the XLA transform's
-    bit for bit (elsewhere the kernel would run interpreted: slow, and its bits are
-    checked above)."""
+    and lowers, also when lowered after the `use` block its trace ran in. On a TPU the
+    step runs too, and its gradients equal the XLA transform's bit for bit (elsewhere
+    the kernel would run interpreted: slow, and its bits are checked above)."""
     model = nvfp4x.quantize(
         eqx.nn.Linear(128, 144, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
     )
@@ -90,9 +90,20 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert_bits(np.asarray(g), np.asarray(w), "gradient")
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    step = jax.jit(jax.grad(loss))
     with _kernels.use("rht", "mosaic"):
-        lowered = jax.jit(jax.grad(loss)).trace(arrays, x).lower(lowering_platforms=("tpu",))
+        traced = step.trace(arrays, x)
+    # Lowered after the block: the GEMM primitives run the picks of their binding.
+    lowered = traced.lower(lowering_platforms=("tpu",))
     assert lowered.as_text().count('"nvfp4x_rht_tpu"') == 2
+    # The step traced and lowered anew without the pick holds no kernel (no lowering of
+    # the GEMMs is reused across picks), and again with it, two. (`step` itself keeps
+    # its trace: JAX caches it by function and arguments, not by the picks.)
+    plain = jax.jit(jax.grad(loss)).trace(arrays, x).lower(lowering_platforms=("tpu",))
+    assert plain.as_text().count('"nvfp4x_rht_tpu"') == 0
+    with _kernels.use("rht", "mosaic"):
+        again = jax.jit(jax.grad(loss)).trace(arrays, x)
+    assert again.lower(lowering_platforms=("tpu",)).as_text().count('"nvfp4x_rht_tpu"') == 2
 
 
 def test_the_kernel_lowers_for_a_tpu():

@@ -289,6 +289,18 @@ def use(op: str, implementation: str) -> Iterator[None]:
             _overrides[op] = before
 
 
+@contextlib.contextmanager
+def picked(chosen: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """The implementations `chosen` (a `picks()` value; its `"backend"` entry, and any
+    operation this version does not have, ignored) picked in the `with` block: a
+    primitive's impl and lowering run under the picks of its binding (`_prims`)."""
+    with contextlib.ExitStack() as stack:
+        for op, implementation in chosen:
+            if op in IMPLEMENTATIONS:
+                stack.enter_context(use(op, implementation))
+        yield
+
+
 class Quantized(NamedTuple):
     """A kernel's NVFP4 result in the reference's padded layout (`to_blocks` grid), what
     was asked for (`run(output)`, see `_pallas_nvfp4.OUTPUTS`), the rest `None`: packed
