@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from . import _kernels
 from ._formats import Format
 from ._gemm import grad_key, mix_weight, needs_key, qdot, wgrad_operands
 from ._policy import Recipe
@@ -111,10 +112,12 @@ def _probe_jvp(primals, tangents, **params):
     return out, functools.reduce(jnp.add, parts)
 
 
-def _tangent_transpose(ct, x, w, seed, tprobe, *, recipe, nbatch, n):
+def _tangent_transpose(ct, x, w, seed, tprobe, *, recipe, nbatch, n, picks):
     if is_zero(ct):
         return [None, None, None, zero(tprobe.aval)]
-    return [None, None, None, compiled(layer_stats, nbatch, recipe=recipe)(ct, x, w, seed)]
+    with _kernels.picked(picks):  # the forward's, as the GEMMs' (`_prims._Primitive`)
+        stats = compiled(layer_stats, nbatch, recipe=recipe)(ct, x, w, seed)
+    return [None, None, None, stats]
 
 
 def_jvp(probe_p, _probe_jvp)
