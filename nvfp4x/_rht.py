@@ -1,7 +1,7 @@
 """`nvfp4x.rht`, the random Hadamard transform with its input checks: the checked
 public face of `_numerics._hadamard.rht` (which imports nothing from above it), its
-product by the implementation of `"rht"` that `nvfp4x._kernels` picks (XLA's by default;
-a Mosaic kernel for TPUs, opt-in)."""
+product by the implementation of `"rht"` that `nvfp4x._kernels` picks (on a TPU a Mosaic
+kernel, elsewhere XLA's; the same bits)."""
 
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
