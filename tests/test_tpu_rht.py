@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from reference import F32, assert_bits, ref_rht_float32
 
 import nvfp4x
@@ -128,3 +129,54 @@ def test_the_kernel_refuses_what_it_does_not_take(shape, dtype):
 def test_the_kernel_refuses_tiles_of_partial_groups():
     with pytest.raises(ValueError, match="`rows` must be a positive multiple of 128"):
         _tpu_rht.transform(jnp.zeros((256, 128), jnp.float32), rows=100)
+
+
+def _grouped_and_scanned():
+    """`(args, loss)` pairs: a grouped wgrad (a MoE's experts, `_ragged.grouped_wgrad`,
+    two groups of 100 and 156 tokens) and a `filter_vmap`-built stack of layers run by
+    `lax.scan`, quantised for training; operands the kernel takes (128 columns)."""
+    from nvfp4x import _ragged
+
+    recipe = nvfp4x.recipes.nvfp4_training()
+    sizes = jnp.asarray([100, 156], jnp.int32)
+    seeds = jnp.asarray([[1, 2], [3, 4]], jnp.uint32)
+    f32 = jnp.dtype(jnp.float32)
+
+    def grouped(args, x):
+        dy, xs = args
+        return _ragged.grouped_wgrad(dy, xs * x, sizes, seeds, recipe=recipe, dtype=f32)
+
+    tokens = jax.random.normal(jax.random.key(4), (2, 256, 128))
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(128, 128, key=k))(
+        jax.random.split(jax.random.key(5), 2)
+    )
+    arrays, static = eqx.partition(nvfp4x.quantize(stack, "nvfp4_training"), eqx.is_array)
+
+    def scanned(arrays, x):
+        def body(h, a):
+            return jax.vmap(eqx.combine(a, static))(h), None
+
+        return jnp.mean(lax.scan(body, x, arrays)[0] ** 2)
+
+    return [(tuple(tokens), grouped), (arrays, jax.grad(scanned))]
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["grouped wgrad", "scanned stack"])
+def test_the_kernel_in_grouped_and_scanned_wgrads_equals_xla(case, monkeypatch):
+    """The TPU's default transform in a MoE's grouped wgrad and in a scanned stack's
+    wgrads: results bit for bit XLA's (on the CPU the kernel in Pallas's generic
+    interpreter, inside the primitives), and the function traced for a TPU lowers with
+    the kernel (`dy` and `x` have one shape here: one lowered branch serves both)."""
+    args, fn = _grouped_and_scanned()[case]
+    x = jax.random.normal(jax.random.key(6), (256, 128))
+    results = {}
+    for implementation in ("xla", "mosaic"):
+        with _kernels.use("rht", implementation):
+            # (a new function each time: JAX caches traces by function, not by picks)
+            results[implementation] = jax.jit(lambda a, b: fn(a, b))(args, x)
+    want, got = jax.tree.leaves(results["xla"]), jax.tree.leaves(results["mosaic"])
+    for g, w in zip(got, want, strict=True):
+        assert_bits(np.asarray(g), np.asarray(w), "result")
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    lowered = jax.jit(lambda a, b: fn(a, b)).trace(args, x).lower(lowering_platforms=("tpu",))
+    assert lowered.as_text().count('"nvfp4x_rht_tpu"') == 1
