@@ -709,6 +709,29 @@ def test_rht_at_float32_max(mode):
     assert_bits(y[top], want[top], "results in the top binade")
 
 
+def test_rht_near_float32_max_a_few_chunks_at_a_time(monkeypatch):
+    """The top binade's accurate transform (`_hadamard._accurate`) runs a few chunks at a
+    time: with batches of 3 chunks of 7 (the last batch partial) the same bits as all at
+    once, and the top binade's results the exact transform rounded once (two of these
+    results are exactly -2^127, which the butterflies put 1-2 ulps below: they are
+    recomputed too, `_NEAR_MAX_BITS`)."""
+    from nvfp4x._numerics import _hadamard
+
+    rng = np.random.default_rng(12)
+    x = (FLT_MAX * rng.choice([-1, 1, 0.5, -0.5, 0.25, 0, 0.75], (112, 24))).astype(F32)
+    x = np.where(rng.random(x.shape) < 0.5, np.nextafter(x, F32(0)), x)
+    whole = np.asarray(jax.jit(nvfp4x.rht)(jnp.asarray(x)))
+    monkeypatch.setattr(_hadamard, "_ACCURATE_ELEMENTS", 3 * 16 * x.shape[1])
+    batched = np.asarray(jax.jit(nvfp4x.rht)(jnp.asarray(x)))
+    assert_bits(batched, whole, "3 chunks at a time")
+    exact = _exact_rht(x)
+    with np.errstate(over="ignore"):
+        want = exact.astype(F32)
+    top = np.abs(exact) >= 2.0**127
+    assert top.sum() > 50
+    assert_bits(batched[top], want[top], "results in the top binade")
+
+
 @MODES
 def test_mxfp8_subnormal_blocks(mode):
     # Blocks of subnormals (and a normal block): the elements, scales and dequantised

@@ -22,8 +22,11 @@ _RANGE_SHIFT = 2.0**-4
 #: by 2^`TINY_SHIFT` (`_subnormal`): otherwise a device that flushes subnormals
 #: (XLA:CPU) reads them, and the results below 2^-126, as zero.
 _TINY_BITS = (127 - 100) << 23
-#: Scaled results of big columns from this magnitude (2^123) are computed again exactly.
-_NEAR_MAX_BITS = (127 + 123) << 23
+#: Scaled results of big columns from this magnitude are computed again exactly: 2^123
+#: less 64 units in the last place below it (2^-18 of it), more than the butterflies'
+#: float32 error there (at most 2^-20 of a column's scaled amax, below 2^124), so that
+#: every result whose exact value reaches 2^123 (2^127 scaled back) is among them.
+_NEAR_MAX_BITS = ((127 + 123) << 23) - 64
 
 
 def hadamard_matrix(signs: tuple[int, ...] = RHT_SIGNS) -> np.ndarray:
@@ -125,9 +128,10 @@ def _guarded(chunks: Array, amax_bits: Array) -> Array:
     again."""
     chunks, masks = _scaled_into_range(chunks, amax_bits)
     y = _plain(chunks)
-    # Scaled results in the top binades (|y| >= 2^123, the result >= 2^127) of finite
-    # big columns: there the transform's summation error could decide whether scaling back
-    # overflows; they are computed again, to float32's nearest (`_accurate`).
+    # Scaled results in the top binades (|y| from just below 2^123, `_NEAR_MAX_BITS`: every
+    # result whose exact value is 2^127 or more) of finite big columns: there the
+    # transform's summation error could decide whether scaling back overflows; they are
+    # computed again, to float32's nearest (`_accurate`).
     near_max = masks[0] & (abs_bits(y) >= _NEAR_MAX_BITS) & (abs_bits(y) < INF_BITS)
     y = jax.lax.cond(jnp.any(near_max), _accurate, _as_is, chunks, y, near_max)
     return _scaled_back(y, masks)
@@ -143,19 +147,32 @@ def _accurate(chunks: Array, y: Array, near_max: Array) -> Array:
     rounded once to float32 (to within 2^-40 of it: a tie closer than that may round
     either way): the 16-point fast Walsh-Hadamard transform carried as unevaluated sums
     `hi + lo` (each butterfly `a ± b` by Knuth's TwoSum, exact, its error added into
-    `lo`), then times the signs and 1/4 (exact)."""
-    hi, lo = chunks, jnp.zeros_like(chunks)
+    `lo`), then times the signs and 1/4 (exact). A few chunks at a time (`lax.map`,
+    `_ACCURATE_ELEMENTS` values a batch): a branch's buffers are allocated whether or not
+    it runs, and this rare one's sums would otherwise be several copies of the operand."""
+    batch = max(1, _ACCURATE_ELEMENTS // (BLOCK * max(1, chunks.shape[-1])))
+    return jax.lax.map(_accurate_chunk, (chunks, y, near_max), batch_size=batch)
+
+
+#: Values `_accurate` transforms at a time.
+_ACCURATE_ELEMENTS = 2**18
+
+
+def _accurate_chunk(args: tuple[Array, Array, Array]) -> Array:
+    """`_accurate` of one chunk `(16, m)`."""
+    chunk, y, near_max = args
+    hi, lo = chunk, jnp.zeros_like(chunk)
     half = 1
     while half < BLOCK:
-        shape = (chunks.shape[0], BLOCK // (2 * half), 2, half, chunks.shape[-1])
-        ah, bh = jnp.moveaxis(hi.reshape(shape), 2, 0)
-        al, bl = jnp.moveaxis(lo.reshape(shape), 2, 0)
+        shape = (BLOCK // (2 * half), 2, half, chunk.shape[-1])
+        ah, bh = jnp.moveaxis(hi.reshape(shape), 1, 0)
+        al, bl = jnp.moveaxis(lo.reshape(shape), 1, 0)
         sh, sl = _sum_of_sums(ah, al, bh, bl)
         dh, dl = _sum_of_sums(ah, al, -bh, -bl)
-        hi = jnp.stack([sh, dh], axis=2).reshape(chunks.shape)
-        lo = jnp.stack([sl, dl], axis=2).reshape(chunks.shape)
+        hi = jnp.stack([sh, dh], axis=1).reshape(chunk.shape)
+        lo = jnp.stack([sl, dl], axis=1).reshape(chunk.shape)
         half *= 2
-    signs = jnp.asarray(np.asarray(RHT_SIGNS, np.float32) / 4)[None, :, None]
+    signs = jnp.asarray(np.asarray(RHT_SIGNS, np.float32) / 4)[:, None]
     return jnp.where(near_max, hi * signs, y)
 
 
