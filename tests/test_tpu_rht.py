@@ -132,9 +132,10 @@ def test_the_kernel_refuses_tiles_of_partial_groups():
 
 
 def _grouped_and_scanned():
-    """`(args, loss)` pairs: a grouped wgrad (a MoE's experts, `_ragged.grouped_wgrad`,
-    two groups of 100 and 156 tokens) and a `filter_vmap`-built stack of layers run by
-    `lax.scan`, quantised for training; operands the kernel takes (128 columns)."""
+    """`(args, function of (args, x))` pairs: a grouped wgrad (a MoE's experts,
+    `_ragged.grouped_wgrad`, two groups of 100 and 156 tokens) and the gradient of a
+    `filter_vmap`-built stack of layers run by `lax.scan`, quantised for training;
+    operands the kernel takes (128 columns)."""
     from nvfp4x import _ragged
 
     recipe = nvfp4x.recipes.nvfp4_training()
@@ -165,8 +166,9 @@ def _grouped_and_scanned():
 def test_the_kernel_in_grouped_and_scanned_wgrads_equals_xla(case, monkeypatch):
     """The TPU's default transform in a MoE's grouped wgrad and in a scanned stack's
     wgrads: results bit for bit XLA's (on the CPU the kernel in Pallas's generic
-    interpreter, inside the primitives), and the function traced for a TPU lowers with
-    the kernel (`dy` and `x` have one shape here: one lowered branch serves both)."""
+    interpreter; the stack's inside its GEMM primitives), and the function traced for a
+    TPU lowers with the kernel (`dy` and `x` have one shape here: one lowered branch
+    serves both)."""
     args, fn = _grouped_and_scanned()[case]
     x = jax.random.normal(jax.random.key(6), (256, 128))
     results = {}
