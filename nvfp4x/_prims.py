@@ -134,13 +134,29 @@ def is_undefined(x: Any) -> bool:
 
 
 def def_jvp(prim: Primitive, rule: Callable) -> None:
-    """`rule(primals, tangents, **params) -> (out, tangent_out)`."""
-    ad.primitive_jvps[prim] = rule
+    """`rule(primals, tangents, **params) -> (out, tangent_out)`, run under the kernel
+    picks of the primitive's binding (`_under_picks`)."""
+    ad.primitive_jvps[prim] = _under_picks(rule)
 
 
 def def_transpose(prim: Primitive, rule: Callable) -> None:
-    """`rule(cotangent, *operands, **params) -> [cotangent of each operand or None]`."""
-    ad.primitive_transposes[prim] = rule
+    """`rule(cotangent, *operands, **params) -> [cotangent of each operand or None]`,
+    run under the kernel picks of the primitive's binding (`_under_picks`)."""
+    ad.primitive_transposes[prim] = _under_picks(rule)
+
+
+def _under_picks(rule: Callable) -> Callable:
+    """`rule` run under `params["picks"]` (`_Primitive`: the picks in force when the
+    primitive was bound; none for others), which it also receives: what it computes
+    itself and the primitives it binds (with `**params`) run what the forward was
+    traced with."""
+
+    @functools.wraps(rule)
+    def wrapped(*args, **params):
+        with _kernels.picked(params.get("picks", ())):
+            return rule(*args, **params)
+
+    return wrapped
 
 
 # --- running one problem, vmapped ---

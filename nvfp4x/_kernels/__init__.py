@@ -268,8 +268,9 @@ def pick(op: str, on: str | None = None) -> str:
 
 def picks() -> tuple[tuple[str, str], ...]:
     """Every operation's pick now, `((op, implementation), ...)`, and the backend traced
-    for (`("backend", ...)`: whether a kernel runs compiled or interpreted): a cache key
-    for code that asks `pick` when it is traced (`_prims.compiled`)."""
+    for (`("backend", ...)`: whether a kernel runs compiled or interpreted): what an
+    nvfp4x primitive records when it is bound (`_prims._Primitive`), and a cache key for
+    code that asks `pick` when it is traced (`_prims.compiled`)."""
     return (*((op, pick(op)) for op in IMPLEMENTATIONS), ("backend", backend()))
 
 
@@ -295,9 +296,9 @@ def use(op: str, implementation: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def picked(chosen: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """The implementations `chosen` (a `picks()` value; its `"backend"` entry, and any
-    operation this version does not have, ignored) picked in the `with` block: a
-    primitive's impl and lowering run under the picks of its binding (`_prims`)."""
+    """The implementations `chosen` (a `picks()` value, its `"backend"` entry ignored)
+    picked in the `with` block: a primitive's impl, lowering and derivative rules run
+    under the picks of its binding (`_prims`)."""
     with contextlib.ExitStack() as stack:
         for op, implementation in chosen:
             if op in IMPLEMENTATIONS:
