@@ -72,6 +72,9 @@ def main() -> int:
     x8 = (np.arange(256, dtype=np.uint8)).view(e4m3)
     x8 = x8[~np.isnan(x8.astype(F32))]
     bf = x.astype(ml_dtypes.bfloat16)
+    # Every E2M1 value (0.5 and -0.5 its subnormals), as float32 and as float4_e2m1fn;
+    # the native GEMMs' `split_blocks` writes its codes by this convert.
+    f4 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)
     with np.errstate(all="ignore"):
         rows = {
             "x * 2 (arithmetic)": (lambda a: a * 2, x, x * F32(2)),
@@ -91,6 +94,13 @@ def main() -> int:
                 x8,
             ),
             "convert e4m3 -> f32": (lambda a: a.astype(jnp.float32), x8, x8.astype(F32)),
+            "convert f32 -> e2m1": (lambda a: a.astype(jnp.float4_e2m1fn), f4.astype(F32), f4),
+            "convert e2m1 -> f32": (lambda a: a.astype(jnp.float32), f4, f4.astype(F32)),
+            "convert f32 -> e2m1 (x 2^-9)": (
+                lambda a: (a * F32(512)).astype(jnp.float4_e2m1fn),
+                f4.astype(F32) / F32(512),
+                f4,
+            ),
             "convert f16 -> f32": (
                 lambda a: a.astype(jnp.float32),
                 np.arange(1, 1024, dtype=np.uint16).view(np.float16),

@@ -30,7 +30,7 @@
 # command where their times add up to ~540 s. The first start of a machine adds 1-2 minutes before this script, the
 # installs here 20 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
-# (JUnit: every test's outcome and time), $OUT/script.log.
+# (JUnit: every test's outcome and time), $OUT/script.log, $OUT/extra.tar (any other files).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -130,4 +130,12 @@ if [ $# -gt 0 ]; then
         >"$OUT/script.log" 2>&1
     echo "script exit $?" >>"$OUT/script.log"
     tail -60 "$OUT/script.log"
+fi
+# The `device` tool returns at most 8 files from $OUT: the logs, JUnit files and tables
+# stay as they are, anything else (a profile's HLO files) goes into one archive.
+extra=$(find "$OUT" -maxdepth 1 -type f ! -name '*.log' ! -name '*.xml' ! -name '*.md' \
+    ! -name '*.txt' ! -name 'extra.tar' -printf '%f\n')
+if [ -n "$extra" ]; then
+    # shellcheck disable=SC2086
+    (cd "$OUT" && tar -cf extra.tar $extra && rm -f $extra)
 fi

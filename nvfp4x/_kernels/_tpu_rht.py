@@ -55,23 +55,30 @@ def applies(shape: tuple[int, ...]) -> bool:
     return rows_ok and shape[1] >= LANES
 
 
+def butterflies(rows: list[Array]) -> list[Array]:
+    """`_plain`'s operations on the 16 rows of a group of chunks (`rows[j]`: row `j` of
+    each chunk, any shape), in its order: times 1/4, the four butterfly stages (`a + b`,
+    `a - b` over rows `j` and `j + h`, `h = 1, 2, 4, 8`), times the signs. Also the
+    prologue of `_tpu_operand`'s kernel."""
+    rows = [r * np.float32(0.25) for r in rows]
+    half = 1
+    while half < BLOCK:  # `_plain`'s stages: rows j and j + half of each chunk
+        staged = list(rows)
+        for j in range(BLOCK):
+            if not j & half:
+                staged[j] = rows[j] + rows[j + half]
+                staged[j + half] = rows[j] - rows[j + half]
+        rows, half = staged, 2 * half
+    return [r * np.float32(s) for r, s in zip(rows, RHT_SIGNS, strict=True)]
+
+
 def _kernel(x_ref, o_ref):
     """One tile, `GROUP_ROWS` rows at a time (unrolled: every load and store has static
     indices), row `j` of 8 chunks one `(8, 128)` value."""
-    signs = [np.float32(s) for s in RHT_SIGNS]
-    quarter = np.float32(0.25)
     for base in range(0, x_ref.shape[0], GROUP_ROWS):
-        rows = [x_ref[pl.ds(base + j, 8, stride=BLOCK), :] * quarter for j in range(BLOCK)]
-        half = 1
-        while half < BLOCK:  # `_plain`'s stages: rows j and j + half of each chunk
-            staged = list(rows)
-            for j in range(BLOCK):
-                if not j & half:
-                    staged[j] = rows[j] + rows[j + half]
-                    staged[j + half] = rows[j] - rows[j + half]
-            rows, half = staged, 2 * half
+        rows = butterflies([x_ref[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)])
         for j in range(BLOCK):
-            o_ref[pl.ds(base + j, 8, stride=BLOCK), :] = rows[j] * signs[j]
+            o_ref[pl.ds(base + j, 8, stride=BLOCK), :] = rows[j]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "rows"))

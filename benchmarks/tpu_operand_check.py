@@ -1,0 +1,117 @@
+"""The 16x1 GEMM operand kernel (`nvfp4x._kernels._tpu_operand`) on a TPU (issue 37):
+compiles, bits, speed against `_tpu_quantize`'s kernel and the memory floor.
+
+```
+python benchmarks/tpu_operand_check.py --out PATH [--repeats N] [--size N]
+python benchmarks/tpu_operand_check.py --smoke     # small, interpreted, on a CPU
+```
+
+Each case quantises an `N x N` array (8192: the training benchmark's largest wgrad
+operands) in 16x1 blocks to bfloat16 block values with the tensor amax given, by
+`_tpu_quantize.quantize_2d(..., block=(16, 1), output="values")` ("quantize_2d") and by
+`_tpu_operand.operand` ("operand"), compares their bits, and times both (medians of
+`--repeats`, interleaved) against the floor: the input read once and the bfloat16
+values written once, at the copy bandwidth measured first. The `rht` cases compare the
+transform's kernel followed by `quantize_2d` with `operand(..., rht=True)`, whose floor
+is the same one read and one write. Then the operand kernel's tile rows, swept.
+"""
+
+import argparse
+import functools
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.tpu_quantize_check import Report, copy_bandwidth, same_bits, test_array, timed
+from nvfp4x._kernels import _tpu_operand, _tpu_quantize, _tpu_rht
+from nvfp4x._numerics._nvfp4 import amax_of_bits
+
+SEED = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    n = 256 if a.smoke else a.size
+    interpret = jax.default_backend() != "tpu"
+    report = Report(a.out)
+    report.line(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {n}x{n}")
+    bw = copy_bandwidth((n, n), a.repeats)
+    report.line(f"copy bandwidth (x + 1, float32): {bw / 1e9:.0f} GB/s")
+    report.line("")
+    report.line("| case | same bits | quantize_2d ms | x floor | operand ms | x floor | ratio |")
+    report.line("|---|---|---|---|---|---|---|")
+    ok = True
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for rounding in ("nearest", "stochastic"):
+            for rht in (False, True) if dtype == jnp.float32 else (False,):
+                name = f"{jnp.dtype(dtype).name} {rounding}{' rht' if rht else ''}"
+                try:
+                    ok &= case(report, name, n, dtype, rounding, rht, bw, a.repeats, interpret)
+                except Exception:  # noqa: BLE001
+                    ok = False
+                    report.line(f"| {name} | error | | | | | |")
+                    traceback.print_exc()
+    report.line("")
+    report.line("| operand kernel, float32 nearest | same bits | ms | x floor |")
+    report.line("|---|---|---|---|")
+    x = test_array((n, n), jnp.float32)
+    amax = amax_of_bits(x)
+    want = jax.jit(functools.partial(_tpu_operand.operand, interpret=interpret))(x, amax)[0]
+    floor = (x.nbytes + x.size * 2) / bw
+    fns = {}
+    for rows in (256, 512, 1024, 2048) if not a.smoke else (128, 256):
+        f = jax.jit(functools.partial(_tpu_operand.operand, rows=rows, interpret=interpret))
+        try:
+            same = same_bits(want, f(x, amax)[0])
+            ok &= same
+            fns[(rows, same)] = functools.partial(f, x, amax)
+        except Exception:  # noqa: BLE001
+            ok = False
+            report.line(f"| {rows}-row tiles | error | | |")
+            traceback.print_exc()
+    for (rows, same), t in timed(fns, a.repeats).items():
+        report.line(f"| {rows}-row tiles | {same} | {t * 1e3:.3f} | {t / floor:.2f}x |")
+    report.line("")
+    report.line(f"all cases compiled and bit for bit: {ok}")
+    return 0 if ok else 1
+
+
+def case(report, name, n, dtype, rounding, rht, bw, repeats, interpret) -> bool:
+    x = test_array((n, n), dtype, seed=1)
+    seed = SEED if rounding == "stochastic" else None
+    if rht:
+        x = jax.random.normal(jax.random.key(3), (n, n), jnp.float32)  # (no special columns)
+        y = jax.jit(functools.partial(_tpu_rht.transform, interpret=interpret))(x)
+        amax = amax_of_bits(y)
+    else:
+        amax = amax_of_bits(x.astype(jnp.float32))
+
+    def old(x, amax, seed):
+        y = _tpu_rht.transform(x, interpret=interpret) if rht else x
+        kw = dict(block=(16, 1), rounding=rounding, output="values", interpret=interpret)
+        return _tpu_quantize.quantize_2d(y, amax, seed, **kw)[0]
+
+    def new(x, amax, seed):
+        kw = dict(rounding=rounding, rht=rht, interpret=interpret)
+        return _tpu_operand.operand(x, amax, seed, **kw)[0]
+
+    f_old, f_new = jax.jit(old), jax.jit(new)
+    same = same_bits(f_old(x, amax, seed), f_new(x, amax, seed))
+    t = timed({"old": lambda: f_old(x, amax, seed), "new": lambda: f_new(x, amax, seed)}, repeats)
+    floor = (x.nbytes + x.size * 2) / bw
+    report.line(
+        f"| {name} | {same} | {t['old'] * 1e3:.3f} | {t['old'] / floor:.2f}x | "
+        f"{t['new'] * 1e3:.3f} | {t['new'] / floor:.2f}x | {t['new'] / t['old']:.2f}x |"
+    )
+    return same
+
+
+if __name__ == "__main__":
+    sys.exit(main())

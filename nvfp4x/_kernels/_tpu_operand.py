@@ -1,0 +1,213 @@
+"""The NVFP4 GEMM operand of 16x1 blocks (16 rows of a column: wgrad's operands, blocked
+along the tokens) as a Pallas kernel for TPUs (Mosaic), optionally after the random
+Hadamard transform of the same 16 rows.
+
+`_tpu_quantize`'s kernel holds chunks of `128 x 512` elements (64 vector registers per
+value) and reduces each block of 16 rows with a sublane reduction: every step of its
+element work is a pass over VMEM, and it ran at 3.5-4.6x the memory floor on a TPU v5e
+whatever its operation count (`benchmarks/results/tpu_v5e.md`). Here a tile is `rows x
+128` (one lane tile wide: Mosaic's strided loads take only memrefs that wide) and is
+worked on 128 rows (8 blocks) at a time: row `j` of each of the 8 blocks is one strided
+load (sublane stride 16) into one `(8, 128)` vector register, so that
+
+- a block's maximum is the elementwise maximum of 16 registers (no sublane reduction),
+  and the per-block steps (`_tpu_quantize._block_steps`: the reference's block scale
+  and its inverse) run once on one register for 8 x 128 blocks;
+- the element steps run on 16 registers, and the E2M1 rounding is float32 arithmetic
+  instead of seven comparisons: to the nearest (ties to even) by `(a + c) - c` with `c`
+  the power of two whose unit in the last place is the E2M1 step at `a` (0.5 below 2,
+  1 below 4, 2 above), saturated at 6; stochastically by `_exact.encode_stochastic`'s
+  steps, its thresholds hashed from each element's index in the caller's array
+  (`_tpu_quantize._uniform`);
+- with `rht=True` the 16 registers first go through the 16-point transform's butterfly
+  stages (`_tpu_rht.butterflies`: `_hadamard._plain`'s operations in its order, so its
+  bits), so that the transformed operand is never written to memory.
+
+The values (`e2m1 * scale_b`, exact in float32) are stored back the same strided way
+into a float32 scratch, then converted to the bfloat16 output one group at a time; a
+bfloat16 input is converted to a float32 scratch first (strided loads of packed
+bfloat16 rows are not what Mosaic takes). The tensor amax comes from the caller (an XLA
+reduction, or `rht_amax` here for the transformed operand).
+
+Same bits as the reference (`_numerics._nvfp4`'s quantiser, and `_hadamard.rht` before
+it with `rht=True`), tested in the TPU interpreter on the CPU (`tests/test_tpu_operand.py`)
+and lowered for a TPU there; the same tests run the compiled kernel on a TPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float
+
+from .._numerics._constants import BLOCK
+from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, from_bits
+from . import _exact
+from ._tpu_quantize import _NPARAMS, _ONE, _block_steps, _uniform
+from ._tpu_rht import butterflies
+
+#: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
+LANES = 128
+#: Rows worked on at a time: 8 blocks of 16, one vector register per row of a block.
+GROUP_ROWS = 8 * BLOCK
+#: Rows of a tile at most (a multiple of `GROUP_ROWS`).
+ROWS = 1024
+#: `interpret` values: what `pallas_call` is given for each.
+_INTERPRETERS = {False: False, True: pltpu.InterpretParams(), "plain": True}
+#: `c` of the nearest rounding, by the E2M1 step at `a`: `ulp(c) == step`.
+_C_HALF, _C_ONE, _C_TWO = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
+
+
+def applies(shape: tuple[int, ...], dtype) -> bool:
+    """Whether the kernel takes a `(rows, columns)` array: rows a multiple of 16 (whole
+    blocks), at least one lane tile of columns, float32 or bfloat16."""
+    ok = len(shape) == 2 and shape[0] % BLOCK == 0 and shape[0] > 0 and shape[1] >= LANES
+    return ok and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _signed(mag: Array, sign: Array) -> Array:
+    """`mag` (float32, `>= 0`) with its sign bit set where `sign`: `_exact.decode`'s
+    sign, so that code 8 is `-0.0`."""
+    bits = jax.lax.bitcast_convert_type(mag, jnp.int32)
+    return from_bits(bits | jnp.where(sign, jnp.int32(-(2**31)), jnp.int32(0)))
+
+
+def _nearest(a: Array) -> Array:
+    """The E2M1 value nearest `a >= 0` (ties to even, saturating at 6; NaN gives 0):
+    `_exact.encode_nearest`'s magnitude, decoded."""
+    c = jnp.where(a < 2.0, _C_HALF, jnp.where(a < 4.0, _C_ONE, _C_TWO))
+    r = jnp.minimum((a + c) - c, np.float32(6.0))
+    return jnp.where(a == a, r, np.float32(0.0))  # (NaN)
+
+
+def _stochastic(a: Array, u: Array) -> Array:
+    """`_exact.encode_stochastic(a, u)`'s magnitude, decoded (`a >= 0`; NaN gives 0)."""
+    a6 = jnp.minimum(a, np.float32(6.0))
+    small, mid = a6 < 2.0, a6 < 4.0
+    step = jnp.where(small, np.float32(0.5), jnp.where(mid, np.float32(1.0), np.float32(2.0)))
+    inv = jnp.where(small, np.float32(2.0), jnp.where(mid, np.float32(1.0), np.float32(0.5)))
+    lo = jnp.floor(a6 * inv) * step
+    q = jnp.where(u < (a6 - lo) * inv, lo + step, lo)
+    return jnp.where(a == a, q, np.float32(0.0))
+
+
+def _group(rows: list[Array], row0, col, refs, *, rounding: str, cols: int) -> list[Array]:
+    """The values (float32) of the 8 blocks of one group: `rows[j]` row `j` of each
+    block (sublane `s` block `s`), `row0` the caller's row of the group's first row,
+    `col` the caller's column of each lane (`(8, 128)` int32)."""
+    params_ref, seed_ref, table_ref = refs
+    ab = [jax.lax.bitcast_convert_type(r, jnp.int32) & 0x7FFFFFFF for r in rows]
+    bmax = ab[0]
+    for b in ab[1:]:
+        bmax = jnp.maximum(bmax, b)  # (NaN above inf)
+    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
+    nan_block = bits == 0x7F
+    if rounding == "stochastic":
+        sub_row = jax.lax.broadcasted_iota(jnp.int32, bmax.shape, 0) * BLOCK
+    out = []
+    for j, (r, a_bits) in enumerate(zip(rows, ab, strict=True)):
+        # `mul_normal(|x|, inv_b, inv_sub)`: a subnormal `x` is its 23-bit field times
+        # `inv_b * 2^-149`.
+        sub = a_bits < MIN_NORMAL_BITS
+        a = jnp.where(sub, a_bits.astype(jnp.float32) * inv_sub, from_bits(a_bits) * inv)
+        negative = jax.lax.bitcast_convert_type(r, jnp.int32) < 0
+        if rounding == "nearest":
+            mag = _nearest(a)
+            # The reference's sign is `x * inv_b`'s: `x`'s, or in a NaN block that of
+            # the NaN product (`+NaN`, or a NaN `x` itself).
+            sign = negative & (~nan_block | (a_bits > INF_BITS))
+        else:
+            mag = _stochastic(a, _uniform(seed_ref, row0 + sub_row + j, col, cols))
+            sign = negative & ~nan_block  # (`round_stochastic` gives NaN code 0)
+        out.append(_signed(mag, sign) * scale_b)  # exact
+    return out
+
+
+def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, rounding, rht, cols):
+    """One tile `rows x 128`, a group of 128 rows at a time (unrolled: every strided
+    load and store has static indices)."""
+    tr = x_ref.shape[0]
+    src = x_ref
+    if x_ref.dtype != jnp.float32:  # (bfloat16: widened into a float32 scratch first)
+        src = scratch[1]
+        src[...] = x_ref[...].astype(jnp.float32)
+    dst = scratch[0]
+    r_tile = pl.program_id(0) * tr
+    col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
+    refs = (params_ref, seed_ref, table_ref)
+    for base in range(0, tr, GROUP_ROWS):
+        rows = [src[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
+        if rht:
+            rows = butterflies(rows)
+        values = _group(rows, r_tile + base, col, refs, rounding=rounding, cols=cols)
+        for j, v in enumerate(values):
+            dst[pl.ds(base + j, 8, stride=BLOCK), :] = v
+        group = pl.ds(base, GROUP_ROWS)
+        o_ref[group, :] = dst[group, :].astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rounding", "rht", "interpret", "rows"))
+def operand(
+    x: Float[Array, "n m"],
+    amax: Float[Array, ""],
+    seed: Array | None = None,
+    *,
+    rounding: str = "nearest",
+    rht: bool = False,
+    interpret: bool | str = False,
+    rows: int = ROWS,
+) -> tuple[Array, Float[Array, ""]]:
+    """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype)`)
+    quantised in 16x1 blocks with the tensor amax `amax` (the tensor's own, or of its
+    transform with `rht=True`), and `s_dec`: `_tpu_quantize.quantize_2d(x, amax, seed,
+    block=(16, 1), output="values")`'s results, bit for bit, after `_hadamard.rht(x,
+    axis=0)`'s product with `rht=True` (float32 `x` only; the caller checks that no chunk
+    column needs `_hadamard`'s scaling, `rht_amax`). `seed`: two uint32 words for
+    `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's rows
+    at most (a multiple of `GROUP_ROWS`)."""
+    if rows % GROUP_ROWS or rows <= 0:
+        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
+    if not applies(x.shape, x.dtype) or (rht and x.dtype != jnp.float32):
+        raise ValueError(
+            f"the TPU 16x1 operand kernel takes float32 or bfloat16 (rows, columns) arrays "
+            f"with rows a multiple of {BLOCK} and at least {LANES} columns (float32 with "
+            f"`rht=True`); got {x.dtype} {x.shape} (callers check `applies` first)."
+        )
+    if rounding not in ("nearest", "stochastic") or (rounding == "stochastic") != (
+        seed is not None
+    ):
+        raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
+    n, m = x.shape
+    s_dec, head = _exact.tensor_parameters(x, amax, (BLOCK, 1), "values")
+    table = _exact.inverse_table(s_dec)
+    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
+    params = params.at[4:12].set(table[_ONE : _ONE + 8])
+    seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+    seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+    # An array shorter than a tile is padded to whole groups (zero blocks, cut off
+    # again); a longer one is not copied: its last tile may overhang it by whole blocks
+    # (rows) or lanes (columns are independent), whose results are dropped.
+    pad = -n % GROUP_ROWS if n < rows else 0
+    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    tr = min(rows, n + pad)
+    spec = pl.BlockSpec((tr, LANES), lambda i, j: (i, j))
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    scratch = [pltpu.VMEM((tr, LANES), jnp.float32)]
+    if x.dtype != jnp.float32:
+        scratch.append(pltpu.VMEM((tr, LANES), jnp.float32))
+    kernel = functools.partial(_kernel, rounding=rounding, rht=rht, cols=m)
+    y = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.bfloat16),
+        grid=(pl.cdiv(n + pad, tr), pl.cdiv(m, LANES)),
+        in_specs=[smem, smem, smem, spec],
+        out_specs=spec,
+        scratch_shapes=scratch,
+        interpret=_INTERPRETERS[interpret],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        name="nvfp4x_operand_16x1_tpu",
+    )(params, seeds, table, xp)
+    return (y[:n] if pad else y), s_dec
