@@ -13,7 +13,7 @@ operands) in 16x1 blocks to bfloat16 block values with the tensor amax given, by
 `--repeats`, interleaved) against the floor: the input read once and the bfloat16
 values written once, at the copy bandwidth measured first. The `rht` cases compare the
 transform's kernel followed by `quantize_2d` with `operand(..., rht=True)`, whose floor
-is the same one read and one write. Then the operand kernel's tile rows, swept.
+is the same one read and one write, and time `rht_stats` (the read before it). Then the operand kernel's tile rows, swept.
 """
 
 import argparse
@@ -104,8 +104,16 @@ def case(report, name, n, dtype, rounding, rht, bw, repeats, interpret) -> bool:
 
     f_old, f_new = jax.jit(old), jax.jit(new)
     same = same_bits(f_old(x, amax, seed), f_new(x, amax, seed))
-    t = timed({"old": lambda: f_old(x, amax, seed), "new": lambda: f_new(x, amax, seed)}, repeats)
+    fns = {"old": lambda: f_old(x, amax, seed), "new": lambda: f_new(x, amax, seed)}
+    if rht:  # the one read before: no special column, and the transform's amax
+        f_stats = jax.jit(functools.partial(_tpu_operand.rht_stats, interpret=interpret))
+        special, stats_amax = f_stats(x)
+        same &= not bool(special) and same_bits(stats_amax, amax)
+        fns["stats"] = lambda: f_stats(x)
+    t = timed(fns, repeats)
     floor = (x.nbytes + x.size * 2) / bw
+    if rht:
+        name += f" (rht_stats {t['stats'] * 1e3:.3f} ms = {t['stats'] * bw / x.nbytes:.2f}x a read)"
     report.line(
         f"| {name} | {same} | {t['old'] * 1e3:.3f} | {t['old'] / floor:.2f}x | "
         f"{t['new'] * 1e3:.3f} | {t['new'] / floor:.2f}x | {t['new'] / t['old']:.2f}x |"

@@ -44,6 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK
+from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, from_bits
 from . import _exact
 from ._tpu_quantize import _NPARAMS, _ONE, _block_steps, _uniform
@@ -211,3 +212,65 @@ def operand(
         name="nvfp4x_operand_16x1_tpu",
     )(params, seeds, table, xp)
     return (y[:n] if pad else y), s_dec
+
+
+def _stats_kernel(x_ref, o_ref, *, n, m):
+    """One tile `rows x 128` of `rht_stats`: `o_ref` `(2, 8, 128)` int32, the largest
+    `_hadamard.special_columns` flag of the tile's chunk columns and the largest
+    absolute-value bits of their transform (rows and lanes beyond the array, which an
+    overhanging tile holds as garbage, masked)."""
+    tr = x_ref.shape[0]
+    r_tile = pl.program_id(0) * tr
+    col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
+    sub_row = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 0) * BLOCK
+    flag = jnp.zeros((8, LANES), jnp.int32)
+    top = jnp.zeros((8, LANES), jnp.int32)
+    for base in range(0, tr, GROUP_ROWS):
+        rows = [x_ref[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
+        inside = (r_tile + base + sub_row < n) & (col < m)
+        xmax = _max_abs_bits(rows)
+        flag = jnp.maximum(flag, (inside & special_columns(xmax)).astype(jnp.int32))
+        top = jnp.maximum(top, jnp.where(inside, _max_abs_bits(butterflies(rows)), 0))
+    o_ref[0] = flag
+    o_ref[1] = top
+
+
+def _max_abs_bits(rows: list[Array]) -> Array:
+    """The largest absolute-value bits (int32) of the rows, element by element."""
+    out = jax.lax.bitcast_convert_type(rows[0], jnp.int32) & 0x7FFFFFFF
+    for r in rows[1:]:
+        out = jnp.maximum(out, jax.lax.bitcast_convert_type(r, jnp.int32) & 0x7FFFFFFF)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
+def rht_stats(
+    x: Float[Array, "n m"], *, interpret: bool | str = False, rows: int = ROWS
+) -> tuple[Array, Float[Array, ""]]:
+    """`(special, amax)` of the float32 `x` (`applies(x.shape, x.dtype)`) in one read:
+    whether any chunk column of 16 rows needs `_hadamard.rht`'s scaled path
+    (`_hadamard.special_columns`: big, non-finite, or tiny but nonzero), and the tensor
+    amax of `_hadamard.rht(x, axis=0)` (`amax_of_bits` of it), valid where `special` is
+    false (then every result is finite and the transform is `_plain`'s, whose bits the
+    kernel computes). `operand(x, amax, ..., rht=True)` then quantises it."""
+    if rows % GROUP_ROWS or rows <= 0:
+        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
+    if x.dtype != jnp.float32 or not applies(x.shape, x.dtype):
+        raise ValueError(
+            f"`rht_stats` takes float32 (rows, columns) arrays with rows a multiple of "
+            f"{BLOCK} and at least {LANES} columns; got {x.dtype} {x.shape}."
+        )
+    n, m = x.shape
+    tr = min(rows, -(-n // GROUP_ROWS) * GROUP_ROWS)
+    grid = (pl.cdiv(n, tr), pl.cdiv(m, LANES))
+    stats = pl.pallas_call(
+        functools.partial(_stats_kernel, n=n, m=m),
+        out_shape=jax.ShapeDtypeStruct((2, grid[0] * 8, grid[1] * LANES), jnp.int32),
+        grid=grid,
+        in_specs=[pl.BlockSpec((tr, LANES), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((2, 8, LANES), lambda i, j: (0, i, j)),
+        interpret=_INTERPRETERS[interpret],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        name="nvfp4x_rht_stats_tpu",
+    )(x)
+    return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))

@@ -78,11 +78,17 @@ def rht(
     # below leave every value as it is: the product alone, skipping their work (one
     # `cond` on that path, as the other has one for `near_max`).
     amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
-    special = (amax_bits >= _BIG_BITS) | ((amax_bits < _TINY_BITS) & (amax_bits > 0))
+    special = special_columns(amax_bits)
     unguarded = _unguarded if unguarded is None else unguarded
     y = jax.lax.cond(jnp.any(special), _guarded, unguarded, chunks, amax_bits)
     y = y.reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
+
+
+def special_columns(amax_bits: Array) -> Array:
+    """Where a chunk column whose largest `abs_bits` is `amax_bits` needs `_guarded`'s
+    scaling: big (from 2^124), non-finite, or tiny (below 2^-100) but not zero."""
+    return (amax_bits >= _BIG_BITS) | ((amax_bits < _TINY_BITS) & (amax_bits > 0))
 
 
 # Branches of `lax.cond`: module-level functions (`cond` caches traced branches by identity).
