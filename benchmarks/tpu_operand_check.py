@@ -13,7 +13,8 @@ operands) in 16x1 blocks to bfloat16 block values with the tensor amax given, by
 `--repeats`, interleaved) against the floor: the input read once and the bfloat16
 values written once, at the copy bandwidth measured first. The `rht` cases compare the
 transform's kernel followed by `quantize_2d` with `operand(..., rht=True)`, whose floor
-is the same one read and one write, and time `rht_stats` (the read before it). Then the operand kernel's tile rows, swept.
+is the same one read and one write, and time `rht_stats` (the read before it). Then the
+operand kernel's tile rows, swept.
 """
 
 import argparse
