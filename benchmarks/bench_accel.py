@@ -689,11 +689,19 @@ def train(s: Sizes, table: Table, state: dict) -> None:
             continue
         picks = {"nvfp4_quantize": impl}
         variants[f"nvfp4 ({impl})"] = lambda p=picks: model_step(q(model, nv()), x, y, picks=p)
-    # The RHT by the implementation this backend does not pick (a TPU's kernel against
-    # XLA's transform; on the CPU the kernel, interpreted: `--smoke`).
-    for other in (i for i in implementations("rht") if i != _kernels.pick("rht")):
-        picks = {"nvfp4_quantize": best, "rht": other}
-        variants[f"nvfp4 ({best}, rht {other})"] = lambda p=picks: model_step(
+    # wgrad's transformed operands by the implementation this backend does not pick (on
+    # a TPU: the RHT kernel, then the quantiser, against the fused kernels; on the CPU
+    # the fused kernels, interpreted: `--smoke`), and (`--full`) the RHT's product too
+    # (on a TPU: XLA's transform).
+    others = [("rht_operand", i) for i in implementations("rht_operand")]
+    others += [("rht", i) for i in implementations("rht")] if s.full else []
+    for op, other in others:
+        if other == _kernels.pick(op):
+            continue
+        picks = {"nvfp4_quantize": best, op: other}
+        if op == "rht":
+            picks["rht_operand"] = "xla"  # (the fused kernels hold their own transform)
+        variants[f"nvfp4 ({best}, {op} {other})"] = lambda p=picks: model_step(
             q(model, nv()), x, y, picks=p
         )
     no_rht_sr = nv(rht=False, stochastic_rounding=False)

@@ -46,7 +46,14 @@ from jaxtyping import Array, ArrayLike, Float, UInt32
 
 from . import _kernels
 from ._checks import check_bool, check_float, check_str
-from ._formats import Format, batched_gemm_dtype, gemm_dtype, quantize_operand, scaled_dot
+from ._formats import (
+    Format,
+    batched_gemm_dtype,
+    gemm_dtype,
+    quantize_operand,
+    quantize_rht_operand,
+    scaled_dot,
+)
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
 from ._numerics._threefry import fold_in_tags
@@ -193,9 +200,16 @@ def wgrad_quantised(
     dy: Array, x: Array, seed: Array, recipe: Recipe
 ) -> tuple[Array, Array | None, Array, Array | None]:
     """wgrad's quantised operands `(gv, gs, xv, xs)`: `Q(H dy)` and `Q(H x)` as `(T, n)`
-    and `(T, k)` values with their tensor scales, both quantised along the token axis."""
-    g, a = wgrad_operands(dy, x, recipe)
+    and `(T, k)` values with their tensor scales, both quantised along the token axis
+    (with the RHT: `quantize_rht_operand`, the transform and the quantiser one kernel
+    where `_kernels` picks it; the same bits as `wgrad_operands` then the quantiser)."""
     key = grad_key(seed, 2) if needs_key(recipe) else None
+    if recipe.rht:
+        g, a = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        gv, gs = quantize_rht_operand(g, recipe.grad, key=key)
+        xv, xs = quantize_rht_operand(a, recipe.input)
+        return gv, gs, xv, xs
+    g, a = wgrad_operands(dy, x, recipe)
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)
     xv, xs = quantize_operand(a, recipe.input, axis=0)
     return gv, gs, xv, xs

@@ -30,6 +30,7 @@ from ._spec import (
     Format as Format,
     FormatSpec as FormatSpec,
     quantize_operand as quantize_operand,
+    quantize_rht_operand as quantize_rht_operand,
     register as register,
 )
 

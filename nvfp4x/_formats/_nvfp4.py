@@ -84,6 +84,17 @@ class NVFP4Spec(FormatSpec):
         q, sb, s_dec, blk, _, unblock = self._blocks(a, fmt, axis, key)
         return unblock(q * expand(sb, blk)).astype(jnp.bfloat16), s_dec
 
+    def quantize_rht(
+        self, a: Float[Array, "t n"], fmt: Format, key: jax.Array | None
+    ) -> tuple[Array, Float[Array, ""]]:
+        def apart(x):  # the transform, then the quantiser (the reference's order)
+            values, s_dec = self.quantize(_kernels.rht(x, axis=0), fmt, 0, key)
+            return values, jnp.asarray(s_dec, jnp.float32)
+
+        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, apart)) is not None:
+            return fast  # the backend's fused kernel, where `_kernels` picks one
+        return apart(a)
+
     def _blocks(self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None):
         """The quantiser's work in its block view: `(q, scale_b, s_dec, block, padded,
         unblock)`, `unblock` taking an array of the block view back to `a`'s layout.

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from .. import _kernels
 from .._kernels._native import NativeOperand
 from .._numerics._nvfp4 import ROUNDINGS, SCALE_ROUNDINGS
 from ._dot import apply_scales
@@ -80,6 +81,13 @@ class FormatSpec:
     ) -> tuple[Array, Float[Array, ""] | None]:
         """`quantize_operand` for this format (see there)."""
         raise NotImplementedError
+
+    def quantize_rht(
+        self, a: Float[Array, "t n"], fmt: "Format", key: jax.Array | None
+    ) -> tuple[Array, Float[Array, ""] | None]:
+        """`quantize_rht_operand` for this format (see there): the transform, then
+        `quantize` along the rows; formats with a fused kernel override it."""
+        return self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)
 
     def pack(self, w: Float[Array, "n k"], fmt: "Format", amax: Array | None = None) -> Any:
         """A 2-D weight in its storage form: a packed array, or a plain array for
@@ -293,3 +301,17 @@ def quantize_operand(
     if fmt is None:
         return a, None
     return fmt.spec.quantize(a, fmt, axis, key)
+
+
+def quantize_rht_operand(
+    a: Float[Array, "t n"],
+    fmt: Format | None,
+    key: jax.Array | None = None,
+) -> tuple[Array, Float[Array, ""] | None]:
+    """`quantize_operand(nvfp4x.rht(a, axis=0), fmt, axis=0, key)` for a 2-D operand
+    (wgrad's, tokens first), bit for bit: the rows padded to a multiple of 16 by the
+    transform, so `values` has that many rows. Where `_kernels` picks a fused kernel
+    for the format (`"rht_operand"`), the transformed operand is never written whole."""
+    if fmt is None:
+        return _kernels.rht(a, axis=0), None
+    return fmt.spec.quantize_rht(a, fmt, key)

@@ -108,7 +108,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._numerics import _hadamard
+from .._numerics import _hadamard, _subnormal
 from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
 from .._numerics._threefry import seed_words
@@ -122,6 +122,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
     "block_scaled_gemm": ("xla", "scaled_matmul", "lax_scaled_dot"),
     "frozen_gemm": ("xla", "pallas", "mosaic"),
     "rht": ("xla", "mosaic"),
+    "rht_operand": ("xla", "mosaic"),
 }
 #: The implementation each backend uses by default (backends not listed: `"xla"`).
 DEFAULTS: dict[tuple[str, str], str] = {
@@ -129,6 +130,7 @@ DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "tpu"): "mosaic",
     ("frozen_gemm", "tpu"): "mosaic",
     ("rht", "tpu"): "mosaic",
+    ("rht_operand", "tpu"): "mosaic",
 }
 #: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
 #: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas
@@ -405,6 +407,43 @@ def rht(x: Array, axis: int = 0) -> Array:
     if pick("rht") == "mosaic":
         return _hadamard.rht(x, axis, unguarded=_MOSAIC_RHT_BRANCHES[backend() == "tpu"])
     return _hadamard.rht(x, axis)
+
+
+def rht_operand(
+    a: Array, block, rounding: str, scale_rounding: str, key, apart: Callable
+) -> tuple[Array, Array] | None:
+    """`NVFP4Spec.quantize(_hadamard.rht(a, axis=0), ..., axis=0, key)` of a 2-D operand
+    (`(bfloat16 block values, s_dec)`, rows padded to a multiple of 16) by the fused
+    TPU kernels where `"rht_operand"` picks `"mosaic"` (`_tpu_operand`: one read for
+    the special-column check and the transform's amax, then the transform and the
+    quantiser in one pass; where a column needs the transform's scaled path,
+    `apart(x)`, the caller's transform then quantiser, runs instead), or `None` where
+    the caller runs `apart` itself (the reference, 16x16 tiles, `scale_rounding="up"`,
+    a shape the kernels do not take)."""
+    if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
+        return None
+    if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
+        return None
+    if rounding == "stochastic" and key is None:
+        return None  # (the reference raises)
+    from . import _tpu_operand
+
+    x = _subnormal.to_float32(a)
+    if pad := -x.shape[0] % BLOCK:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+    if not _tpu_operand.applies(x.shape, x.dtype):
+        return None
+    # Compiled on a TPU; elsewhere Pallas's generic interpreter, which (unlike the TPU
+    # interpreter) also runs inside nvfp4x's primitives (tests).
+    interpret = False if backend() == "tpu" else "plain"
+    seed = None if key is None else seed_words(key)
+    special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
+
+    def fused(x):
+        kw = dict(rounding=rounding, rht=True, interpret=interpret)
+        return _tpu_operand.operand(x, amax, seed, **kw)
+
+    return jax.lax.cond(special, apart, fused, x)
 
 
 def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:
