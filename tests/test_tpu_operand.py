@@ -1,0 +1,239 @@
+"""The TPU's 16x1 GEMM operand kernel and the fused RHT operand (`_kernels._tpu_operand`,
+`"rht_operand"`) equal the reference bit for bit.
+
+On a CPU the kernels run in the TPU interpreter (`pltpu.InterpretParams()`) or, inside
+nvfp4x's primitives, in Pallas's generic interpreter; on a TPU compiled. Every case also
+lowers for a TPU here (Mosaic's own compile runs on the device).
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import F32, assert_bits
+
+import nvfp4x
+from nvfp4x import _kernels
+from nvfp4x._formats import Format, quantize_operand, quantize_rht_operand
+from nvfp4x._kernels import _tpu_operand
+from nvfp4x._numerics import _hadamard
+from nvfp4x._numerics._nvfp4 import amax_of_bits
+from nvfp4x._numerics._threefry import seed_words
+
+ON_TPU = _kernels.backend() == "tpu"
+
+
+def data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Normal values whose 16-row blocks span 2^-40..2^40, with E2M1 ties after scaling
+    (a block of the grid's midpoints), a zero block, a block of subnormals among normals,
+    negative zeros, a NaN, an inf and a -inf (their blocks' scales NaN)."""
+    rng = np.random.default_rng(seed)
+    scale = np.exp2(rng.integers(-40, 40, (rows // 16, 1, cols)).astype(F32))
+    x = (rng.standard_normal((rows // 16, 16, cols)).astype(F32) * scale).reshape(rows, cols)
+    x[:16, 1] = np.asarray([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5] * 2, F32)
+    x[16:32, 2] = 0.0
+    x[32:48, 3] = np.float32(2.0**-130) * np.arange(16, dtype=F32)
+    x[33, 3] = np.float32(1e-30)
+    x[48:64, 4] = -0.0
+    x[5, 6], x[20, 7], x[40, 8] = np.nan, np.inf, -np.inf
+    return x
+
+
+def reference(x, rounding: str, seed_key, rht: bool = False):
+    """The XLA path: `quantize_operand` along the rows (the transform first with `rht`)."""
+    fmt = Format("nvfp4", rounding=rounding)
+    with _kernels.use("nvfp4_quantize", "xla"), _kernels.use("rht", "xla"):
+        y = _hadamard.rht(x, axis=0) if rht else x
+        return quantize_operand(y, fmt, axis=0, key=seed_key)
+
+
+CASES = [
+    # (dtype, rounding, shape, tile rows): rows padded to a group / tiles overhanging the
+    # rows by whole blocks, lanes overhanging the columns.
+    (jnp.float32, "nearest", (400, 200), 256),
+    (jnp.float32, "stochastic", (48, 136), 1024),
+    (jnp.bfloat16, "stochastic", (400, 200), 256),
+    (jnp.bfloat16, "nearest", (48, 136), 1024),
+]
+
+
+@pytest.mark.parametrize("dtype,rounding,shape,rows", CASES)
+def test_operand_is_the_reference(dtype, rounding, shape, rows):
+    """The kernel's bfloat16 block values and tensor scale are the XLA quantiser's, bit
+    for bit, NaN blocks, ties, subnormals and signed zeros included."""
+    x = jnp.asarray(data(*shape)).astype(dtype)
+    key = jax.random.key(7) if rounding == "stochastic" else None
+    want_v, want_s = reference(x, rounding, key)
+    seed = None if key is None else seed_words(key)
+    amax = amax_of_bits(x.astype(jnp.float32))
+    got_v, got_s = _tpu_operand.operand(
+        x, amax, seed, rounding=rounding, interpret=not ON_TPU, rows=rows
+    )
+    assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
+    assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_operand_with_the_transform_is_the_transform_then_the_reference(rounding):
+    """`rht=True`: the transform's product in the kernel, then the quantiser, gives the
+    bits of `_hadamard.rht` then the XLA quantiser; `rht_stats` finds no special column
+    and gives the transform's amax (tiles overhanging rows and lanes: their garbage
+    masked)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((400, 200)).astype(F32) * np.exp2(rng.integers(-30, 30, 200))
+    x[:, 5] = 0.0
+    x = jnp.asarray(x.astype(F32))
+    key = jax.random.key(8) if rounding == "stochastic" else None
+    want_v, want_s = reference(x, rounding, key, rht=True)
+    interpret = not ON_TPU
+    special, amax = _tpu_operand.rht_stats(x, interpret=interpret, rows=256)
+    assert not bool(special)
+    assert_bits(np.asarray(amax), np.asarray(amax_of_bits(_hadamard.rht(x, 0))), "amax")
+    seed = None if key is None else seed_words(key)
+    got_v, got_s = _tpu_operand.operand(
+        x, amax, seed, rounding=rounding, rht=True, interpret=interpret, rows=256
+    )
+    assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
+    assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
+
+
+@pytest.mark.parametrize(
+    "where,value,special",
+    [
+        ((20, 5), np.inf, True),
+        ((21, 6), np.nan, True),
+        ((392, 199), 2.0**125, True),  # (in the last, overhanging tile)
+        ((40, 7), 1e-35, True),  # a column tiny but not zero
+        ((41, 8), 2.0**123, False),
+        ((42, 9), 0.0, False),  # (an all-zero column of a chunk is not special)
+    ],
+)
+def test_rht_stats_finds_the_columns_the_transform_scales(where, value, special):
+    """`rht_stats`'s check is `_hadamard.rht`'s (`special_columns` of each chunk column),
+    in Pallas's generic interpreter (what runs inside the primitives off a TPU)."""
+    x = np.random.default_rng(1).standard_normal((400, 200)).astype(F32)
+    chunk = slice(where[0] // 16 * 16, where[0] // 16 * 16 + 16)
+    if value == 1e-35 or value == 0.0:
+        x[chunk, where[1]] = F32(value)
+    x[where] = F32(value)
+    got, _ = _tpu_operand.rht_stats(
+        jnp.asarray(x), interpret="plain" if not ON_TPU else False, rows=128
+    )
+    assert bool(got) == special
+
+
+def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeypatch):
+    """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
+    quantiser, for operands with and without special columns (the scaled path then runs
+    apart), eagerly and under `jit` (rows padded to whole chunks, lanes overhanging a
+    tile); traced for a TPU it holds both kernels."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((200, 144)).astype(F32)
+    big = x.copy()
+    big[3, 4] = F32(2.0**126)
+    fmt = Format("nvfp4", rounding="stochastic")
+    key = jax.random.key(9)
+    for a in (x, big):
+        with _kernels.use("rht_operand", "xla"):
+            want = quantize_rht_operand(jnp.asarray(a), fmt, key)
+        with _kernels.use("rht_operand", "mosaic"):
+            eager = quantize_rht_operand(jnp.asarray(a), fmt, key)
+            jitted = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
+        for got in (eager, jitted):
+            assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
+            assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    with _kernels.use("rht_operand", "mosaic"):
+        fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
+        text = fn.trace(jnp.asarray(x), key).lower(lowering_platforms=("tpu",)).as_text()
+    assert '"nvfp4x_rht_stats_tpu"' in text and '"nvfp4x_operand_16x1_tpu"' in text
+
+
+def test_a_training_step_with_the_fused_operands_is_the_same():
+    """An NVFP4 layer's gradients with the fused wgrad operands picked equal those with
+    the transform and the quantiser apart, bit for bit (inside the GEMM primitives: on a
+    CPU Pallas's generic interpreter), for inputs with and without a column the
+    transform scales."""
+    layer = nvfp4x.quantize(
+        eqx.nn.Linear(256, 160, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
+    )
+    x = jax.random.normal(jax.random.key(1), (200, 256))
+
+    def loss(m, x):
+        return jnp.sum(jnp.sin(jax.vmap(m)(x)))
+
+    for a in (x, x.at[3, 5].set(1e30)):
+        grads = {}
+        for implementation in ("xla", "mosaic"):
+            with _kernels.use("rht_operand", implementation):
+                grads[implementation] = jax.jit(lambda m, a: jax.grad(loss)(m, a))(layer, a)
+        for g, w in zip(
+            jax.tree.leaves(grads["mosaic"]), jax.tree.leaves(grads["xla"]), strict=True
+        ):
+            assert_bits(np.asarray(g), np.asarray(w), "gradient")
+
+
+@pytest.mark.parametrize(
+    "dtype,rounding,rht",
+    [
+        (jnp.float32, "nearest", False),
+        (jnp.bfloat16, "stochastic", False),
+        (jnp.float32, "stochastic", True),
+    ],
+)
+def test_the_kernels_lower_for_a_tpu(dtype, rounding, rht):
+    """Each kernel lowers for a TPU on an operand that overhangs tiles on both axes."""
+    seed = jnp.zeros((2,), jnp.uint32) if rounding == "stochastic" else None
+
+    def fn(x):
+        amax = jnp.float32(1.0)
+        out = _tpu_operand.operand(x, amax, seed, rounding=rounding, rht=rht)
+        return (out, _tpu_operand.rht_stats(x)) if rht else out
+
+    x = jax.ShapeDtypeStruct((4112, 1000), dtype)
+    text = jax.jit(fn).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+    assert '"nvfp4x_operand_16x1_tpu"' in text
+    assert ('"nvfp4x_rht_stats_tpu"' in text) == rht
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: _tpu_operand.operand(jnp.zeros((24, 128)), 1.0), "rows a multiple of 16"),
+        (lambda: _tpu_operand.operand(jnp.zeros((32, 64)), 1.0), "at least 128 columns"),
+        (
+            lambda: _tpu_operand.operand(jnp.zeros((32, 128), jnp.bfloat16), 1.0, rht=True),
+            "float32 with `rht=True`",
+        ),
+        (
+            lambda: _tpu_operand.operand(jnp.zeros((32, 128)), 1.0, rounding="stochastic"),
+            "seed exactly when stochastic",
+        ),
+        (lambda: _tpu_operand.operand(jnp.zeros((32, 128)), 1.0, rows=100), "multiple of 128"),
+        (lambda: _tpu_operand.rht_stats(jnp.zeros((32, 128), jnp.bfloat16)), "float32"),
+    ],
+)
+def test_the_kernels_refuse_what_they_do_not_take(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_shapes_the_kernels_do_not_take_run_apart():
+    """`rht_operand` returns `None` (the caller runs the transform and the quantiser
+    apart) for an operand narrower than a lane tile, 16x16 tiles and `scale_rounding="up"`."""
+    apart = functools.partial(pytest.fail, "not called")
+    with _kernels.use("rht_operand", "mosaic"):
+        assert (
+            _kernels.rht_operand(jnp.ones((64, 100)), (1, 16), "nearest", "nearest", None, apart)
+            is None
+        )
+        assert (
+            _kernels.rht_operand(jnp.ones((64, 128)), (16, 16), "nearest", "nearest", None, apart)
+            is None
+        )
+        assert (
+            _kernels.rht_operand(jnp.ones((64, 128)), (1, 16), "nearest", "up", None, apart) is None
+        )
