@@ -131,7 +131,30 @@ def _unguarded(chunks: Array, amax_bits: Array) -> Array:
 def _guarded(chunks: Array, amax_bits: Array) -> Array:
     """`H` times each chunk, big and tiny columns (by their `amax_bits`) scaled into
     range and back (`_scaled_into_range`), results near float32's maximum computed
-    again."""
+    again; a few chunks at a time (`lax.map`, `_GUARDED_ELEMENTS` values a batch): a
+    branch's buffers are allocated whether or not it runs, and this rare one's steps
+    would otherwise hold several copies of the operand."""
+    c, _, m = chunks.shape
+    most = max(1, _GUARDED_ELEMENTS // (BLOCK * max(1, m)))
+    if most >= c:
+        return _guarded_chunks((chunks, amax_bits))
+    # Batches of a divisor of `c` chunks (no padded copy), each one step of a loop (not
+    # `lax.map`'s `batch_size`, which vmaps the step and so runs both sides of its `cond`).
+    batch = max(d for d in range(1, most + 1) if c % d == 0)
+    parts = (
+        chunks.reshape(c // batch, batch, BLOCK, m),
+        amax_bits.reshape(c // batch, batch, 1, m),
+    )
+    return jax.lax.map(_guarded_chunks, parts).reshape(chunks.shape)
+
+
+#: Values `_guarded` transforms at a time.
+_GUARDED_ELEMENTS = 2**20
+
+
+def _guarded_chunks(args: tuple[Array, Array]) -> Array:
+    """`_guarded` of the chunks `(c, 16, m)` with their `amax_bits` `(c, 1, m)`."""
+    chunks, amax_bits = args
     chunks, masks = _scaled_into_range(chunks, amax_bits)
     y = _plain(chunks)
     # Scaled results in the top binades (|y| from just below 2^123, `_NEAR_MAX_BITS`: every
