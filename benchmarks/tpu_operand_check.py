@@ -7,8 +7,8 @@ python benchmarks/tpu_operand_check.py --smoke     # small, interpreted, on a CP
 ```
 
 Each case quantises an `N x N` array (8192: the training benchmark's largest wgrad
-operands) in 16x1 blocks to bfloat16 block values with the tensor amax given, by
-`_tpu_quantize.quantize_2d(..., block=(16, 1), output="values")` ("quantize_2d") and by
+operands) in 16x1 and in 1x16 blocks to bfloat16 block values with the tensor amax given, by
+`_tpu_quantize.quantize_2d(..., output="values")` ("quantize_2d") and by
 `_tpu_operand.operand` ("operand"), compares their bits, and times both (medians of
 `--repeats`, interleaved) against the floor: the input read once and the bfloat16
 values written once, at the copy bandwidth measured first. The `rht` cases compare the
@@ -49,16 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     report.line("| case | same bits | quantize_2d ms | x floor | operand ms | x floor | ratio |")
     report.line("|---|---|---|---|---|---|---|")
     ok = True
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for rounding in ("nearest", "stochastic"):
-            for rht in (False, True) if dtype == jnp.float32 else (False,):
-                name = f"{jnp.dtype(dtype).name} {rounding}{' rht' if rht else ''}"
-                try:
-                    ok &= case(report, name, n, dtype, rounding, rht, bw, a.repeats, interpret)
-                except Exception:  # noqa: BLE001
-                    ok = False
-                    report.line(f"| {name} | error | | | | | |")
-                    traceback.print_exc()
+    for block in ((16, 1), (1, 16)):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for rounding in ("nearest", "stochastic"):
+                for rht in (False, True) if dtype == jnp.float32 and block == (16, 1) else (False,):
+                    kind = f"{jnp.dtype(dtype).name} {rounding}{' rht' if rht else ''}"
+                    name = f"{block[0]}x{block[1]} {kind}"
+                    try:
+                        ok &= case(
+                            report, name, n, dtype, rounding, rht, bw, a.repeats, interpret, block
+                        )
+                    except Exception:  # noqa: BLE001
+                        ok = False
+                        report.line(f"| {name} | error | | | | | |")
+                        traceback.print_exc()
     report.line("")
     report.line("| operand kernel, float32 nearest | same bits | ms | x floor |")
     report.line("|---|---|---|---|")
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def case(report, name, n, dtype, rounding, rht, bw, repeats, interpret) -> bool:
+def case(report, name, n, dtype, rounding, rht, bw, repeats, interpret, block) -> bool:
     x = test_array((n, n), dtype, seed=1)
     seed = SEED if rounding == "stochastic" else None
     if rht:
@@ -96,11 +100,11 @@ def case(report, name, n, dtype, rounding, rht, bw, repeats, interpret) -> bool:
 
     def old(x, amax, seed):
         y = _tpu_rht.transform(x, interpret=interpret) if rht else x
-        kw = dict(block=(16, 1), rounding=rounding, output="values", interpret=interpret)
+        kw = dict(block=block, rounding=rounding, output="values", interpret=interpret)
         return _tpu_quantize.quantize_2d(y, amax, seed, **kw)[0]
 
     def new(x, amax, seed):
-        kw = dict(rounding=rounding, rht=rht, interpret=interpret)
+        kw = dict(block=block, rounding=rounding, rht=rht, interpret=interpret)
         return _tpu_operand.operand(x, amax, seed, **kw)[0]
 
     f_old, f_new = jax.jit(old), jax.jit(new)

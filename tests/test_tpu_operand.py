@@ -1,5 +1,5 @@
-"""The TPU's 16x1 GEMM operand kernel and the fused RHT operand (`_kernels._tpu_operand`,
-`"rht_operand"`) equal the reference bit for bit.
+"""The TPU's GEMM operand kernel (16x1 and 1x16 blocks) and the fused RHT operand
+(`_kernels._tpu_operand`, `"rht_operand"`) equal the reference bit for bit.
 
 On a CPU the kernels run in the TPU interpreter (`pltpu.InterpretParams()`) or, inside
 nvfp4x's primitives, in Pallas's generic interpreter; on a TPU compiled. Every case also
@@ -42,35 +42,39 @@ def data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def reference(x, rounding: str, seed_key, rht: bool = False):
-    """The XLA path: `quantize_operand` along the rows (the transform first with `rht`)."""
+def reference(x, rounding: str, seed_key, rht: bool = False, axis: int = 0):
+    """The XLA path: `quantize_operand` along `axis` (the transform first with `rht`)."""
     fmt = Format("nvfp4", rounding=rounding)
     with _kernels.use("nvfp4_quantize", "xla"), _kernels.use("rht", "xla"):
         y = _hadamard.rht(x, axis=0) if rht else x
-        return quantize_operand(y, fmt, axis=0, key=seed_key)
+        return quantize_operand(y, fmt, axis=axis, key=seed_key)
 
 
 CASES = [
-    # (dtype, rounding, shape, tile rows): rows padded to a group / tiles overhanging the
-    # rows by whole blocks, lanes overhanging the columns.
-    (jnp.float32, "nearest", (400, 200), 256),
-    (jnp.float32, "stochastic", (48, 136), 1024),
-    (jnp.bfloat16, "stochastic", (400, 200), 256),
-    (jnp.bfloat16, "nearest", (48, 136), 1024),
+    # (block, dtype, rounding, shape, tile rows): rows padded to a group / tiles
+    # overhanging the rows (by whole blocks), lanes overhanging the columns.
+    ((16, 1), jnp.float32, "nearest", (400, 200), 256),
+    ((16, 1), jnp.float32, "stochastic", (48, 136), 1024),
+    ((16, 1), jnp.bfloat16, "stochastic", (400, 200), 256),
+    ((16, 1), jnp.bfloat16, "nearest", (48, 136), 1024),
+    ((1, 16), jnp.float32, "stochastic", (304, 208), 128),
+    ((1, 16), jnp.bfloat16, "nearest", (48, 256), 1024),
 ]
 
 
-@pytest.mark.parametrize("dtype,rounding,shape,rows", CASES)
-def test_operand_is_the_reference(dtype, rounding, shape, rows):
+@pytest.mark.parametrize("block,dtype,rounding,shape,rows", CASES)
+def test_operand_is_the_reference(block, dtype, rounding, shape, rows):
     """The kernel's bfloat16 block values and tensor scale are the XLA quantiser's, bit
-    for bit, NaN blocks, ties, subnormals and signed zeros included."""
-    x = jnp.asarray(data(*shape)).astype(dtype)
+    for bit, NaN blocks, ties, subnormals and signed zeros included (1x16 blocks: the
+    data transposed, so that its blocks lie along the rows)."""
+    x = data(*shape) if block == (16, 1) else data(*shape[::-1]).T.copy()
+    x = jnp.asarray(x).astype(dtype)
     key = jax.random.key(7) if rounding == "stochastic" else None
-    want_v, want_s = reference(x, rounding, key)
+    want_v, want_s = reference(x, rounding, key, axis=0 if block == (16, 1) else 1)
     seed = None if key is None else seed_words(key)
     amax = amax_of_bits(x.astype(jnp.float32))
     got_v, got_s = _tpu_operand.operand(
-        x, amax, seed, rounding=rounding, interpret=not ON_TPU, rows=rows
+        x, amax, seed, block=block, rounding=rounding, interpret=not ON_TPU, rows=rows
     )
     assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
     assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
@@ -149,7 +153,7 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     with _kernels.use("rht_operand", "mosaic"):
         fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
         text = fn.trace(jnp.asarray(x), key).lower(lowering_platforms=("tpu",)).as_text()
-    assert '"nvfp4x_rht_stats_tpu"' in text and '"nvfp4x_operand_16x1_tpu"' in text
+    assert '"nvfp4x_rht_stats_tpu"' in text and '"nvfp4x_operand_tpu"' in text
 
 
 def test_a_training_step_with_the_fused_operands_is_the_same():
@@ -177,25 +181,27 @@ def test_a_training_step_with_the_fused_operands_is_the_same():
 
 
 @pytest.mark.parametrize(
-    "dtype,rounding,rht",
+    "block,dtype,rounding,rht",
     [
-        (jnp.float32, "nearest", False),
-        (jnp.bfloat16, "stochastic", False),
-        (jnp.float32, "stochastic", True),
+        ((16, 1), jnp.float32, "nearest", False),
+        ((16, 1), jnp.bfloat16, "stochastic", False),
+        ((16, 1), jnp.float32, "stochastic", True),
+        ((1, 16), jnp.float32, "nearest", False),
+        ((1, 16), jnp.bfloat16, "stochastic", False),
     ],
 )
-def test_the_kernels_lower_for_a_tpu(dtype, rounding, rht):
+def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht):
     """Each kernel lowers for a TPU on an operand that overhangs tiles on both axes."""
     seed = jnp.zeros((2,), jnp.uint32) if rounding == "stochastic" else None
 
     def fn(x):
         amax = jnp.float32(1.0)
-        out = _tpu_operand.operand(x, amax, seed, rounding=rounding, rht=rht)
+        out = _tpu_operand.operand(x, amax, seed, block=block, rounding=rounding, rht=rht)
         return (out, _tpu_operand.rht_stats(x)) if rht else out
 
-    x = jax.ShapeDtypeStruct((4112, 1000), dtype)
+    x = jax.ShapeDtypeStruct((4112, 1008) if block == (1, 16) else (4112, 1000), dtype)
     text = jax.jit(fn).trace(x).lower(lowering_platforms=("tpu",)).as_text()
-    assert '"nvfp4x_operand_16x1_tpu"' in text
+    assert '"nvfp4x_operand_tpu"' in text
     assert ('"nvfp4x_rht_stats_tpu"' in text) == rht
 
 
@@ -204,6 +210,14 @@ def test_the_kernels_lower_for_a_tpu(dtype, rounding, rht):
     [
         (lambda: _tpu_operand.operand(jnp.zeros((24, 128)), 1.0), "rows a multiple of 16"),
         (lambda: _tpu_operand.operand(jnp.zeros((32, 64)), 1.0), "at least 128 columns"),
+        (
+            lambda: _tpu_operand.operand(jnp.zeros((32, 136)), 1.0, block=(1, 16), rht=True),
+            "16x1 blocks of float32 with `rht=True`",
+        ),
+        (
+            lambda: _tpu_operand.operand(jnp.zeros((32, 200)), 1.0, block=(1, 16)),
+            "columns a multiple",
+        ),
         (
             lambda: _tpu_operand.operand(jnp.zeros((32, 128), jnp.bfloat16), 1.0, rht=True),
             "float32 with `rht=True`",

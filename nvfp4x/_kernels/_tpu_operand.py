@@ -62,11 +62,15 @@ _INTERPRETERS = {False: False, True: pltpu.InterpretParams(), "plain": True}
 _C_HALF, _C_ONE, _C_TWO = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
 
 
-def applies(shape: tuple[int, ...], dtype) -> bool:
-    """Whether the kernel takes a `(rows, columns)` array: rows a multiple of 16 (whole
-    blocks), at least one lane tile of columns, float32 or bfloat16."""
-    ok = len(shape) == 2 and shape[0] % BLOCK == 0 and shape[0] > 0 and shape[1] >= LANES
-    return ok and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) -> bool:
+    """Whether the kernel takes a `(rows, columns)` array in `block`s (16x1 or 1x16): the
+    blocked axis a multiple of 16 (whole blocks), at least one lane tile of columns,
+    float32 or bfloat16."""
+    if len(shape) != 2 or tuple(block) not in ((BLOCK, 1), (1, BLOCK)) or 0 in shape:
+        return False
+    whole = shape[0] % BLOCK == 0 if block[0] == BLOCK else shape[1] % BLOCK == 0
+    dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    return whole and shape[1] >= LANES and jnp.dtype(dtype) in dtypes
 
 
 def _signed(mag: Array, sign: Array) -> Array:
@@ -95,10 +99,10 @@ def _stochastic(a: Array, u: Array) -> Array:
     return jnp.where(a == a, q, np.float32(0.0))
 
 
-def _group(rows: list[Array], row0, col, refs, *, rounding: str, cols: int) -> list[Array]:
-    """The values (float32) of the 8 blocks of one group: `rows[j]` row `j` of each
-    block (sublane `s` block `s`), `row0` the caller's row of the group's first row,
-    `col` the caller's column of each lane (`(8, 128)` int32)."""
+def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[Array]:
+    """The values (float32) of the 8 x 128 blocks of one group: `rows[j]` element `j` of
+    each block (`(8, 128)`), `index(j)` the caller's `(row, column)` of `rows[j]`'s
+    elements (int32 arrays; stochastic rounding hashes them)."""
     params_ref, seed_ref, table_ref = refs
     ab = [jax.lax.bitcast_convert_type(r, jnp.int32) & 0x7FFFFFFF for r in rows]
     bmax = ab[0]
@@ -106,8 +110,6 @@ def _group(rows: list[Array], row0, col, refs, *, rounding: str, cols: int) -> l
         bmax = jnp.maximum(bmax, b)  # (NaN above inf)
     scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
     nan_block = bits == 0x7F
-    if rounding == "stochastic":
-        sub_row = jax.lax.broadcasted_iota(jnp.int32, bmax.shape, 0) * BLOCK
     out = []
     for j, (r, a_bits) in enumerate(zip(rows, ab, strict=True)):
         # `mul_normal(|x|, inv_b, inv_sub)`: a subnormal `x` is its 23-bit field times
@@ -121,68 +123,92 @@ def _group(rows: list[Array], row0, col, refs, *, rounding: str, cols: int) -> l
             # the NaN product (`+NaN`, or a NaN `x` itself).
             sign = negative & (~nan_block | (a_bits > INF_BITS))
         else:
-            mag = _stochastic(a, _uniform(seed_ref, row0 + sub_row + j, col, cols))
+            mag = _stochastic(a, _uniform(seed_ref, *index(j), cols))
             sign = negative & ~nan_block  # (`round_stochastic` gives NaN code 0)
         out.append(_signed(mag, sign) * scale_b)  # exact
     return out
 
 
-def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, rounding, rht, cols):
+def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rounding, rht, cols):
     """One tile `rows x 128`, a group of 128 rows at a time (unrolled: every strided
-    load and store has static indices)."""
+    load and store has static indices). 16x1 blocks: row `j` of the group's 8 blocks of
+    each lane one strided load. 1x16 blocks (`across`): the group's `128 x 128` square
+    transposed into a scratch first (the XLU's work), so that its blocks lie down the
+    sublanes there, and the values transposed back."""
     tr = x_ref.shape[0]
-    src = x_ref
-    if x_ref.dtype != jnp.float32:  # (bfloat16: widened into a float32 scratch first)
+    r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * LANES
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
+    refs = (params_ref, seed_ref, table_ref)
+    src, dst = x_ref, scratch[0]
+    if not across and x_ref.dtype != jnp.float32:  # (widened into a float32 scratch)
         src = scratch[1]
         src[...] = x_ref[...].astype(jnp.float32)
-    dst = scratch[0]
-    r_tile = pl.program_id(0) * tr
-    col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
-    refs = (params_ref, seed_ref, table_ref)
     for base in range(0, tr, GROUP_ROWS):
-        rows = [src[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
+        group = pl.ds(base, GROUP_ROWS)
+        if across:  # (rows of the square are the caller's columns, lanes its rows)
+            square = scratch[1]
+            square[...] = x_ref[group, :].astype(jnp.float32).T
+            rows = [square[pl.ds(j, 8, stride=BLOCK), :] for j in range(BLOCK)]
+
+            def index(j, base=base):
+                return r_tile + base + lane, c_tile + sublane * BLOCK + j
+
+            at = 0
+        else:
+            rows = [src[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
+
+            def index(j, base=base):
+                return r_tile + base + sublane * BLOCK + j, c_tile + lane
+
+            at = base
         if rht:
             rows = butterflies(rows)
-        values = _group(rows, r_tile + base, col, refs, rounding=rounding, cols=cols)
+        values = _group(rows, index, refs, rounding=rounding, cols=cols)
         for j, v in enumerate(values):
-            dst[pl.ds(base + j, 8, stride=BLOCK), :] = v
-        group = pl.ds(base, GROUP_ROWS)
-        o_ref[group, :] = dst[group, :].astype(o_ref.dtype)
+            dst[pl.ds(at + j, 8, stride=BLOCK), :] = v
+        out = dst[pl.ds(at, GROUP_ROWS), :]
+        o_ref[group, :] = (out.T if across else out).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("rounding", "rht", "interpret", "rows"))
+@functools.partial(jax.jit, static_argnames=("block", "rounding", "rht", "interpret", "rows"))
 def operand(
     x: Float[Array, "n m"],
     amax: Float[Array, ""],
     seed: Array | None = None,
     *,
+    block: tuple[int, int] = (BLOCK, 1),
     rounding: str = "nearest",
     rht: bool = False,
     interpret: bool | str = False,
     rows: int = ROWS,
 ) -> tuple[Array, Float[Array, ""]]:
-    """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype)`)
-    quantised in 16x1 blocks with the tensor amax `amax` (the tensor's own, or of its
-    transform with `rht=True`), and `s_dec`: `_tpu_quantize.quantize_2d(x, amax, seed,
-    block=(16, 1), output="values")`'s results, bit for bit, after `_hadamard.rht(x,
-    axis=0)`'s product with `rht=True` (float32 `x` only; the caller checks that no chunk
-    column needs `_hadamard`'s scaling, `rht_amax`). `seed`: two uint32 words for
+    """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
+    block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
+    row) with the tensor amax `amax` (the tensor's own, or of its transform with
+    `rht=True`), and `s_dec`: `_tpu_quantize.quantize_2d(x, amax, seed, block=block,
+    output="values")`'s results, bit for bit, after `_hadamard.rht(x, axis=0)`'s product
+    with `rht=True` (16x1 blocks of a float32 `x` only; the caller checks that no chunk
+    column needs `_hadamard`'s scaling, `rht_stats`). `seed`: two uint32 words for
     `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's rows
     at most (a multiple of `GROUP_ROWS`)."""
     if rows % GROUP_ROWS or rows <= 0:
         raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
-    if not applies(x.shape, x.dtype) or (rht and x.dtype != jnp.float32):
+    across = tuple(block) == (1, BLOCK)
+    if not applies(x.shape, x.dtype, block) or (rht and (x.dtype != jnp.float32 or across)):
         raise ValueError(
-            f"the TPU 16x1 operand kernel takes float32 or bfloat16 (rows, columns) arrays "
-            f"with rows a multiple of {BLOCK} and at least {LANES} columns (float32 with "
-            f"`rht=True`); got {x.dtype} {x.shape} (callers check `applies` first)."
+            f"the TPU operand kernel takes float32 or bfloat16 (rows, columns) arrays in "
+            f"16x1 blocks (rows a multiple of {BLOCK}) or 1x16 blocks (columns a multiple "
+            f"of {BLOCK}), with at least {LANES} columns (16x1 blocks of float32 with "
+            f"`rht=True`); got {x.dtype} {x.shape} in {block} blocks (callers check "
+            f"`applies` first)."
         )
     if rounding not in ("nearest", "stochastic") or (rounding == "stochastic") != (
         seed is not None
     ):
         raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
     n, m = x.shape
-    s_dec, head = _exact.tensor_parameters(x, amax, (BLOCK, 1), "values")
+    s_dec, head = _exact.tensor_parameters(x, amax, tuple(block), "values")
     table = _exact.inverse_table(s_dec)
     params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
     params = params.at[4:12].set(table[_ONE : _ONE + 8])
@@ -190,16 +216,19 @@ def operand(
     seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
     # An array shorter than a tile is padded to whole groups (zero blocks, cut off
     # again); a longer one is not copied: its last tile may overhang it by whole blocks
-    # (rows) or lanes (columns are independent), whose results are dropped.
+    # or by rows and lanes of blocks that are all beyond it, whose results are dropped.
     pad = -n % GROUP_ROWS if n < rows else 0
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     tr = min(rows, n + pad)
     spec = pl.BlockSpec((tr, LANES), lambda i, j: (i, j))
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    scratch = [pltpu.VMEM((tr, LANES), jnp.float32)]
-    if x.dtype != jnp.float32:
-        scratch.append(pltpu.VMEM((tr, LANES), jnp.float32))
-    kernel = functools.partial(_kernel, rounding=rounding, rht=rht, cols=m)
+    if across:
+        scratch = [pltpu.VMEM((GROUP_ROWS, LANES), jnp.float32)] * 2
+    else:
+        scratch = [pltpu.VMEM((tr, LANES), jnp.float32)]
+        if x.dtype != jnp.float32:
+            scratch.append(pltpu.VMEM((tr, LANES), jnp.float32))
+    kernel = functools.partial(_kernel, across=across, rounding=rounding, rht=rht, cols=m)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.bfloat16),
@@ -209,7 +238,7 @@ def operand(
         scratch_shapes=scratch,
         interpret=_INTERPRETERS[interpret],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        name="nvfp4x_operand_16x1_tpu",
+        name="nvfp4x_operand_tpu",
     )(params, seeds, table, xp)
     return (y[:n] if pad else y), s_dec
 
