@@ -8,7 +8,7 @@ python benchmarks/tpu_operand_check.py --smoke     # small, interpreted, on a CP
 
 Each case quantises an `N x N` array (8192: the training benchmark's largest wgrad
 operands) in 16x1 and in 1x16 blocks to bfloat16 block values with the tensor amax given, by
-`_tpu_quantize.quantize_2d(..., output="values")` ("quantize_2d") and by
+`_tpu_quantize.tiled(..., output="values")` ("quantize_2d", that module's own kernel) and by
 `_tpu_operand.operand` ("operand"), compares their bits, and times both (medians of
 `--repeats`, interleaved) against the floor: the input read once and the bfloat16
 values written once, at the copy bandwidth measured first. The `rht` cases compare the
@@ -101,7 +101,9 @@ def case(report, name, n, dtype, rounding, rht, bw, repeats, interpret, block) -
     def old(x, amax, seed):
         y = _tpu_rht.transform(x, interpret=interpret) if rht else x
         kw = dict(block=block, rounding=rounding, output="values", interpret=interpret)
-        return _tpu_quantize.quantize_2d(y, amax, seed, **kw)[0]
+        return _tpu_quantize.tiled(
+            y, amax, seed, tiling=_tpu_quantize.tiling_for(block, y.dtype), **kw
+        )[0]
 
     def new(x, amax, seed):
         kw = dict(block=block, rounding=rounding, rht=rht, interpret=interpret)

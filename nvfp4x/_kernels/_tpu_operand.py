@@ -174,7 +174,7 @@ def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rou
 @functools.partial(jax.jit, static_argnames=("block", "rounding", "rht", "interpret", "rows"))
 def operand(
     x: Float[Array, "n m"],
-    amax: Float[Array, ""],
+    amax: Float[Array, ""] | None,
     seed: Array | None = None,
     *,
     block: tuple[int, int] = (BLOCK, 1),
@@ -186,12 +186,12 @@ def operand(
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
     row) with the tensor amax `amax` (the tensor's own, or of its transform with
-    `rht=True`), and `s_dec`: `_tpu_quantize.quantize_2d(x, amax, seed, block=block,
-    output="values")`'s results, bit for bit, after `_hadamard.rht(x, axis=0)`'s product
-    with `rht=True` (16x1 blocks of a float32 `x` only; the caller checks that no chunk
-    column needs `_hadamard`'s scaling, `rht_stats`). `seed`: two uint32 words for
-    `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's rows
-    at most (a multiple of `GROUP_ROWS`)."""
+    `rht=True`; `None`: `x`'s own), and `s_dec`: the results of `_tpu_quantize.tiled(x,
+    amax, seed, block=block, output="values")`, bit for bit, after the product of
+    `_hadamard.rht(x, axis=0)` with `rht=True` (16x1 blocks of a float32 `x` only; the
+    caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`).
+    `seed`: two uint32 words for `rounding="stochastic"`. `interpret` as
+    `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`)."""
     if rows % GROUP_ROWS or rows <= 0:
         raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
     across = tuple(block) == (1, BLOCK)

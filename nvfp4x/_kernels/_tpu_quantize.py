@@ -403,9 +403,29 @@ def quantize_2d(
     return one_problem_at_a_time(call)(x, *(a for a in (amax, seed) if a is not None))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "rounding", "output", "interpret", "tiling"))
+#: Whether the GEMM operand path (`output="values"`, 1x16 and 16x1 blocks) runs
+#: `_tpu_operand`'s kernel (strided loads, one vector register per block row) where it
+#: takes the array, instead of this module's.
+OPERAND_KERNEL = True
+
+
 def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
-    """`quantize_2d` with its tiling given (jitted: one trace per case)."""
+    """`quantize_2d` with its tiling given: `_tpu_operand`'s kernel for the GEMM operand
+    where `OPERAND_KERNEL` and it takes the array, else `tiled`."""
+    from . import _tpu_operand
+
+    if OPERAND_KERNEL and output == "values" and _tpu_operand.applies(x.shape, x.dtype, block):
+        kw = dict(block=block, rounding=rounding, interpret=interpret)
+        values, s_dec = _tpu_operand.operand(x, amax, seed, **kw)
+        return values, None, s_dec
+    kw = dict(block=block, rounding=rounding, output=output, interpret=interpret)
+    return tiled(x, amax, seed, tiling=tiling, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "rounding", "output", "interpret", "tiling"))
+def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
+    """`quantize_2d`'s results by this module's kernel, whatever the output (jitted: one
+    trace per case)."""
     rows, cols = x.shape
     br, bc = block
     s_dec, head = _exact.tensor_parameters(x, amax, block, output)
