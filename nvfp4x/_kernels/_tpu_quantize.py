@@ -403,18 +403,21 @@ def quantize_2d(
     return one_problem_at_a_time(call)(x, *(a for a in (amax, seed) if a is not None))
 
 
-#: Whether the GEMM operand path (`output="values"`, 1x16 and 16x1 blocks) runs
-#: `_tpu_operand`'s kernel (strided loads, one vector register per block row) where it
-#: takes the array, instead of this module's.
-OPERAND_KERNEL = True
+#: The blocks whose GEMM operand path (`output="values"`) runs `_tpu_operand`'s kernel
+#: (strided loads, one vector register per block row) where it takes the array, instead
+#: of this module's: 16x1, where it took 0.75-0.85x this module's time on a TPU v5e
+#: (8192x8192, 2026-12-06, `benchmarks/tpu_operand_check.py`); not 1x16, where its
+#: transposes made it 1.02-1.08x.
+OPERAND_KERNEL_BLOCKS = ((BLOCK, 1),)
 
 
 def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
     """`quantize_2d` with its tiling given: `_tpu_operand`'s kernel for the GEMM operand
-    where `OPERAND_KERNEL` and it takes the array, else `tiled`."""
+    in `OPERAND_KERNEL_BLOCKS` where it takes the array, else `tiled`."""
     from . import _tpu_operand
 
-    if OPERAND_KERNEL and output == "values" and _tpu_operand.applies(x.shape, x.dtype, block):
+    fits = block in OPERAND_KERNEL_BLOCKS and _tpu_operand.applies(x.shape, x.dtype, block)
+    if output == "values" and fits:
         kw = dict(block=block, rounding=rounding, interpret=interpret)
         values, s_dec = _tpu_operand.operand(x, amax, seed, **kw)
         return values, None, s_dec
