@@ -3,7 +3,6 @@ bits against NumPy's (ml_dtypes) on the same inputs. Prints the first difference
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from nvfp4x._formats import Format, quantize_operand
@@ -17,7 +16,6 @@ codes, scales = jax.jit(lambda a: split_blocks(a, NVFP4))(values)
 c = np.asarray(codes.astype(jnp.float32))
 s = np.asarray(scales.astype(jnp.float32))
 s_bits = np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8))
-c_bits = np.asarray(jax.lax.bitcast_convert_type(codes.astype(jnp.float8_e4m3fn), jnp.uint8))
 print("backend", jax.default_backend())
 back = c * np.repeat(s, 16, axis=-1)
 bad = np.argwhere(back != v)
