@@ -21,8 +21,10 @@ Operations:
   runs instead for: float16 input, `scale_rounding="up"`, stochastic rounding without
   a key (the reference raises), 16x1 blocks over an odd number of columns (the codes
   pack pairs along the rows), a 0-d or empty array, 16x16 tiles of an operand that is
-  not 2-D, and `NVFP4Spec.quantize_saturated` (telemetry). wgrad's RHT runs before, in
-  XLA (`nvfp4x.rht`); the kernel quantises its output.
+  not 2-D, and `NVFP4Spec.quantize_saturated` (telemetry). On TPUs the GEMM operand
+  in 16x1 blocks (`output="values"`) runs `_tpu_operand`'s kernel (one vector register
+  per block row by strided loads; `_tpu_quantize.OPERAND_KERNEL_BLOCKS`), the rest
+  `_tpu_quantize`'s. wgrad's operands with the RHT: see `"rht_operand"`.
 - `"frozen_gemm"`: a frozen layer's GEMM `x @ W.T` on its packed 2-D NVFP4 weight
   (`FrozenLinear`, `FrozenWeight` in its stored layout): `"xla"` decodes the weight
   and calls `scaled_dot` (on a CPU, a few tokens run `chunked_dot` on the packed
@@ -53,6 +55,18 @@ Operations:
   eight; the floor of a read and a write is 2.3 ms); a 2-block training step went from
   79.2 to 49.0 ms. Like the quantiser kernel it has no sharding rule, so XLA's SPMD
   partitioner would not split it (not measured: one chip).
+- `"rht_operand"`: wgrad's operands with the RHT, transformed and quantised
+  (`quantize_rht_operand`; NVFP4 in 1x16 or 16x1 blocks, `scale_rounding="nearest"`):
+  `"xla"` runs `rht(...)` then the picked quantiser; `"mosaic"` (`_tpu_operand`) reads
+  the operand once for `_hadamard.rht`'s special-column check and the transform's
+  tensor amax (`rht_stats`), then transforms and quantises each tile in one kernel
+  (`operand(..., rht=True)`), so the transformed operand is never written; where a
+  column needs the transform's scaled path, the `"xla"` way runs instead (`lax.cond`).
+  The same bits (`tests/test_tpu_operand.py`). `"mosaic"` is the default on TPUs: on a
+  TPU v5e (2026-12-06, 8192x8192 float32) the kernel with the transform took 1.49 ms and
+  `rht_stats` 1.28 ms, against 2.55 ms for the RHT kernel then the quantiser kernel
+  (with the amax given; `benchmarks/tpu_operand_check.py`). Callers ask
+  `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the

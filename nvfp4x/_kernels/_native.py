@@ -37,7 +37,9 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
+from .._numerics._bits import fp8_bits
 from .._numerics._ieee import divide
+from ._exact import round_e4m3_nonneg
 
 
 class NativeOperand(NamedTuple):
@@ -152,12 +154,17 @@ def split_blocks(x: Float[Array, "m k"], native: NativeOperand) -> tuple[Array, 
         c = divide(xb[..., None], jnp.where(s == 0, 1.0, s))
         exact = (c.astype(native.element).astype(jnp.float32) == c) & (c * s == xb[..., None])
         valid = jnp.all(exact, axis=-2, keepdims=True)
-        valid &= s.astype(native.scale).astype(jnp.float32) == s
+        # `s` an E4M3 value and its bits, by bit arithmetic rather than XLA's converts: on
+        # a TPU v5e the split lost the blocks whose scales are E4M3 subnormals (2^-9 to
+        # 7 x 2^-9; issue 36).
+        valid &= (s >= 2.0**-9) & (s <= 448.0)
+        valid &= round_e4m3_nonneg(jnp.clip(s, 0.0, 448.0)) == s
         first = jnp.argmax(valid, axis=-1, keepdims=True)
         pick = lambda v: jnp.take_along_axis(v, first, axis=-1)[..., 0]
         ok = finite & (jnp.any(valid, axis=-1) | (vmax == 0))
         codes = jnp.where(vmax == 0, xb, pick(jnp.broadcast_to(c, (*xb.shape, len(_E2M1_TOPS)))))
         scale = jnp.where(vmax == 0, 1.0, pick(s))
-        scales = jnp.where(ok, scale, jnp.nan).astype(native.scale)
+        bits = fp8_bits(jnp.where(ok, scale, jnp.nan), native.scale)
+        scales = lax.bitcast_convert_type(bits, native.scale)
     codes = jnp.where(ok, codes, 0.0).astype(native.element)
     return codes.reshape(m, k), scales.reshape(m, k // native.block)
