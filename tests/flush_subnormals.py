@@ -14,7 +14,8 @@ backend that flushes may do, so a library giving the spec's bits under it gives 
 on a TPU whatever XLA:TPU does with a subnormal in a cast.
 
 Bits are moved unchanged by `bitcast_convert_type`, selects, reshapes and reductions
-over integers: what the library computes on the bits is not touched.
+over integers: what the library computes on the bits is not touched. 4-bit float types
+(`float4_e2m1fn`) are left as they are: no integer type of their width to work on.
 
 `tests/test_exactness.py` runs the format tests under it (and `inexact_arithmetic`) in
 a subprocess: their bits must not change. Import-time side effect only; nothing here is
@@ -27,7 +28,7 @@ from jax import lax
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
 
-#: The operations XLA:CPU computes on the bits (keeping subnormals) that a TPU may flush.
+#: The operations XLA:CPU computes on the bits (keeping subnormals) that a TPU may flush
 FLUSHED = (
     lax_internal.convert_element_type_p,
     lax_internal.reduce_precision_p,
@@ -46,6 +47,8 @@ def _subnormal_fields(dtype) -> tuple[type, int, int] | None:
     if fi.nmant == 0 or fi.smallest_subnormal == fi.smallest_normal:  # e8m0: no subnormals
         return None
     width = dtype.itemsize * 8
+    if fi.bits != width:  # (4-bit types: no integer type of their width to bitcast to)
+        return None
     uint = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[width]
     exponent = ((1 << fi.nexp) - 1) << fi.nmant
     return uint, exponent, 1 << (width - 1)
