@@ -54,9 +54,7 @@ CASES = [
     # (block, dtype, rounding, shape, tile rows): rows padded to a group / tiles
     # overhanging the rows (by whole blocks), lanes overhanging the columns.
     ((16, 1), jnp.float32, "nearest", (400, 200), 256),
-    ((16, 1), jnp.float32, "stochastic", (48, 136), 1024),
-    ((16, 1), jnp.bfloat16, "stochastic", (400, 200), 256),
-    ((16, 1), jnp.bfloat16, "nearest", (48, 136), 1024),
+    ((16, 1), jnp.bfloat16, "stochastic", (48, 136), 1024),
     ((1, 16), jnp.float32, "stochastic", (304, 208), 128),
     ((1, 16), jnp.bfloat16, "nearest", (48, 256), 1024),
 ]
@@ -144,9 +142,10 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
         with _kernels.use("rht_operand", "xla"):
             want = quantize_rht_operand(jnp.asarray(a), fmt, key)
         with _kernels.use("rht_operand", "mosaic"):
-            eager = quantize_rht_operand(jnp.asarray(a), fmt, key)
-            jitted = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
-        for got in (eager, jitted):
+            results = [jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)]
+            if a is x:  # (eagerly once)
+                results.append(quantize_rht_operand(jnp.asarray(a), fmt, key))
+        for got in results:
             assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
             assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
@@ -162,9 +161,9 @@ def test_a_training_step_with_the_fused_operands_is_the_same():
     CPU Pallas's generic interpreter), for inputs with and without a column the
     transform scales."""
     layer = nvfp4x.quantize(
-        eqx.nn.Linear(256, 160, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
+        eqx.nn.Linear(128, 144, key=jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
     )
-    x = jax.random.normal(jax.random.key(1), (200, 256))
+    x = jax.random.normal(jax.random.key(1), (136, 128))
 
     def loss(m, x):
         return jnp.sum(jnp.sin(jax.vmap(m)(x)))
