@@ -14,12 +14,14 @@ operands) in 16x1 and in 1x16 blocks to bfloat16 block values with the tensor am
 values written once, at the copy bandwidth measured first. The `rht` cases compare the
 transform's kernel followed by `quantize_2d` with `operand(..., rht=True)`, whose floor
 is the same one read and one write, and time `rht_stats` (the read before it). Then the
-operand kernel's tile rows, swept.
+operand kernel with the transform over tile rows, its groups unrolled and looped (`looped`):
+compile seconds, bits, time.
 """
 
 import argparse
 import functools
 import sys
+import time
 import traceback
 
 import jax
@@ -64,25 +66,32 @@ def main(argv: list[str] | None = None) -> int:
                         report.line(f"| {name} | error | | | | | |")
                         traceback.print_exc()
     report.line("")
-    report.line("| operand kernel, float32 nearest | same bits | ms | x floor |")
-    report.line("|---|---|---|---|")
-    x = test_array((n, n), jnp.float32)
-    amax = amax_of_bits(x)
-    want = jax.jit(functools.partial(_tpu_operand.operand, interpret=interpret))(x, amax)[0]
+    report.line("| operand kernel, float32 nearest, RHT | compile s | same bits | ms | x floor |")
+    report.line("|---|---|---|---|---|")
+    x = jax.random.normal(jax.random.key(3), (n, n), jnp.float32)
+    amax = _tpu_operand.rht_stats(x, interpret=interpret)[1]
+    kw = dict(rht=True, interpret=interpret)
+    want = jax.jit(functools.partial(_tpu_operand.operand, **kw))(x, amax)[0]
     floor = (x.nbytes + x.size * 2) / bw
-    fns = {}
-    for rows in (256, 512, 1024, 2048) if not a.smoke else (128, 256):
-        f = jax.jit(functools.partial(_tpu_operand.operand, rows=rows, interpret=interpret))
-        try:
-            same = same_bits(want, f(x, amax)[0])
-            ok &= same
-            fns[(rows, same)] = functools.partial(f, x, amax)
-        except Exception:  # noqa: BLE001
-            ok = False
-            report.line(f"| {rows}-row tiles | error | | |")
-            traceback.print_exc()
-    for (rows, same), t in timed(fns, a.repeats).items():
-        report.line(f"| {rows}-row tiles | {same} | {t * 1e3:.3f} | {t / floor:.2f}x |")
+    fns, compiles = {}, {}
+    for looped in (True, False):
+        for rows in (256, 512, 1024, 2048) if not a.smoke else (128, 256):
+            f = functools.partial(_tpu_operand.operand, rows=rows, looped=looped, **kw)
+            try:
+                t = time.perf_counter()
+                compiled = jax.jit(f).lower(x, amax).compile()
+                compiles[(rows, looped)] = time.perf_counter() - t
+                same = same_bits(want, compiled(x, amax)[0])
+                ok &= same
+                fns[(rows, looped, same)] = functools.partial(compiled, x, amax)
+            except Exception:  # noqa: BLE001
+                ok = False
+                report.line(f"| {rows}-row tiles, looped {looped} | error | | | |")
+                traceback.print_exc()
+    for (rows, looped, same), t in timed(fns, a.repeats).items():
+        c = compiles[(rows, looped)]
+        name = f"{rows}-row tiles, {'looped' if looped else 'unrolled'}"
+        report.line(f"| {name} | {c:.1f} | {same} | {t * 1e3:.3f} | {t / floor:.2f}x |")
     report.line("")
     report.line(f"all cases compiled and bit for bit: {ok}")
     return 0 if ok else 1

@@ -51,17 +51,17 @@ def reference(x, rounding: str, seed_key, rht: bool = False, axis: int = 0):
 
 
 CASES = [
-    # (block, dtype, rounding, shape, tile rows): rows padded to a group / tiles
+    # (block, dtype, rounding, shape, tile rows, looped): rows padded to a group / tiles
     # overhanging the rows (by whole blocks), lanes overhanging the columns.
-    ((16, 1), jnp.float32, "nearest", (400, 200), 256),
-    ((16, 1), jnp.bfloat16, "stochastic", (48, 136), 1024),
-    ((1, 16), jnp.float32, "stochastic", (304, 208), 128),
-    ((1, 16), jnp.bfloat16, "nearest", (48, 256), 1024),
+    ((16, 1), jnp.float32, "nearest", (400, 200), 256, False),
+    ((16, 1), jnp.bfloat16, "stochastic", (48, 136), 1024, True),
+    ((1, 16), jnp.float32, "stochastic", (304, 208), 256, True),
+    ((1, 16), jnp.bfloat16, "nearest", (48, 256), 1024, False),
 ]
 
 
-@pytest.mark.parametrize("block,dtype,rounding,shape,rows", CASES)
-def test_operand_is_the_reference(block, dtype, rounding, shape, rows):
+@pytest.mark.parametrize("block,dtype,rounding,shape,rows,looped", CASES)
+def test_operand_is_the_reference(block, dtype, rounding, shape, rows, looped):
     """The kernel's bfloat16 block values and tensor scale are the XLA quantiser's, bit
     for bit, NaN blocks, ties, subnormals and signed zeros included (1x16 blocks: the
     data transposed, so that its blocks lie along the rows)."""
@@ -72,7 +72,14 @@ def test_operand_is_the_reference(block, dtype, rounding, shape, rows):
     seed = None if key is None else seed_words(key)
     amax = amax_of_bits(x.astype(jnp.float32))
     got_v, got_s = _tpu_operand.operand(
-        x, amax, seed, block=block, rounding=rounding, interpret=not ON_TPU, rows=rows
+        x,
+        amax,
+        seed,
+        block=block,
+        rounding=rounding,
+        interpret=not ON_TPU,
+        rows=rows,
+        looped=looped,
     )
     assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
     assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
@@ -180,22 +187,24 @@ def test_a_training_step_with_the_fused_operands_is_the_same():
 
 
 @pytest.mark.parametrize(
-    "block,dtype,rounding,rht",
+    "block,dtype,rounding,rht,looped",
     [
-        ((16, 1), jnp.float32, "nearest", False),
-        ((16, 1), jnp.bfloat16, "stochastic", False),
-        ((16, 1), jnp.float32, "stochastic", True),
-        ((1, 16), jnp.float32, "nearest", False),
-        ((1, 16), jnp.bfloat16, "stochastic", False),
+        ((16, 1), jnp.float32, "nearest", False, False),
+        ((16, 1), jnp.bfloat16, "stochastic", False, True),
+        ((16, 1), jnp.float32, "stochastic", True, False),
+        ((16, 1), jnp.float32, "nearest", True, True),
+        ((1, 16), jnp.float32, "nearest", False, True),
+        ((1, 16), jnp.bfloat16, "stochastic", False, False),
     ],
 )
-def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht):
+def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
     """Each kernel lowers for a TPU on an operand that overhangs tiles on both axes."""
     seed = jnp.zeros((2,), jnp.uint32) if rounding == "stochastic" else None
 
     def fn(x):
         amax = jnp.float32(1.0)
-        out = _tpu_operand.operand(x, amax, seed, block=block, rounding=rounding, rht=rht)
+        kw = dict(block=block, rounding=rounding, rht=rht, looped=looped)
+        out = _tpu_operand.operand(x, amax, seed, **kw)
         return (out, _tpu_operand.rht_stats(x)) if rht else out
 
     x = jax.ShapeDtypeStruct((4112, 1008) if block == (1, 16) else (4112, 1000), dtype)

@@ -62,11 +62,17 @@ Operations:
   tensor amax (`rht_stats`), then transforms and quantises each tile in one kernel
   (`operand(..., rht=True)`), so the transformed operand is never written; where a
   column needs the transform's scaled path, the `"xla"` way runs instead (`lax.cond`).
-  The same bits (`tests/test_tpu_operand.py`). `"mosaic"` is the default on TPUs: on a
-  TPU v5e (2026-12-06, 8192x8192 float32) the kernel with the transform took 1.49 ms and
-  `rht_stats` 1.28 ms, against 2.55 ms for the RHT kernel then the quantiser kernel
-  (with the amax given; `benchmarks/tpu_operand_check.py`). Callers ask
-  `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
+  The same bits (`tests/test_tpu_operand.py`: on a TPU v5e the kernel's reference
+  cases, with the transform and `rht_stats`'s, passed compiled; the fused path inside a
+  step not yet checked there). Opt-in
+  (`use("rht_operand", "mosaic")`), not yet the TPU's default: there (2026-12-06,
+  8192x8192 float32) the kernel with the transform took 1.49 ms and `rht_stats` 1.28
+  ms, against 2.55 ms for the RHT kernel then the quantiser kernel with the amax given
+  (`benchmarks/tpu_operand_check.py`), but the 2-block training step with it compiled in
+  56.8 s against 28.8 s without (its unrolled kernels, several per step, besides the
+  separate path's), and its step time was not measured before the device time ran out.
+  The kernel's `looped` form (one group's code in a loop) lowers with 3.6x less text;
+  not yet compiled on a TPU. Callers ask `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
@@ -144,7 +150,6 @@ DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "tpu"): "mosaic",
     ("frozen_gemm", "tpu"): "mosaic",
     ("rht", "tpu"): "mosaic",
-    ("rht_operand", "tpu"): "mosaic",
 }
 #: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
 #: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas

@@ -129,12 +129,15 @@ def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[
     return out
 
 
-def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rounding, rht, cols):
-    """One tile `rows x 128`, a group of 128 rows at a time (unrolled: every strided
-    load and store has static indices). 16x1 blocks: row `j` of the group's 8 blocks of
-    each lane one strided load. 1x16 blocks (`across`): the group's `128 x 128` square
-    transposed into a scratch first (the XLU's work), so that its blocks lie down the
-    sublanes there, and the values transposed back."""
+def _kernel(
+    params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rounding, rht, cols, looped
+):
+    """One tile `rows x 128`, a group of 128 rows at a time: unrolled (every strided load
+    and store has static indices), or with `looped` one group's code in a `fori_loop`
+    (dynamic row offsets; lowers for a TPU, not yet compiled on one). 16x1 blocks: row
+    `j` of the group's 8 blocks of each lane one strided load. 1x16 blocks (`across`):
+    the group's `128 x 128` square transposed into a scratch first (the XLU's work), so
+    that its blocks lie down the sublanes there, and the values transposed back."""
     tr = x_ref.shape[0]
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * LANES
     sublane = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 0)
@@ -144,21 +147,22 @@ def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rou
     if not across and x_ref.dtype != jnp.float32:  # (widened into a float32 scratch)
         src = scratch[1]
         src[...] = x_ref[...].astype(jnp.float32)
-    for base in range(0, tr, GROUP_ROWS):
+
+    def one(base):
         group = pl.ds(base, GROUP_ROWS)
         if across:  # (rows of the square are the caller's columns, lanes its rows)
             square = scratch[1]
             square[...] = x_ref[group, :].astype(jnp.float32).T
             rows = [square[pl.ds(j, 8, stride=BLOCK), :] for j in range(BLOCK)]
 
-            def index(j, base=base):
+            def index(j):
                 return r_tile + base + lane, c_tile + sublane * BLOCK + j
 
             at = 0
         else:
             rows = [src[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
 
-            def index(j, base=base):
+            def index(j):
                 return r_tile + base + sublane * BLOCK + j, c_tile + lane
 
             at = base
@@ -170,8 +174,21 @@ def _kernel(params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rou
         out = dst[pl.ds(at, GROUP_ROWS), :]
         o_ref[group, :] = (out.T if across else out).astype(o_ref.dtype)
 
+    if looped:  # (one group's code, its row offset dynamic: less for Mosaic to compile)
 
-@functools.partial(jax.jit, static_argnames=("block", "rounding", "rht", "interpret", "rows"))
+        def body(g, carry):
+            one(pl.multiple_of(g * GROUP_ROWS, GROUP_ROWS))
+            return carry
+
+        jax.lax.fori_loop(0, tr // GROUP_ROWS, body, 0)
+    else:
+        for base in range(0, tr, GROUP_ROWS):
+            one(base)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block", "rounding", "rht", "interpret", "rows", "looped")
+)
 def operand(
     x: Float[Array, "n m"],
     amax: Float[Array, ""] | None,
@@ -182,6 +199,7 @@ def operand(
     rht: bool = False,
     interpret: bool | str = False,
     rows: int = ROWS,
+    looped: bool = False,
 ) -> tuple[Array, Float[Array, ""]]:
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
@@ -191,7 +209,8 @@ def operand(
     `_hadamard.rht(x, axis=0)` with `rht=True` (16x1 blocks of a float32 `x` only; the
     caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`).
     `seed`: two uint32 words for `rounding="stochastic"`. `interpret` as
-    `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`)."""
+    `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`);
+    `looped`: the kernel's groups in a loop rather than unrolled (`_kernel`)."""
     if rows % GROUP_ROWS or rows <= 0:
         raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
     across = tuple(block) == (1, BLOCK)
@@ -228,7 +247,8 @@ def operand(
         scratch = [pltpu.VMEM((tr, LANES), jnp.float32)]
         if x.dtype != jnp.float32:
             scratch.append(pltpu.VMEM((tr, LANES), jnp.float32))
-    kernel = functools.partial(_kernel, across=across, rounding=rounding, rht=rht, cols=m)
+    kw = dict(across=across, rounding=rounding, rht=rht, cols=m, looped=looped)
+    kernel = functools.partial(_kernel, **kw)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.bfloat16),
