@@ -123,7 +123,8 @@ def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[
             # the NaN product (`+NaN`, or a NaN `x` itself).
             sign = negative & (~nan_block | (a_bits > INF_BITS))
         else:
-            mag = _stochastic(a, _uniform(seed_ref, *index(j), cols))
+            row, col = index(j)
+            mag = _stochastic(a, _uniform(seed_ref, row, col, cols))
             sign = negative & ~nan_block  # (`round_stochastic` gives NaN code 0)
         out.append(_signed(mag, sign) * scale_b)  # exact
     return out
@@ -154,18 +155,17 @@ def _kernel(
             square = scratch[1]
             square[...] = x_ref[group, :].astype(jnp.float32).T
             rows = [square[pl.ds(j, 8, stride=BLOCK), :] for j in range(BLOCK)]
-
-            def index(j):
-                return r_tile + base + lane, c_tile + sublane * BLOCK + j
-
             at = 0
         else:
             rows = [src[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
-
-            def index(j):
-                return r_tile + base + sublane * BLOCK + j, c_tile + lane
-
             at = base
+
+        def index(j):
+            """The caller's `(row, column)` of `rows[j]`'s elements."""
+            if across:
+                return r_tile + base + lane, c_tile + sublane * BLOCK + j
+            return r_tile + base + sublane * BLOCK + j, c_tile + lane
+
         if rht:
             rows = butterflies(rows)
         values = _group(rows, index, refs, rounding=rounding, cols=cols)
