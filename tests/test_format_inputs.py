@@ -710,20 +710,42 @@ def test_rht_at_float32_max(mode):
 
 
 def test_rht_near_float32_max_a_few_chunks_at_a_time(monkeypatch):
-    """The top binade's accurate transform (`_hadamard._accurate`) runs a few chunks at a
-    time: with batches of 3 chunks of 7 (the last batch partial) the same bits as all at
+    """The top binade's accurate transform (`_hadamard._accurate`) and the scaled path
+    (`_guarded`) run a few chunks at a time: with batches of 3 chunks of 7 (the last
+    batch partial; the scaled path's batches divide the chunks) the same bits as all at
     once, and the top binade's results the exact transform rounded once (two of these
     results are exactly -2^127, which the butterflies put 1-2 ulps below: they are
     recomputed too, `_NEAR_MAX_BITS`)."""
     from nvfp4x._numerics import _hadamard
 
+    def rht(a):  # (traced anew: `jax.jit` keeps traces by function, not by the sizes)
+        jax.clear_caches()
+        fn = jax.jit(lambda a: nvfp4x.rht(a))
+        return np.asarray(fn(jnp.asarray(a))), str(fn.trace(jnp.asarray(a)).jaxpr)
+
     rng = np.random.default_rng(12)
     x = (FLT_MAX * rng.choice([-1, 1, 0.5, -0.5, 0.25, 0, 0.75], (112, 24))).astype(F32)
     x = np.where(rng.random(x.shape) < 0.5, np.nextafter(x, F32(0)), x)
-    whole = np.asarray(jax.jit(nvfp4x.rht)(jnp.asarray(x)))
+    whole, text = rht(x)
+    assert text.count("scan[") == 0
     monkeypatch.setattr(_hadamard, "_ACCURATE_ELEMENTS", 3 * 16 * x.shape[1])
-    batched = np.asarray(jax.jit(nvfp4x.rht)(jnp.asarray(x)))
+    batched, text = rht(x)
+    assert text.count("scan[") == 1  # (`lax.map`: the accurate path's loop)
     assert_bits(batched, whole, "3 chunks at a time")
+    # The scaled path (`_guarded`) in batches too: of a divisor of the 7 chunks (1), and
+    # of 4 of 8 chunks with a tiny column among them.
+    monkeypatch.setattr(_hadamard, "_GUARDED_ELEMENTS", 3 * 16 * x.shape[1])
+    got, text = rht(x)
+    assert "length=7" in text  # (the scaled path's loop; a batch's accurate path whole)
+    assert_bits(got, whole, "scaled path, 1 chunk at a time")
+    y = np.concatenate([x, x[:16]])
+    y[:, 5] = F32(1e-38) * rng.standard_normal(y.shape[0]).astype(F32)
+    monkeypatch.setattr(_hadamard, "_GUARDED_ELEMENTS", 2**20)
+    want_y, _ = rht(y)
+    monkeypatch.setattr(_hadamard, "_GUARDED_ELEMENTS", 4 * 16 * x.shape[1])
+    got_y, text = rht(y)
+    assert "length=2" in text
+    assert_bits(got_y, want_y, "scaled path, 4 chunks at a time")
     exact = _exact_rht(x)
     with np.errstate(over="ignore"):
         want = exact.astype(F32)

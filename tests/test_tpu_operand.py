@@ -162,7 +162,7 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     assert '"nvfp4x_rht_stats_tpu"' in text and '"nvfp4x_operand_tpu"' in text
 
 
-def test_a_training_step_with_the_fused_operands_is_the_same():
+def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
     """An NVFP4 layer's gradients with the fused wgrad operands picked equal those with
     the transform and the quantiser apart, bit for bit (inside the GEMM primitives: on a
     CPU Pallas's generic interpreter), for inputs with and without a column the
@@ -175,6 +175,11 @@ def test_a_training_step_with_the_fused_operands_is_the_same():
     def loss(m, x):
         return jnp.sum(jnp.sin(jax.vmap(m)(x)))
 
+    traced = []
+    kernel = _tpu_operand.operand
+    monkeypatch.setattr(
+        _tpu_operand, "operand", lambda *a, **k: traced.append(1) or kernel(*a, **k)
+    )
     for a in (x, x.at[3, 5].set(1e30)):
         grads = {}
         for implementation in ("xla", "mosaic"):
@@ -184,6 +189,9 @@ def test_a_training_step_with_the_fused_operands_is_the_same():
             jax.tree.leaves(grads["mosaic"]), jax.tree.leaves(grads["xla"]), strict=True
         ):
             assert_bits(np.asarray(g), np.asarray(w), "gradient")
+    # The fused kernels were traced in wgrad, for dy and x (once: the second input runs
+    # the same lowered GEMMs, its special column taking the `cond`'s other branch).
+    assert len(traced) == 2
 
 
 @pytest.mark.parametrize(
