@@ -26,11 +26,13 @@
 # `test_freeze.py`'s first 8 tests took 168 s there (the Mosaic quantiser's compiles in
 # every recipe's frozen and unfrozen model), so run it as SHARD=0/4 .. SHARD=3/4
 # (guessed: 65 + 8 tests). Chunk 8 255 s, chunk 9 143 s (seventh session); chunk 2
-# now holds `test_frozen_speed_paths` too (~60 s more). Each test file's times are in the JUnit file. Two chunks fit one
+# now holds `test_frozen_speed_paths` too (~60 s more); chunk 9 `test_tpu_operand` too
+# (15 of its tests took ~120 s there: give chunk 9 ~450 s). Each test file's times are in the JUnit file. Two chunks fit one
 # command where their times add up to ~540 s. The first start of a machine adds 1-2 minutes before this script, the
 # installs here 20 s.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
-# (JUnit: every test's outcome and time), $OUT/script.log, $OUT/extra.tar (any other files).
+# (JUnit: every test's outcome and time), $OUT/script.log, $OUT/extra.tar (any other files),
+# and $OUT/install.log only if an install failed (the device tool returns 8 files).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -52,7 +54,8 @@ chunk_files() {
     6) echo tests/test_freeze.py tests/test_telemetry.py ;;
     7) echo tests/test_moe.py tests/test_conv.py ;;
     8) echo tests/test_transform.py tests/test_hf.py ;;
-    9) echo tests/test_save_load.py tests/test_requantize.py tests/test_scan_layers.py ;;
+    9) echo tests/test_save_load.py tests/test_requantize.py tests/test_scan_layers.py \
+        tests/test_tpu_operand.py ;;
     *) return 1 ;;
     esac
 }
@@ -87,7 +90,11 @@ if [ ! -d "$site" ]; then
     fi
     PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
         --no-compile --index-url file:///opt/pypi/simple --target "$site/deps" "${INDEX[@]}" \
-        >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+        >/tmp/nvfp4x-install.log 2>&1 || {
+        cp /tmp/nvfp4x-install.log "$OUT/install.log"
+        tail -20 "$OUT/install.log"
+        exit 1
+    }
     echo "installed in $(($(date +%s) - t0)) s"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/examples:$site:$site/deps"

@@ -213,7 +213,8 @@ def test_tpu_chunks_hold_every_numerics_file_once():
         "exactness", "format", "fp8_tables", "gemm_reference", "gemm_sr", "gemm_vmap",
         "gemm_jax", "unbiased_sr", "freeze", "tied", "moe", "conv", "any_model",
         "transform", "hf", "requantize", "telemetry", "save_load", "native_gemm",
-        "kernels", "tpu_kernels", "frozen_kernel", "tpu_frozen_kernel",
+        "kernels", "tpu_kernels", "frozen_kernel", "tpu_frozen_kernel", "tpu_rht",
+        "tpu_operand",
     }  # fmt: skip
     assert {f"tests/test_{name}.py" for name in numerics} <= set(files)
 
