@@ -128,7 +128,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._numerics import _hadamard, _subnormal
+from .._numerics import _hadamard
 from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
 from .._numerics._threefry import seed_words
@@ -447,9 +447,7 @@ def rht_operand(
         return None  # (the reference raises)
     from . import _tpu_operand
 
-    x = _subnormal.to_float32(a)
-    if pad := -x.shape[0] % BLOCK:
-        x = jnp.pad(x, ((0, pad), (0, 0)))
+    x = _hadamard.padded_rows(a)
     if not _tpu_operand.applies(x.shape, x.dtype):
         return None
     # Compiled on a TPU; elsewhere Pallas's generic interpreter, which (unlike the TPU

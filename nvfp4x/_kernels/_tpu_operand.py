@@ -27,7 +27,7 @@ The values (`e2m1 * scale_b`, exact in float32) are stored back the same strided
 into a float32 scratch, then converted to the bfloat16 output one group at a time; a
 bfloat16 input is converted to a float32 scratch first (strided loads of packed
 bfloat16 rows are not what Mosaic takes). The tensor amax comes from the caller (an XLA
-reduction, or `rht_amax` here for the transformed operand).
+reduction, or `rht_stats` here for the transformed operand).
 
 Same bits as the reference (`_numerics._nvfp4`'s quantiser, and `_hadamard.rht` before
 it with `rht=True`), tested in the TPU interpreter on the CPU (`tests/test_tpu_operand.py`)
@@ -45,10 +45,9 @@ from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
-from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, from_bits
-from . import _exact
-from ._tpu_quantize import _NPARAMS, _ONE, _block_steps, _uniform
-from ._tpu_rht import butterflies
+from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
+from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
+from ._tpu_rht import _INTERPRETERS, butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
 LANES = 128
@@ -56,8 +55,6 @@ LANES = 128
 GROUP_ROWS = 8 * BLOCK
 #: Rows of a tile at most (a multiple of `GROUP_ROWS`).
 ROWS = 1024
-#: `interpret` values: what `pallas_call` is given for each.
-_INTERPRETERS = {False: False, True: pltpu.InterpretParams(), "plain": True}
 #: `c` of the nearest rounding, by the E2M1 step at `a`: `ulp(c) == step`.
 _C_HALF, _C_ONE, _C_TWO = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
 
@@ -71,6 +68,11 @@ def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) 
     whole = shape[0] % BLOCK == 0 if block[0] == BLOCK else shape[1] % BLOCK == 0
     dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     return whole and shape[1] >= LANES and jnp.dtype(dtype) in dtypes
+
+
+def _check_rows(rows: int) -> None:
+    if rows % GROUP_ROWS or rows <= 0:
+        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
 
 
 def _signed(mag: Array, sign: Array) -> Array:
@@ -104,10 +106,8 @@ def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[
     each block (`(8, 128)`), `index(j)` the caller's `(row, column)` of `rows[j]`'s
     elements (int32 arrays; stochastic rounding hashes them)."""
     params_ref, seed_ref, table_ref = refs
-    ab = [jax.lax.bitcast_convert_type(r, jnp.int32) & 0x7FFFFFFF for r in rows]
-    bmax = ab[0]
-    for b in ab[1:]:
-        bmax = jnp.maximum(bmax, b)  # (NaN above inf)
+    ab = [abs_bits(r) for r in rows]
+    bmax = functools.reduce(jnp.maximum, ab)  # (NaN above inf)
     scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
     nan_block = bits == 0x7F
     out = []
@@ -211,8 +211,7 @@ def operand(
     `seed`: two uint32 words for `rounding="stochastic"`. `interpret` as
     `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`);
     `looped`: the kernel's groups in a loop rather than unrolled (`_kernel`)."""
-    if rows % GROUP_ROWS or rows <= 0:
-        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
+    _check_rows(rows)
     across = tuple(block) == (1, BLOCK)
     if not applies(x.shape, x.dtype, block) or (rht and (x.dtype != jnp.float32 or across)):
         raise ValueError(
@@ -227,12 +226,7 @@ def operand(
     ):
         raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
     n, m = x.shape
-    s_dec, head = _exact.tensor_parameters(x, amax, tuple(block), "values")
-    table = _exact.inverse_table(s_dec)
-    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
-    params = params.at[4:12].set(table[_ONE : _ONE + 8])
-    seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-    seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+    s_dec, params, seeds, table = kernel_parameters(x, amax, seed, tuple(block), "values")
     # An array shorter than a tile is padded to whole groups (zero blocks, cut off
     # again); a longer one is not copied: its last tile may overhang it by whole blocks
     # or by rows and lanes of blocks that are all beyond it, whose results are dropped.
@@ -286,10 +280,7 @@ def _stats_kernel(x_ref, o_ref, *, n, m):
 
 def _max_abs_bits(rows: list[Array]) -> Array:
     """The largest absolute-value bits (int32) of the rows, element by element."""
-    out = jax.lax.bitcast_convert_type(rows[0], jnp.int32) & 0x7FFFFFFF
-    for r in rows[1:]:
-        out = jnp.maximum(out, jax.lax.bitcast_convert_type(r, jnp.int32) & 0x7FFFFFFF)
-    return out
+    return functools.reduce(jnp.maximum, [abs_bits(r) for r in rows])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "rows"))
@@ -302,8 +293,7 @@ def rht_stats(
     amax of `_hadamard.rht(x, axis=0)` (`amax_of_bits` of it), valid where `special` is
     false (then every result is finite and the transform is `_plain`'s, whose bits the
     kernel computes). `operand(x, amax, ..., rht=True)` then quantises it."""
-    if rows % GROUP_ROWS or rows <= 0:
-        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
+    _check_rows(rows)
     if x.dtype != jnp.float32 or not applies(x.shape, x.dtype):
         raise ValueError(
             f"`rht_stats` takes float32 (rows, columns) arrays with rows a multiple of "

@@ -403,6 +403,20 @@ def quantize_2d(
     return one_problem_at_a_time(call)(x, *(a for a in (amax, seed) if a is not None))
 
 
+def kernel_parameters(x, amax, seed, block, output: str):
+    """`(s_dec, params, seeds, table)`: what a quantiser kernel reads from SMEM for the
+    padded 2-D `x` (`_exact.tensor_parameters`'s checks): the float32 parameter vector
+    (`_NPARAMS` slots, see `_block_steps`), the seed words as int32 (zeros without a
+    seed), and the inverse table (`_exact.inverse_table`). Shared with `_tpu_operand`."""
+    s_dec, head = _exact.tensor_parameters(x, amax, block, output)
+    table = _exact.inverse_table(s_dec)
+    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
+    params = params.at[4:12].set(table[_ONE : _ONE + 8])
+    seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+    seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+    return s_dec, params, seeds, table
+
+
 #: The blocks whose GEMM operand path (`output="values"`) runs `_tpu_operand`'s kernel
 #: (strided loads, one vector register per block row) where it takes the array, instead
 #: of this module's: 16x1, where it took 0.75-0.85x this module's time on a TPU v5e
@@ -431,12 +445,7 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
     trace per case)."""
     rows, cols = x.shape
     br, bc = block
-    s_dec, head = _exact.tensor_parameters(x, amax, block, output)
-    table = _exact.inverse_table(s_dec)
-    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
-    params = params.at[4:12].set(table[_ONE : _ONE + 8])
-    seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-    seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+    s_dec, params, seeds, table = kernel_parameters(x, amax, seed, block, output)
     transposed = block == ROW_BLOCK
     pairs = jnp.asarray(_pair_matrix(transposed), jnp.bfloat16)
 

@@ -67,11 +67,7 @@ def rht(
     chunk column needs scaling, `(chunks, amax_bits) -> _plain(chunks)` bit for bit (a
     kernel's, picked in `nvfp4x._kernels`); default `_unguarded`. A module-level
     function, so that `lax.cond` reuses its traced branch."""
-    axis = axis % x.ndim
-    x = jnp.moveaxis(to_float32(x), axis, 0)
-    pad = -x.shape[0] % BLOCK
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    x = padded_rows(jnp.moveaxis(x, axis % x.ndim, 0))
     # Chunks of 16 rows times H: one small batched matrix product, no transposes.
     chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, math.prod(x.shape[1:]))
     # Where no chunk column is big (or non-finite) or tiny but not zero, the scalings
@@ -83,6 +79,16 @@ def rht(
     y = jax.lax.cond(jnp.any(special), _guarded, unguarded, chunks, amax_bits)
     y = y.reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
+
+
+def padded_rows(x: Array) -> Float[Array, "..."]:
+    """`x` in float32 (`to_float32`: subnormals read exactly), its leading axis padded
+    with zeros to whole chunks of 16: what `rht` transforms along that axis (the fused
+    TPU operand of `_kernels.rht_operand` too)."""
+    x = to_float32(x)
+    if pad := -x.shape[0] % BLOCK:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x
 
 
 def special_columns(amax_bits: Array) -> Array:
