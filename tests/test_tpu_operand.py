@@ -85,12 +85,12 @@ def test_operand_is_the_reference(block, dtype, rounding, shape, rows, looped):
     assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_operand_with_the_transform_is_the_transform_then_the_reference(rounding):
+@pytest.mark.parametrize("rounding,looped", [("nearest", False), ("stochastic", True)])
+def test_operand_with_the_transform_is_the_transform_then_the_reference(rounding, looped):
     """`rht=True`: the transform's product in the kernel, then the quantiser, gives the
     bits of `_hadamard.rht` then the XLA quantiser; `rht_stats` finds no special column
     and gives the transform's amax (tiles overhanging rows and lanes: their garbage
-    masked)."""
+    masked); both kernels' groups unrolled and looped."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((400, 200)).astype(F32) * np.exp2(rng.integers(-30, 30, 200))
     x[:, 5] = 0.0
@@ -98,13 +98,12 @@ def test_operand_with_the_transform_is_the_transform_then_the_reference(rounding
     key = jax.random.key(8) if rounding == "stochastic" else None
     want_v, want_s = reference(x, rounding, key, rht=True)
     interpret = not ON_TPU
-    special, amax = _tpu_operand.rht_stats(x, interpret=interpret, rows=256)
+    special, amax = _tpu_operand.rht_stats(x, interpret=interpret, rows=256, looped=looped)
     assert not bool(special)
     assert_bits(np.asarray(amax), np.asarray(amax_of_bits(_hadamard.rht(x, 0))), "amax")
     seed = None if key is None else seed_words(key)
-    got_v, got_s = _tpu_operand.operand(
-        x, amax, seed, rounding=rounding, rht=True, interpret=interpret, rows=256
-    )
+    kw = dict(rounding=rounding, rht=True, interpret=interpret, rows=256, looped=looped)
+    got_v, got_s = _tpu_operand.operand(x, amax, seed, **kw)
     assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
     assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
 

@@ -150,6 +150,7 @@ DEFAULTS: dict[tuple[str, str], str] = {
     ("nvfp4_quantize", "tpu"): "mosaic",
     ("frozen_gemm", "tpu"): "mosaic",
     ("rht", "tpu"): "mosaic",
+    ("rht_operand", "tpu"): "mosaic",
 }
 #: The NVFP4 quantiser kernels, by implementation name, and the backend each compiles for
 #: (elsewhere it runs interpreted: slow, for tests): `"pallas"` (`_pallas_nvfp4`, Pallas

@@ -53,8 +53,14 @@ from ._tpu_rht import _INTERPRETERS, butterflies
 LANES = 128
 #: Rows worked on at a time: 8 blocks of 16, one vector register per row of a block.
 GROUP_ROWS = 8 * BLOCK
-#: Rows of a tile at most (a multiple of `GROUP_ROWS`).
-ROWS = 1024
+#: Rows of a tile at most (a multiple of `GROUP_ROWS`). 2048: on a TPU v5e (2026-12-06,
+#: 8192x8192 float32 with the transform, `benchmarks/tpu_operand_check.py`) 1.73 ms
+#: looped against 1.89 ms at 1024 rows, 2.01 at 512, 2.30 at 256.
+ROWS = 2048
+#: Whether the kernel's groups run in a loop by default (`_kernel`'s `looped`): on a TPU
+#: v5e (same check) as fast as unrolled (1.730 against 1.745 ms at 2048 rows) and
+#: compiled in 0.6 s against 4.2 s.
+LOOPED = True
 #: `c` of the nearest rounding, by the E2M1 step at `a`: `ulp(c) == step`.
 _C_HALF, _C_ONE, _C_TWO = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
 
@@ -135,7 +141,7 @@ def _kernel(
 ):
     """One tile `rows x 128`, a group of 128 rows at a time: unrolled (every strided load
     and store has static indices), or with `looped` one group's code in a `fori_loop`
-    (dynamic row offsets; lowers for a TPU, not yet compiled on one). 16x1 blocks: row
+    (dynamic row offsets; the default, `LOOPED`). 16x1 blocks: row
     `j` of the group's 8 blocks of each lane one strided load. 1x16 blocks (`across`):
     the group's `128 x 128` square transposed into a scratch first (the XLU's work), so
     that its blocks lie down the sublanes there, and the values transposed back."""
@@ -199,7 +205,7 @@ def operand(
     rht: bool = False,
     interpret: bool | str = False,
     rows: int = ROWS,
-    looped: bool = False,
+    looped: bool = LOOPED,
 ) -> tuple[Array, Float[Array, ""]]:
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
@@ -257,25 +263,34 @@ def operand(
     return (y[:n] if pad else y), s_dec
 
 
-def _stats_kernel(x_ref, o_ref, *, n, m):
+def _stats_kernel(x_ref, o_ref, *, n, m, looped):
     """One tile `rows x 128` of `rht_stats`: `o_ref` `(2, 8, 128)` int32, the largest
     `_hadamard.special_columns` flag of the tile's chunk columns and the largest
     absolute-value bits of their transform (rows and lanes beyond the array, which an
-    overhanging tile holds as garbage, masked)."""
+    overhanging tile holds as garbage, masked); its groups unrolled or, with `looped`,
+    in a `fori_loop` (as `_kernel`'s)."""
     tr = x_ref.shape[0]
     r_tile = pl.program_id(0) * tr
     col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
     sub_row = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 0) * BLOCK
-    flag = jnp.zeros((8, LANES), jnp.int32)
-    top = jnp.zeros((8, LANES), jnp.int32)
-    for base in range(0, tr, GROUP_ROWS):
+
+    def one(base, carry):
+        flag, top = carry
         rows = [x_ref[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
         inside = (r_tile + base + sub_row < n) & (col < m)
         xmax = _max_abs_bits(rows)
         flag = jnp.maximum(flag, (inside & special_columns(xmax)).astype(jnp.int32))
         top = jnp.maximum(top, jnp.where(inside, _max_abs_bits(butterflies(rows)), 0))
-    o_ref[0] = flag
-    o_ref[1] = top
+        return flag, top
+
+    carry = (jnp.zeros((8, LANES), jnp.int32),) * 2
+    if looped:
+        body = lambda g, c: one(pl.multiple_of(g * GROUP_ROWS, GROUP_ROWS), c)  # noqa: E731
+        carry = jax.lax.fori_loop(0, tr // GROUP_ROWS, body, carry)
+    else:
+        for base in range(0, tr, GROUP_ROWS):
+            carry = one(base, carry)
+    o_ref[0], o_ref[1] = carry
 
 
 def _max_abs_bits(rows: list[Array]) -> Array:
@@ -283,16 +298,21 @@ def _max_abs_bits(rows: list[Array]) -> Array:
     return functools.reduce(jnp.maximum, [abs_bits(r) for r in rows])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "looped"))
 def rht_stats(
-    x: Float[Array, "n m"], *, interpret: bool | str = False, rows: int = ROWS
+    x: Float[Array, "n m"],
+    *,
+    interpret: bool | str = False,
+    rows: int = ROWS,
+    looped: bool = LOOPED,
 ) -> tuple[Array, Float[Array, ""]]:
     """`(special, amax)` of the float32 `x` (`applies(x.shape, x.dtype)`) in one read:
     whether any chunk column of 16 rows needs `_hadamard.rht`'s scaled path
     (`_hadamard.special_columns`: big, non-finite, or tiny but nonzero), and the tensor
     amax of `_hadamard.rht(x, axis=0)` (`amax_of_bits` of it), valid where `special` is
     false (then every result is finite and the transform is `_plain`'s, whose bits the
-    kernel computes). `operand(x, amax, ..., rht=True)` then quantises it."""
+    kernel computes). `operand(x, amax, ..., rht=True)` then quantises it. `rows` and
+    `looped` as `operand`'s."""
     _check_rows(rows)
     if x.dtype != jnp.float32 or not applies(x.shape, x.dtype):
         raise ValueError(
@@ -303,7 +323,7 @@ def rht_stats(
     tr = min(rows, -(-n // GROUP_ROWS) * GROUP_ROWS)
     grid = (pl.cdiv(n, tr), pl.cdiv(m, LANES))
     stats = pl.pallas_call(
-        functools.partial(_stats_kernel, n=n, m=m),
+        functools.partial(_stats_kernel, n=n, m=m, looped=looped),
         out_shape=jax.ShapeDtypeStruct((2, grid[0] * 8, grid[1] * LANES), jnp.int32),
         grid=grid,
         in_specs=[pl.BlockSpec((tr, LANES), lambda i, j: (i, j))],
