@@ -177,7 +177,7 @@ def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
     traced = []
     kernel = _tpu_operand.operand
     monkeypatch.setattr(
-        _tpu_operand, "operand", lambda *a, **k: traced.append(1) or kernel(*a, **k)
+        _tpu_operand, "operand", lambda *a, **k: traced.append(k.get("rht")) or kernel(*a, **k)
     )
     for a in (x, x.at[3, 5].set(1e30)):
         grads = {}
@@ -189,8 +189,9 @@ def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
         ):
             assert_bits(np.asarray(g), np.asarray(w), "gradient")
     # The fused kernels were traced in wgrad, for dy and x (once: the second input runs
-    # the same lowered GEMMs, its special column taking the `cond`'s other branch).
-    assert len(traced) == 2
+    # the same lowered GEMMs, its special column taking the `cond`'s other branch; on a
+    # TPU the kernel also quantises other 16x1 operands, without the transform).
+    assert traced.count(True) == 2
 
 
 @pytest.mark.parametrize(
