@@ -62,17 +62,17 @@ Operations:
   tensor amax (`rht_stats`), then transforms and quantises each tile in one kernel
   (`operand(..., rht=True)`), so the transformed operand is never written; where a
   column needs the transform's scaled path, the `"xla"` way runs instead (`lax.cond`).
-  The same bits (`tests/test_tpu_operand.py`: on a TPU v5e the kernel's reference
-  cases, with the transform and `rht_stats`'s, passed compiled; the fused path inside a
-  step not yet checked there). Opt-in
-  (`use("rht_operand", "mosaic")`), not yet the TPU's default: there (2026-12-06,
-  8192x8192 float32) the kernel with the transform took 1.49 ms and `rht_stats` 1.28
-  ms, against 2.55 ms for the RHT kernel then the quantiser kernel with the amax given
-  (`benchmarks/tpu_operand_check.py`), but the 2-block training step with it compiled in
-  56.8 s against 28.8 s without (its unrolled kernels, several per step, besides the
-  separate path's), and its step time was not measured before the device time ran out.
-  The kernel's `looped` form (one group's code in a loop) lowers with 3.6x less text;
-  not yet compiled on a TPU. Callers ask `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
+  The same bits (`tests/test_tpu_operand.py`, whole on a TPU v5e, 2026-12-06: the
+  kernels' reference cases and a layer's gradients with the fused operands bit for bit
+  those with the transform and quantiser apart). `"mosaic"` is the default on TPUs:
+  there (8192x8192 float32) the kernel with the transform took 1.43 ms (1.28x the floor
+  of one read and one bfloat16 write) and `rht_stats` 1.24 ms, against 2.53 ms for the
+  RHT kernel then the quantiser kernel with the amax given
+  (`benchmarks/tpu_operand_check.py`), and the 2-block training step of
+  `bench_accel.py --lean --only train` took 38.3 ms against 45.3 ms (1.76x against
+  2.09x mixed bf16), compiling in 42.3 s against 26.6 s (both paths sit in the `cond`;
+  the kernels' groups run in a loop, `_tpu_operand.LOOPED`: unrolled, 51.9 s). Callers
+  ask `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the

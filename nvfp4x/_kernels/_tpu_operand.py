@@ -61,6 +61,10 @@ ROWS = 2048
 #: v5e (same check) as fast as unrolled (1.730 against 1.745 ms at 2048 rows) and
 #: compiled in 0.6 s against 4.2 s.
 LOOPED = True
+#: `(rows, looped)` by default for 1x16 blocks, whose groups transpose through a scratch:
+#: on a TPU v5e (8192x8192 float32, nearest) 1.99 ms unrolled in 1024-row tiles, 2.87 ms
+#: looped in 2048-row tiles (`benchmarks/tpu_operand_check.py`, 2026-12-06).
+ACROSS_DEFAULTS = (1024, False)
 #: `c` of the nearest rounding, by the E2M1 step at `a`: `ulp(c) == step`.
 _C_HALF, _C_ONE, _C_TWO = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
 
@@ -204,8 +208,8 @@ def operand(
     rounding: str = "nearest",
     rht: bool = False,
     interpret: bool | str = False,
-    rows: int = ROWS,
-    looped: bool = LOOPED,
+    rows: int | None = None,
+    looped: bool | None = None,
 ) -> tuple[Array, Float[Array, ""]]:
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
@@ -216,9 +220,13 @@ def operand(
     caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`).
     `seed`: two uint32 words for `rounding="stochastic"`. `interpret` as
     `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`);
-    `looped`: the kernel's groups in a loop rather than unrolled (`_kernel`)."""
-    _check_rows(rows)
+    `looped`: the kernel's groups in a loop rather than unrolled (`_kernel`); `None`:
+    `ROWS` and `LOOPED` for 16x1 blocks, `ACROSS_DEFAULTS` for 1x16."""
     across = tuple(block) == (1, BLOCK)
+    default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
+    rows = default_rows if rows is None else rows
+    looped = default_looped if looped is None else looped
+    _check_rows(rows)
     if not applies(x.shape, x.dtype, block) or (rht and (x.dtype != jnp.float32 or across)):
         raise ValueError(
             f"the TPU operand kernel takes float32 or bfloat16 (rows, columns) arrays in "
