@@ -43,11 +43,16 @@ def data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def reference(x, rounding: str, seed_key, rht: bool = False, axis: int = 0):
-    """The XLA path: `quantize_operand` along `axis` (the transform first with `rht`)."""
+    """The XLA path: `quantize_operand` along `axis` (the transform first with `rht`),
+    jitted (one compile; its eager bits are the same, `tests/test_format.py`)."""
     fmt = Format("nvfp4", rounding=rounding)
-    with _kernels.use("nvfp4_quantize", "xla"), _kernels.use("rht", "xla"):
+
+    def run(x, seed_key):
         y = _hadamard.rht(x, axis=0) if rht else x
         return quantize_operand(y, fmt, axis=axis, key=seed_key)
+
+    with _kernels.use("nvfp4_quantize", "xla"), _kernels.use("rht", "xla"):
+        return jax.jit(run)(x, seed_key)
 
 
 CASES = [
@@ -133,6 +138,29 @@ def test_rht_stats_finds_the_columns_the_transform_scales(where, value, special)
     assert bool(got) == special
 
 
+@pytest.mark.parametrize("special", [False, True])
+def test_the_scaled_path_alone_is_the_transform(special):
+    """`_hadamard.rht_scaled` (the fused operand's other branch: the scaled path on every
+    chunk, no `cond`) gives `_hadamard.rht`'s bits, eagerly and under `jit`, whether or
+    not a column needs the scaling (big, non-finite, tiny but nonzero; zero columns; rows
+    padded to whole chunks)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 24)).astype(F32) * np.exp2(rng.integers(-20, 20, 24))
+    x[:, 1] = 0.0
+    if special:
+        x[3, 2], x[17, 3], x[33, 4] = np.inf, np.nan, F32(2.0**126)
+        x[16:32, 5] = F32(1e-35)
+        x[16:20, 5] = [F32(2.0**-130), F32(-(2.0**-140)), F32(3 * 2.0**-149), 0.0]  # subnormal
+        x[5, 6] = F32(-(2.0**125))
+        # Partial sums that overflow where the result is finite (first output 0).
+        x[:16, 7] = np.repeat(np.asarray([1.9, -1.9], F32) * F32(2.0**127), 8)
+    x = jnp.asarray(x)
+    want = _hadamard.rht(x, 0)
+    xp = _hadamard.padded_rows(x)
+    for got in (_hadamard.rht_scaled(xp), jax.jit(_hadamard.rht_scaled)(xp)):
+        assert_bits(np.asarray(got), np.asarray(want), "transform")
+
+
 def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeypatch):
     """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
     quantiser, for operands with and without special columns (the scaled path then runs
@@ -145,8 +173,8 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     fmt = Format("nvfp4", rounding="stochastic")
     key = jax.random.key(9)
     for a in (x, big):
-        with _kernels.use("rht_operand", "xla"):
-            want = quantize_rht_operand(jnp.asarray(a), fmt, key)
+        with _kernels.use("rht_operand", "xla"):  # (the reference, jitted: one compile)
+            want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
         with _kernels.use("rht_operand", "mosaic"):
             results = [jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)]
             if a is x:  # (eagerly once)
@@ -159,6 +187,9 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
         fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
         text = fn.trace(jnp.asarray(x), key).lower(lowering_platforms=("tpu",)).as_text()
     assert '"nvfp4x_rht_stats_tpu"' in text and '"nvfp4x_operand_tpu"' in text
+    # The other branch is the scaled path then the quantiser: no transform kernel, which
+    # would be compiled for nothing (only inputs that need the scaling take that branch).
+    assert '"nvfp4x_rht_tpu"' not in text
 
 
 def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
@@ -212,6 +243,8 @@ def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
     def fn(x):
         amax = jnp.float32(1.0)
         kw = dict(block=block, rounding=rounding, rht=rht, looped=looped)
+        if block == (16, 1) and not looped:  # (unrolled: fewer groups a tile, less to lower)
+            kw["rows"] = 512
         out = _tpu_operand.operand(x, amax, seed, **kw)
         return (out, _tpu_operand.rht_stats(x)) if rht else out
 
@@ -254,7 +287,7 @@ def test_the_kernels_refuse_what_they_do_not_take(call, match):
 def test_shapes_the_kernels_do_not_take_run_apart():
     """`rht_operand` returns `None` (the caller runs the transform and the quantiser
     apart) for an operand narrower than a lane tile, 16x16 tiles and `scale_rounding="up"`."""
-    apart = functools.partial(pytest.fail, "not called")
+    apart = functools.partial(pytest.fail, "not called")  # (the caller's quantiser)
     with _kernels.use("rht_operand", "mosaic"):
         assert (
             _kernels.rht_operand(jnp.ones((64, 100)), (1, 16), "nearest", "nearest", None, apart)

@@ -6,6 +6,7 @@ these tests run it on every backend whatever the default.
 """
 
 import contextlib
+import functools
 
 import equinox as eqx
 import jax
@@ -86,25 +87,37 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
     def loss(arrays, x):
         return jnp.sum(jax.vmap(eqx.combine(arrays, static))(x) ** 2)
 
+    # wgrad's operands by the transform then the quantiser (not the fused operand
+    # kernels, a TPU's default, `tests/test_tpu_operand.py`), whose transform is this one.
+    apart = functools.partial(_kernels.use, "rht_operand", "xla")
     on_tpu = _kernels.backend() == "tpu"
     if on_tpu:
-        with _kernels.use("rht", "xla"):
+        with apart(), _kernels.use("rht", "xla"):
             want = jax.jit(jax.grad(loss))(arrays, x)
-        with _kernels.use("rht", "mosaic"):
+        with apart(), _kernels.use("rht", "mosaic"):
             got = jax.jit(jax.grad(loss))(arrays, x)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert_bits(np.asarray(g), np.asarray(w), "gradient")
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
 
-    def kernels_in(implementation: str | None) -> int:
-        with _kernels.use("rht", implementation) if implementation else contextlib.nullcontext():
+    def lowered(*picks: tuple[str, str]) -> str:
+        with contextlib.ExitStack() as stack:
+            for op, implementation in picks:
+                stack.enter_context(_kernels.use(op, implementation))
             traced = jax.jit(jax.grad(loss)).trace(arrays, x)
         # Lowered after the block: the GEMM primitives run the picks of their binding.
-        return traced.lower(lowering_platforms=("tpu",)).as_text().count('"nvfp4x_rht_tpu"')
+        return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+    def kernels_in(implementation: str | None) -> int:
+        picks = [("rht_operand", "xla")] + ([("rht", implementation)] if implementation else [])
+        return lowered(*picks).count('"nvfp4x_rht_tpu"')
 
     # XLA's transform between two kernel steps: no lowering of the GEMMs is reused
     # across picks. A TPU's default is the kernel.
     assert [kernels_in(i) for i in ("mosaic", "xla", "mosaic", None)] == [2, 0, 2, 2]
+    # With a TPU's defaults, the fused operand kernels (their own transform) instead.
+    text = lowered()
+    assert text.count('"nvfp4x_rht_tpu"') == 0 and text.count('"nvfp4x_rht_stats_tpu"') == 2
 
 
 def test_the_kernel_lowers_for_a_tpu():
@@ -180,5 +193,15 @@ def test_the_kernel_in_grouped_and_scanned_wgrads_equals_xla(case, monkeypatch):
     for g, w in zip(got, want, strict=True):
         assert_bits(np.asarray(g), np.asarray(w), "result")
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
-    lowered = jax.jit(lambda a, b: fn(a, b)).trace(args, x).lower(lowering_platforms=("tpu",))
-    assert lowered.as_text().count('"nvfp4x_rht_tpu"') == 1
+
+    def lowered() -> str:
+        traced = jax.jit(lambda a, b: fn(a, b)).trace(args, x)
+        return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+    # (The stack's 2-D wgrad operands: by the transform then the quantiser here; a TPU's
+    # default there is the fused operand kernels, `tests/test_tpu_operand.py`.)
+    with _kernels.use("rht_operand", "xla"):
+        assert lowered().count('"nvfp4x_rht_tpu"') == 1
+    if case == 1:
+        text = lowered()
+        assert '"nvfp4x_rht_tpu"' not in text and '"nvfp4x_rht_stats_tpu"' in text

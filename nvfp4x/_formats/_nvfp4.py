@@ -87,13 +87,13 @@ class NVFP4Spec(FormatSpec):
     def quantize_rht(
         self, a: Float[Array, "t n"], fmt: Format, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        def apart(x):  # the transform, then the quantiser (the reference's order)
-            values, s_dec = self.quantize(_kernels.rht(x, axis=0), fmt, 0, key)
+        def quantised(y):  # the quantiser of the transformed operand
+            values, s_dec = self.quantize(y, fmt, 0, key)
             return values, jnp.asarray(s_dec, jnp.float32)
 
-        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, apart)) is not None:
+        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, quantised)) is not None:
             return fast  # the backend's fused kernel, where `_kernels` picks one
-        return apart(a)
+        return quantised(_kernels.rht(a, axis=0))  # the transform, then the quantiser
 
     def _blocks(self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None):
         """The quantiser's work in its block view: `(q, scale_b, s_dec, block, padded,

@@ -430,16 +430,17 @@ def rht(x: Array, axis: int = 0) -> Array:
 
 
 def rht_operand(
-    a: Array, block, rounding: str, scale_rounding: str, key, apart: Callable
+    a: Array, block, rounding: str, scale_rounding: str, key, quantised: Callable
 ) -> tuple[Array, Array] | None:
     """`NVFP4Spec.quantize(_hadamard.rht(a, axis=0), ..., axis=0, key)` of a 2-D operand
     (`(bfloat16 block values, s_dec)`, rows padded to a multiple of 16) by the fused
     TPU kernels where `"rht_operand"` picks `"mosaic"` (`_tpu_operand`: one read for
     the special-column check and the transform's amax, then the transform and the
-    quantiser in one pass; where a column needs the transform's scaled path,
-    `apart(x)`, the caller's transform then quantiser, runs instead), or `None` where
-    the caller runs `apart` itself (the reference, 16x16 tiles, `scale_rounding="up"`,
-    a shape the kernels do not take)."""
+    quantiser in one pass; where a column needs the transform's scaled path, that path
+    (`_hadamard.rht_scaled`) then `quantised(y)`, the caller's quantiser of a
+    transformed operand, run instead), or `None` where the caller runs the transform
+    and `quantised` itself (the reference, 16x16 tiles, `scale_rounding="up"`, a shape
+    the kernels do not take)."""
     if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
         return None
     if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
@@ -461,7 +462,10 @@ def rht_operand(
         kw = dict(rounding=rounding, rht=True, interpret=interpret)
         return _tpu_operand.operand(x, amax, seed, **kw)
 
-    return jax.lax.cond(special, apart, fused, x)
+    # (The other branch is the scaled path alone, not `rht(...)`: its `cond` and the
+    # transform's kernel would be compiled for a branch that only runs for inputs that
+    # take the scaled path.)
+    return jax.lax.cond(special, lambda x: quantised(_hadamard.rht_scaled(x)), fused, x)
 
 
 def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:

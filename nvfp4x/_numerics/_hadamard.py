@@ -81,6 +81,17 @@ def rht(
     return jnp.moveaxis(y, 0, axis)
 
 
+def rht_scaled(x: Float[Array, "r m"]) -> Float[Array, "r m"]:
+    """`rht(x, axis=0)` of a float32 `x` of whole chunks of rows (`padded_rows`), every
+    chunk by `_guarded`: the same bits (it transforms the columns that need no scaling as
+    `_plain` does), without `rht`'s `cond`, for callers that know a column needs the
+    scaling (the other branch of the fused TPU operand, `_kernels.rht_operand`), so that
+    only this branch is compiled there."""
+    chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, x.shape[1])
+    amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
+    return _guarded(chunks, amax_bits).reshape(x.shape)
+
+
 def padded_rows(x: Array) -> Float[Array, "..."]:
     """`x` in float32 (`to_float32`: subnormals read exactly), its leading axis padded
     with zeros to whole chunks of 16: what `rht` transforms along that axis (the fused
