@@ -61,7 +61,8 @@ Operations:
   the operand once for `_hadamard.rht`'s special-column check and the transform's
   tensor amax (`rht_stats`), then transforms and quantises each tile in one kernel
   (`operand(..., rht=True)`), so the transformed operand is never written; where a
-  column needs the transform's scaled path, the `"xla"` way runs instead (`lax.cond`).
+  column needs the transform's scaled path, that path (`_hadamard.rht_scaled`, XLA's)
+  then the quantiser run instead (`lax.cond`; the branch holds no transform kernel).
   The same bits (`tests/test_tpu_operand.py`, whole on a TPU v5e, 2026-12-06: the
   kernels' reference cases and a layer's gradients with the fused operands bit for bit
   those with the transform and quantiser apart). `"mosaic"` is the default on TPUs:
