@@ -71,9 +71,10 @@ Operations:
   RHT kernel then the quantiser kernel with the amax given
   (`benchmarks/tpu_operand_check.py`), and the 2-block training step of
   `bench_accel.py --lean --only train` took 38.3 ms against 45.3 ms (1.76x against
-  2.09x mixed bf16), compiling in 42.3 s against 26.6 s (both paths sit in the `cond`;
-  the kernels' groups run in a loop, `_tpu_operand.LOOPED`: unrolled, 51.9 s). Callers
-  ask `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
+  2.09x mixed bf16), compiling in 42.3 s against 26.6 s (the kernels' groups in a loop,
+  `_tpu_operand.LOOPED`; unrolled, 51.9 s; then the `cond`'s other branch still held
+  `rht(...)` with the transform's kernel, since dropped: not yet measured there).
+  Callers ask `rht_operand(...)` (`NVFP4Spec.quantize_rht`).
 
 The Mosaic quantiser (`_tpu_quantize`) is the default on TPUs: bit for bit the reference
 in `tests/test_tpu_kernels.py` in the TPU interpreter (`pltpu.InterpretParams()`) on the
