@@ -523,8 +523,12 @@ def _check_experts(got, want, frozen, x, sizes) -> None:
     the kernel multiplies: `grouped_fprop`'s quantised rows, each expert's block
     values); rows past every group zero in both."""
     recipe, w = frozen.weight.recipe, frozen.weight.packed
-    g = _ragged.groups(sizes, x.shape[0])
-    xv, xs = _ragged.quantize_rows(x, recipe.input, g, None)
+
+    @jax.jit  # (one compile, not one per eager operation)
+    def rows(x, sizes):
+        return _ragged.quantize_rows(x, recipe.input, _ragged.groups(sizes, x.shape[0]), None)
+
+    xv, xs = rows(x, sizes)
     xs = jnp.ones(x.shape[:1]) if xs is None else xs
     wv = w.operand()[0]
     start = 0
