@@ -28,7 +28,7 @@ from jax import lax
 from jax._src.interpreters import mlir
 from jax._src.lax import lax as lax_internal
 
-#: The operations XLA:CPU computes on the bits (keeping subnormals) that a TPU may flush
+#: The operations XLA:CPU computes on the bits (keeping subnormals) that a TPU may flush.
 FLUSHED = (
     lax_internal.convert_element_type_p,
     lax_internal.reduce_precision_p,

@@ -431,6 +431,14 @@ def rht(x: Array, axis: int = 0) -> Array:
     return _hadamard.rht(x, axis)
 
 
+def _in_primitive_interpret() -> bool | str:
+    """`interpret` for a Mosaic kernel that runs inside nvfp4x's primitives: `False`
+    (compiled) on a TPU; elsewhere `"plain"`, Pallas's generic interpreter, which (unlike
+    the TPU interpreter, whose effects a primitive cannot lower) runs there, also under
+    `lax.scan` (tests; they run the TPU interpreter on the kernels directly)."""
+    return False if backend() == "tpu" else "plain"
+
+
 def rht_operand(
     a: Array, block, rounding: str, scale_rounding: str, key, quantised: Callable
 ) -> tuple[Array, Array] | None:
@@ -454,9 +462,7 @@ def rht_operand(
     x = _hadamard.padded_rows(a)
     if not _tpu_operand.applies(x.shape, x.dtype):
         return None
-    # Compiled on a TPU; elsewhere Pallas's generic interpreter, which (unlike the TPU
-    # interpreter) also runs inside nvfp4x's primitives (tests).
-    interpret = False if backend() == "tpu" else "plain"
+    interpret = _in_primitive_interpret()
     seed = None if key is None else seed_words(key)
     special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
 
@@ -561,10 +567,8 @@ def frozen_gemm(
     if implementation == "mosaic":
         from . import _tpu_frozen_gemm  # Pallas is imported only where a kernel is picked
 
-        # (off a TPU: Pallas's generic interpreter, which runs inside the frozen
-        # layer's primitive under `lax.scan`; the tests run the TPU interpreter directly)
         matmul = functools.partial(_tpu_frozen_gemm.frozen_matmul, layer=layer)
-        interpret = backend() != "tpu" and "plain"
+        interpret = _in_primitive_interpret()
     else:
         from . import _pallas_gemm
 

@@ -85,6 +85,18 @@ def _check_rows(rows: int) -> None:
         raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
 
 
+def _each_group(tr: int, looped: bool, one, carry):
+    """`carry = one(base, carry)` for each group of a `tr`-row tile (`base` its first row):
+    in a `fori_loop` with `looped` (one group's code, its row offset dynamic: less for
+    Mosaic to compile), else unrolled (static offsets). The final `carry`."""
+    if looped:
+        body = lambda g, c: one(pl.multiple_of(g * GROUP_ROWS, GROUP_ROWS), c)  # noqa: E731
+        return jax.lax.fori_loop(0, tr // GROUP_ROWS, body, carry)
+    for base in range(0, tr, GROUP_ROWS):
+        carry = one(base, carry)
+    return carry
+
+
 def _signed(mag: Array, sign: Array) -> Array:
     """`mag` (float32, `>= 0`) with its sign bit set where `sign`: `_exact.decode`'s
     sign, so that code 8 is `-0.0`."""
@@ -143,12 +155,11 @@ def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[
 def _kernel(
     params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rounding, rht, cols, looped
 ):
-    """One tile `rows x 128`, a group of 128 rows at a time: unrolled (every strided load
-    and store has static indices), or with `looped` one group's code in a `fori_loop`
-    (dynamic row offsets; the default, `LOOPED`). 16x1 blocks: row
-    `j` of the group's 8 blocks of each lane one strided load. 1x16 blocks (`across`):
-    the group's `128 x 128` square transposed into a scratch first (the XLU's work), so
-    that its blocks lie down the sublanes there, and the values transposed back."""
+    """One tile `rows x 128`, a group of 128 rows at a time (`_each_group`: unrolled, or
+    with `looped`, the default `LOOPED`, in a loop). 16x1 blocks: row `j` of the group's
+    8 blocks of each lane one strided load. 1x16 blocks (`across`): the group's
+    `128 x 128` square transposed into a scratch first (the XLU's work), so that its
+    blocks lie down the sublanes there, and the values transposed back."""
     tr = x_ref.shape[0]
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * LANES
     sublane = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 0)
@@ -159,7 +170,7 @@ def _kernel(
         src = scratch[1]
         src[...] = x_ref[...].astype(jnp.float32)
 
-    def one(base):
+    def one(base, carry):
         group = pl.ds(base, GROUP_ROWS)
         if across:  # (rows of the square are the caller's columns, lanes its rows)
             square = scratch[1]
@@ -183,17 +194,9 @@ def _kernel(
             dst[pl.ds(at + j, 8, stride=BLOCK), :] = v
         out = dst[pl.ds(at, GROUP_ROWS), :]
         o_ref[group, :] = (out.T if across else out).astype(o_ref.dtype)
+        return carry
 
-    if looped:  # (one group's code, its row offset dynamic: less for Mosaic to compile)
-
-        def body(g, carry):
-            one(pl.multiple_of(g * GROUP_ROWS, GROUP_ROWS))
-            return carry
-
-        jax.lax.fori_loop(0, tr // GROUP_ROWS, body, 0)
-    else:
-        for base in range(0, tr, GROUP_ROWS):
-            one(base)
+    _each_group(tr, looped, one, 0)
 
 
 @functools.partial(
@@ -275,8 +278,7 @@ def _stats_kernel(x_ref, o_ref, *, n, m, looped):
     """One tile `rows x 128` of `rht_stats`: `o_ref` `(2, 8, 128)` int32, the largest
     `_hadamard.special_columns` flag of the tile's chunk columns and the largest
     absolute-value bits of their transform (rows and lanes beyond the array, which an
-    overhanging tile holds as garbage, masked); its groups unrolled or, with `looped`,
-    in a `fori_loop` (as `_kernel`'s)."""
+    overhanging tile holds as garbage, masked); its groups by `_each_group`."""
     tr = x_ref.shape[0]
     r_tile = pl.program_id(0) * tr
     col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
@@ -291,14 +293,7 @@ def _stats_kernel(x_ref, o_ref, *, n, m, looped):
         top = jnp.maximum(top, jnp.where(inside, _max_abs_bits(butterflies(rows)), 0))
         return flag, top
 
-    carry = (jnp.zeros((8, LANES), jnp.int32),) * 2
-    if looped:
-        body = lambda g, c: one(pl.multiple_of(g * GROUP_ROWS, GROUP_ROWS), c)  # noqa: E731
-        carry = jax.lax.fori_loop(0, tr // GROUP_ROWS, body, carry)
-    else:
-        for base in range(0, tr, GROUP_ROWS):
-            carry = one(base, carry)
-    o_ref[0], o_ref[1] = carry
+    o_ref[0], o_ref[1] = _each_group(tr, looped, one, (jnp.zeros((8, LANES), jnp.int32),) * 2)
 
 
 def _max_abs_bits(rows: list[Array]) -> Array:

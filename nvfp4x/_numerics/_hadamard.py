@@ -68,12 +68,10 @@ def rht(
     kernel's, picked in `nvfp4x._kernels`); default `_unguarded`. A module-level
     function, so that `lax.cond` reuses its traced branch."""
     x = padded_rows(jnp.moveaxis(x, axis % x.ndim, 0))
-    # Chunks of 16 rows times H: one small batched matrix product, no transposes.
-    chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, math.prod(x.shape[1:]))
+    chunks, amax_bits = _chunk_columns(x)
     # Where no chunk column is big (or non-finite) or tiny but not zero, the scalings
     # below leave every value as it is: the product alone, skipping their work (one
     # `cond` on that path, as the other has one for `near_max`).
-    amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
     special = special_columns(amax_bits)
     unguarded = _unguarded if unguarded is None else unguarded
     y = jax.lax.cond(jnp.any(special), _guarded, unguarded, chunks, amax_bits)
@@ -87,9 +85,15 @@ def rht_scaled(x: Float[Array, "r m"]) -> Float[Array, "r m"]:
     `_plain` does), without `rht`'s `cond`, for callers that know a column needs the
     scaling (the other branch of the fused TPU operand, `_kernels.rht_operand`), so that
     only this branch is compiled there."""
-    chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, x.shape[1])
-    amax_bits = jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
-    return _guarded(chunks, amax_bits).reshape(x.shape)
+    return _guarded(*_chunk_columns(x)).reshape(x.shape)
+
+
+def _chunk_columns(x: Float[Array, "r ..."]) -> tuple[Float[Array, "c 16 m"], Array]:
+    """`(chunks, amax_bits)` of `padded_rows`' result: its chunks of 16 rows `(c, 16, m)`
+    (times H: one small batched product, no transposes) and each chunk column's largest
+    `abs_bits` `(c, 1, m)`, which decide its scaling (`special_columns`)."""
+    chunks = x.reshape(x.shape[0] // BLOCK, BLOCK, math.prod(x.shape[1:]))
+    return chunks, jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
 
 
 def padded_rows(x: Array) -> Float[Array, "..."]:
