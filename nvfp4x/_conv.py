@@ -399,6 +399,17 @@ class WgradPlan:
       operand: `taps` `(groups, per group)` lists them (one tap a group where the sizes
       would differ), and a group's GEMM multiplies its taps' `dy` chunks side by side.
     - `unit`, `nchunks`: the chunks' tokens and how many chunks the tokens fill.
+    - `canon`, `source`, `flips` (`_canonical_chunks`; None where it does not apply):
+      where every distinct chunk holds pixels only at the positions of one residue `b`
+      modulo some `k` (a transposed convolution's output phases: `k` its stride), its
+      RHT is that of its pixels placed at the positions of residue 0 (the chunk's
+      *canonical* form), each position `p` times the Sylvester sign `(-1)^popcount((p mod
+      k) & b)`, and its quantised values (a 16-token block each, rounded to nearest:
+      symmetric in sign) are the canonical form's with those signs. `canon` `(canonical
+      x unit,)`: the canonical chunks as rows of the input (each set of pixels once, so
+      the transform and quantiser run on fewer rows); `source` `(distinct x unit,)`: for
+      each row of the distinct chunks, its row of the quantised canonical chunks;
+      `flips` where its sign flips.
     """
 
     pixels: np.ndarray
@@ -408,6 +419,16 @@ class WgradPlan:
     chunks: np.ndarray | None = None
     dead: np.ndarray | None = None
     taps: np.ndarray | None = None
+    canon: np.ndarray | None = None
+    source: np.ndarray | None = None
+    flips: np.ndarray | None = None
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether `rows` reads the quantised distinct chunks in storage order, each
+        once (`rows.reshape(-1)` is `0, 1, ...`): the operand is their leading rows."""
+        flat = self.rows.reshape(-1)
+        return bool(np.array_equal(flat, np.arange(flat.size)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -433,8 +454,14 @@ def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
     slots = int(live.sum(axis=1).max(initial=0))
     pixels = distinct.reshape(-1).astype(np.int32)
     if slots == 0 or 2 * slots > nchunks:
-        rows = ids.T[:, None, :] * unit + within[None, :, None]  # (nchunks, unit, window)
-        return WgradPlan(pixels, rows.reshape(-1, window).astype(np.int32), unit, nchunks)
+        order = _first_seen(ids.T.reshape(-1), len(distinct))
+        rows = order[ids.T][:, None, :] * unit + within[None, :, None]  # (nchunks, unit, window)
+        distinct = distinct[np.argsort(order)]
+        rows = rows.reshape(-1, window).astype(np.int32)
+        return WgradPlan(
+            distinct.reshape(-1).astype(np.int32), rows, unit, nchunks,
+            **_canonical_chunks(distinct, zero),
+        )  # fmt: skip
     chunks = np.full((window, slots), nchunks, np.int32)
     slot_ids = np.full((window, slots), zero_id)
     for j in range(window):
@@ -442,8 +469,73 @@ def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
         chunks[j, : live_j.size] = live_j
         slot_ids[j, : live_j.size] = ids[j, live_j]
     taps = tap_groups(slot_ids)
-    rows = (slot_ids[taps[:, 0], :, None] * unit + within).reshape(len(taps), -1)
-    return WgradPlan(pixels, rows.astype(np.int32), unit, nchunks, chunks, ~live, taps)
+    read = slot_ids[taps[:, 0]]  # (groups, slots): the distinct chunk each slot reads
+    order = _first_seen(read.reshape(-1), len(distinct))
+    rows = (order[read][..., None] * unit + within).reshape(len(taps), -1)
+    distinct = distinct[np.argsort(order)]
+    pixels = distinct.reshape(-1).astype(np.int32)
+    canonical = _canonical_chunks(distinct, zero)
+    return WgradPlan(pixels, rows.astype(np.int32), unit, nchunks, chunks, ~live, taps, **canonical)
+
+
+def _canonical_chunks(distinct: np.ndarray, zero: int) -> dict[str, np.ndarray | None]:
+    """`WgradPlan`'s `canon`, `source` and `flips` for the distinct chunks `(distinct,
+    unit)` (input rows; `zero` the row of zeros), for the largest `k` (16, 8, 4 or 2)
+    with which each chunk's pixels lie at one residue modulo `k`; all None for none, or
+    where the canonical chunks would be as many as the distinct ones and `k` 2 (too
+    little saved for the gather that puts them back).
+
+    Why the signs: with `H16 = H_(16/k) (x) H_k` (Sylvester's order, position `p = h k +
+    l`), the transform's butterflies over the bits of `l` meet one value and zeros (each
+    sum exact: `+-v`), giving `H_k[l, b] v_h` at `h k + l`; those over the bits of `h`
+    then run on values that all carry the sign `H_k[l, b]`, and a sum's rounding is
+    symmetric in sign. So every result is the canonical chunk's (`b = 0`) times `H_k[l,
+    b]`, bit for bit but for the sign of a zero; the same holds in `_hadamard`'s guarded
+    path (its scalings by powers of two, and its exact sums, are symmetric too)."""
+    none: dict[str, np.ndarray | None] = {"canon": None, "source": None, "flips": None}
+    count, unit = distinct.shape
+    if unit != BLOCK or count == 0:
+        return none
+    live = distinct != zero
+    positions = np.arange(unit)
+    for k in (16, 8, 4, 2):
+        residue = positions % k
+        lo = np.where(live, residue, k).min(axis=1)
+        hi = np.where(live, residue, -1).max(axis=1)
+        if np.all(~live.any(axis=1) | (lo == hi)):
+            break
+    else:
+        return none
+    phase = np.where(live.any(axis=1), hi, 0)  # (distinct,): each chunk's `b`
+    m = unit // k
+    pixels = distinct[np.arange(count)[:, None], phase[:, None] + k * np.arange(m)]  # (d, m)
+    segments, which = np.unique(pixels, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    if k == 2 and len(segments) >= count:
+        return none
+    canon = np.full((len(segments), unit), zero, np.int32)
+    canon[:, ::k] = segments
+    source = which[:, None] * unit + positions  # (distinct, unit)
+    popcount = np.vectorize(lambda v: bin(int(v)).count("1"))
+    flips = popcount((positions[None, :] % k) & phase[:, None]) % 2 == 1
+    return {
+        "canon": canon.reshape(-1),
+        "source": source.reshape(-1).astype(np.int32),
+        "flips": flips.reshape(-1),
+    }
+
+
+def _first_seen(ids: np.ndarray, n: int) -> np.ndarray:
+    """`(n,)`: a renumbering of `n` ids in the order `ids` first reads them (the ids it
+    never reads last), so that an operand gathered by `ids` from chunks stored in the
+    new order reads them in storage order: where each chunk is read once, the gather
+    is a slice (`WgradPlan.contiguous`)."""
+    _, first = np.unique(ids, return_index=True)
+    seen = ids[np.sort(first)]
+    rest = np.setdiff1d(np.arange(n), seen)
+    order = np.empty(n, np.int64)
+    order[np.concatenate([seen, rest])] = np.arange(n)
+    return order
 
 
 def tap_groups(slot_ids: np.ndarray) -> np.ndarray:
@@ -547,17 +639,40 @@ def conv_wgrad_operands(
     plan = wgrad_plan(geom, images, token_unit(recipe))
     c = x.shape[-1]
     x_rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
-    distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
-    gv, gs, xv, xs = wgrad_quantised(dy, distinct, seed, recipe)
-    if plan.rows.size > 1.5 * plan.pixels.size:  # the gather reads chunks several times
-        xv = _kernels.materialized(xv)
-    operand = xv[jnp.asarray(plan.rows.reshape(-1))]
+    if plan.canon is not None and plan.source is not None and _signs_carry(recipe):
+        # The canonical chunks transformed and quantised, each distinct chunk's rows
+        # gathered from them with their signs (`WgradPlan`): one gather for both steps.
+        canon = x_rows[jnp.asarray(plan.canon)]  # (canonical x unit, C)
+        gv, gs, cv, xs = wgrad_quantised(dy, canon, seed, recipe)
+        cv = _kernels.materialized(cv)  # (each row read by several distinct chunks)
+        read = plan.rows.reshape(-1)
+        flip = jnp.asarray(plan.flips[read])[:, None]
+        picked = cv[jnp.asarray(plan.source[read])]
+        operand = jnp.where(flip, -picked, picked)
+    else:
+        distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
+        gv, gs, xv, xs = wgrad_quantised(dy, distinct, seed, recipe)
+        if plan.contiguous:  # each distinct chunk read once, in storage order
+            operand = xv[: plan.rows.size]
+        else:
+            if plan.rows.size > 1.5 * plan.pixels.size:  # the gather reads chunks several times
+                xv = _kernels.materialized(xv)
+            operand = xv[jnp.asarray(plan.rows.reshape(-1))]
     if plan.chunks is None:
         operand = operand.reshape(plan.rows.shape[0], -1)  # (tokens, window x C)
     else:
         operand = operand.reshape(plan.rows.shape[0], -1, c)  # (groups, slots x unit, C)
     g = jnp.pad(gv, [(0, plan.nchunks * plan.unit - gv.shape[0]), (0, 0)])
     return plan, g, gs, operand, xs
+
+
+def _signs_carry(recipe: Recipe) -> bool:
+    """Whether wgrad's patch operand may be quantised from `WgradPlan`'s canonical
+    chunks: transformed by the RHT, in 16-token blocks (or none) rounded to nearest,
+    whose quantised values change sign with their inputs."""
+    fmt = recipe.input
+    nearest = fmt is None or fmt.rounding == "nearest"
+    return recipe.rht and token_unit(recipe) == BLOCK and nearest
 
 
 def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:

@@ -26,6 +26,7 @@ from jaxtyping import Array
 import nvfp4x
 from nvfp4x._conv import (
     Geometry,
+    _signs_carry,
     conv_patches,
     conv_wgrad,
     conv_wgrad_operands,
@@ -323,6 +324,61 @@ def test_the_fast_wgrad_multiplies_the_reference_quantised_operands(geom, recipe
         finite = ~np.isnan(want)
         assert finite.any() and (grad is dy) == finite.all()
         assert_close(got[finite], want[finite], "wgrad", rtol=1e-6)
+
+
+CANONICAL_CASES = [
+    # (geometry, images, k: the residue modulus each distinct chunk's pixels share)
+    pytest.param(
+        Geometry((4, 4), (1, 1), ((3, 3), (3, 3)), (4, 4), (1, 1), (3, 4)), 2, 4, id="k4s4"
+    ),
+    pytest.param(
+        Geometry((2, 2), (1, 1), ((1, 1), (1, 1)), (2, 2), (1, 1), (3, 8)), 2, 2, id="k2s2"
+    ),
+    pytest.param(  # DCGAN's k4 s2 padding 1: output rows not whole chunks
+        Geometry((4, 4), (1, 1), ((2, 2), (2, 2)), (2, 2), (1, 1), (3, 5)), 2, 2, id="k4s2p1"
+    ),
+    pytest.param(Geometry((4,), (1,), ((3, 3),), (4,), (1,), (11,)), 3, 4, id="1d-k4s4"),
+    pytest.param(Geometry((8,), (1,), ((7, 7),), (8,), (1,), (6,)), 2, 8, id="1d-k8s8"),
+]
+
+
+@pytest.mark.parametrize("geom, images, k", CANONICAL_CASES)
+def test_the_patch_operand_from_canonical_chunks_is_the_reference(geom, images, k):
+    """Where each distinct chunk's pixels lie at one residue modulo `k` (a transposed
+    convolution's output phases), wgrad's patch operand is quantised from the canonical
+    chunks (`WgradPlan.canon`: each set of pixels once, at residue 0) and put back with
+    Sylvester signs: value for value the reference's `Q(H patches)`, on columns that
+    take the transform's guarded path too (non-finite, near float32's maximum, tiny,
+    subnormal, zero, negative zero), with its tensor scale; and nowhere else."""
+    plan = wgrad_plan(geom, images, 16)
+    assert plan.canon is not None and plan.source is not None and plan.flips is not None
+    assert plan.canon.size < plan.pixels.size  # fewer rows transformed and quantised
+    live = plan.pixels.reshape(-1, 16) != images * math.prod(geom.in_spatial)
+    residues = [set(np.nonzero(row)[0] % k) for row in live]
+    assert all(len(r) <= 1 for r in residues) and any(r - {0} for r in residues)
+    x = normal(8, (images, *geom.in_spatial, 16))
+    specials = [jnp.inf, -jnp.inf, jnp.nan, 2.0**126, -(2.0**127), 2.0**-110, 1e-41, -0.0, 0.0]
+    for c, v in enumerate(specials):  # a special value in one pixel of channel c
+        x = x.at[(c % images, *(c % n for n in geom.in_spatial), c)].set(v)
+    x = x.at[..., 12].multiply(2.0**-120)  # a whole column tiny
+    x = x.at[..., 13].multiply(2.0**124)  # and one big
+    dy = normal(9, (images, *geom.out_spatial, 8))
+    seed = jnp.array([3, 4], jnp.uint32)
+    fast = lambda dy, x: conv_wgrad_operands(dy, x, seed, recipe=TRAIN, geom=geom)[1:]
+    ref = lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, TRAIN)
+    want = jax.jit(ref)(dy, x)
+    rows = plan.nchunks * plan.unit
+    pad = lambda a: np.pad(np.asarray(a.astype(jnp.float32)), [(0, rows - a.shape[0]), (0, 0)])
+    _, _, operand, xs = jax.jit(fast)(dy, x)  # (eagerly: through the layers, above)
+    np.testing.assert_array_equal(patch_matrix_operand(plan, operand), pad(want[2]))
+    assert_same(xs, want[3], "x's tensor scale")
+    # Without the transform (or in blocks that span chunks), chunks at other residues
+    # hold other values: the distinct chunks are quantised where they lie.
+    assert not _signs_carry(NO_RHT) and not _signs_carry(nvfp4x.recipes.mxfp8())
+    no_rht = lambda dy, x: conv_wgrad_operands(dy, x, seed, recipe=NO_RHT, geom=geom)[3]
+    want = jax.jit(lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, NO_RHT))(dy, x)
+    got = patch_matrix_operand(plan, jax.jit(no_rht)(dy, x))
+    np.testing.assert_array_equal(got, pad(want[2]))
 
 
 NO_RHT = nvfp4x.recipes.nvfp4_training(rht=False)
