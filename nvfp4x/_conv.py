@@ -639,15 +639,15 @@ def conv_wgrad_operands(
     plan = wgrad_plan(geom, images, token_unit(recipe))
     c = x.shape[-1]
     x_rows = jnp.concatenate([x.reshape(-1, c), jnp.zeros((1, c), x.dtype)])
-    if plan.canon is not None and plan.source is not None and _signs_carry(recipe):
+    canon, source, flips = plan.canon, plan.source, plan.flips
+    if canon is not None and source is not None and flips is not None and _signs_carry(recipe):
         # The canonical chunks transformed and quantised, each distinct chunk's rows
         # gathered from them with their signs (`WgradPlan`): one gather for both steps.
-        canon = x_rows[jnp.asarray(plan.canon)]  # (canonical x unit, C)
-        gv, gs, cv, xs = wgrad_quantised(dy, canon, seed, recipe)
+        gv, gs, cv, xs = wgrad_quantised(dy, x_rows[jnp.asarray(canon)], seed, recipe)
         cv = _kernels.materialized(cv)  # (each row read by several distinct chunks)
         read = plan.rows.reshape(-1)
-        flip = jnp.asarray(plan.flips[read])[:, None]
-        picked = cv[jnp.asarray(plan.source[read])]
+        flip = jnp.asarray(flips[read])[:, None]
+        picked = cv[jnp.asarray(source[read])]
         operand = jnp.where(flip, -picked, picked)
     else:
         distinct = x_rows[jnp.asarray(plan.pixels)]  # (distinct x unit, C)
