@@ -94,6 +94,16 @@ run's ratios carry that much noise. Three full runs after it: medium
 1.96x / 1.59x / 1.90x, small `ConvTranspose2d` k4 s4 1.91x / 1.68x / 2.20x,
 `ConvTranspose1d` k4 s4 1.81x / 1.52x / 2.09x, every other layer 0.24-1.86x.
 
+A transposed convolution's wgrad patch operand from canonical chunks (2026-12-07,
+fifteenth session; `WgradPlan.canon`): a chunk of a `ConvTranspose` k4 s4 output row
+holds four input pixels at one residue modulo 4, and the four residues' chunks are one
+set of pixels, so it is transformed and quantised once (at residue 0) and put back
+with Sylvester signs: the k4 s4 layer's wgrad transforms 2,064 rows instead of 8,208.
+`--only "small: ConvTranspose" --repeats 41`, this tree then the one before, twice
+(2-core CPU, load ~1): k4 s4 1.57x / 1.56x against 1.74x / 1.87x, k2 s2 1.73x / 1.65x
+against 1.83x / 2.16x, `ConvTranspose1d` k4 s4 1.59x / 1.47x against 1.76x / 1.82x, the
+padded ones (k4 s2 p1) 1.22-1.65x against 0.89-1.41x (within the noise).
+
 Expected on a (loaded) 2-core CPU, issue 23 item 13 (wgrad from the distinct patch
 chunks, transposed convolutions only where a tap reads input): 3x3 `Conv2d` about
 1.6x, `ConvTranspose2d` k4 s4 about 0.9x, k4 s2 p1 about 0.3x (before: 2.05-2.45x,
