@@ -244,6 +244,17 @@ def conv_patches(x: Array, geom: Geometry) -> Array:
     config += [(lo, hi, d - 1) for (lo, hi), d in zip(geom.padding, geom.lhs_dilation, strict=True)]
     x = lax.pad(x, jnp.zeros((), x.dtype), [*config, (0, 0, 0)])
     out = geom.out_spatial
+    nsp = len(geom.window)
+    if geom.strides == geom.window and all(d == 1 for d in geom.rhs_dilation) and all(out):
+        # Windows that tile the input (a patch embedding: stride = kernel): the patches
+        # are the cropped input's blocks, moved by one reshape and transpose (whose
+        # transpose, dgrad's, is as cheap; slices would be added back one by one).
+        x = x[(slice(None),) * lead + tuple(slice(0, n * w) for n, w in zip(out, geom.window))]
+        split = x.shape[:lead] + tuple(itertools.chain(*zip(out, geom.window))) + x.shape[-1:]
+        order = [*range(lead), *(lead + 2 * d for d in range(nsp))]
+        order += [*(lead + 2 * d + 1 for d in range(nsp)), lead + 2 * nsp]
+        p = jnp.transpose(x.reshape(split), order)  # (N..., out..., window..., C)
+        return p.reshape(p.shape[: lead + nsp] + (-1,))
     slices = []
     for offset in itertools.product(*(range(w) for w in geom.window)):
         start = tuple(o * d for o, d in zip(offset, geom.rhs_dilation, strict=True))

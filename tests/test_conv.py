@@ -154,6 +154,11 @@ def test_plain_gemm_rows_are_named_by_their_layer_not_the_input():
             (2, 8, 19),
             id="depthwise-strided-dilated",
         ),
+        pytest.param(  # windows that tile the input: the patches by reshape, not slices
+            lambda k: eqx.nn.Conv2d(3, 8, (4, 2), stride=(4, 2), padding=((1, 2), (0, 1)), key=k),
+            (2, 3, 10, 9),
+            id="patch-embedding",
+        ),
     ],
 )
 def test_the_gemm_is_the_convolution(make, shape):
