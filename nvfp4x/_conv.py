@@ -249,8 +249,9 @@ def conv_patches(x: Array, geom: Geometry) -> Array:
         # Windows that tile the input (a patch embedding: stride = kernel): the patches
         # are the cropped input's blocks, moved by one reshape and transpose (whose
         # transpose, dgrad's, is as cheap; slices would be added back one by one).
-        x = x[(slice(None),) * lead + tuple(slice(0, n * w) for n, w in zip(out, geom.window))]
-        split = x.shape[:lead] + tuple(itertools.chain(*zip(out, geom.window))) + x.shape[-1:]
+        pairs = list(zip(out, geom.window, strict=True))
+        x = x[(slice(None),) * lead + tuple(slice(0, n * w) for n, w in pairs)]
+        split = x.shape[:lead] + tuple(itertools.chain(*pairs)) + x.shape[-1:]
         order = [*range(lead), *(lead + 2 * d for d in range(nsp))]
         order += [*(lead + 2 * d + 1 for d in range(nsp)), lead + 2 * nsp]
         p = jnp.transpose(x.reshape(split), order)  # (N..., out..., window..., C)
