@@ -678,13 +678,19 @@ def conv_wgrad_operands(
     return plan, g, gs, operand, xs
 
 
+#: The built-in formats, whose quantised values (rounded to nearest) change sign with
+#: their inputs, scales and all (a format registered by a user may not: it keeps the
+#: distinct chunks).
+_SIGN_SYMMETRIC = frozenset({"nvfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2", "bf16", "float32"})
+
+
 def _signs_carry(recipe: Recipe) -> bool:
     """Whether wgrad's patch operand may be quantised from `WgradPlan`'s canonical
-    chunks: transformed by the RHT, in 16-token blocks (or none) rounded to nearest,
-    whose quantised values change sign with their inputs."""
+    chunks: transformed by the RHT, in 16-token blocks (or none) rounded to nearest by a
+    format whose quantised values change sign with their inputs."""
     fmt = recipe.input
-    nearest = fmt is None or fmt.rounding == "nearest"
-    return recipe.rht and token_unit(recipe) == BLOCK and nearest
+    symmetric = fmt is None or (fmt.rounding == "nearest" and fmt.spec.name in _SIGN_SYMMETRIC)
+    return recipe.rht and token_unit(recipe) == BLOCK and symmetric
 
 
 def conv_wgrad(dy, x, seed, *, recipe: Recipe, dtype, geom: Geometry) -> Array:

@@ -379,6 +379,7 @@ def test_the_patch_operand_from_canonical_chunks_is_the_reference(geom, images, 
     assert_same(xs, want[3], "x's tensor scale")
     # Without the transform (or in blocks that span chunks), chunks at other residues
     # hold other values: the distinct chunks are quantised where they lie.
+    assert _signs_carry(TRAIN)
     assert not _signs_carry(NO_RHT) and not _signs_carry(nvfp4x.recipes.mxfp8())
     no_rht = lambda dy, x: conv_wgrad_operands(dy, x, seed, recipe=NO_RHT, geom=geom)[3]
     want = jax.jit(lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, NO_RHT))(dy, x)
