@@ -24,6 +24,7 @@ from jax import lax
 from jaxtyping import Array
 
 import nvfp4x
+from nvfp4x import _kernels
 from nvfp4x._conv import (
     Geometry,
     _signs_carry,
@@ -380,6 +381,27 @@ def test_the_patch_operand_from_canonical_chunks_is_the_reference(geom, images, 
     want = jax.jit(lambda dy, x: wgrad_quantised(dy, conv_patches(x, geom), seed, NO_RHT))(dy, x)
     got = patch_matrix_operand(plan, jax.jit(no_rht)(dy, x))
     np.testing.assert_array_equal(got, pad(want[2]))
+
+
+def test_transposed_and_patch_embedding_steps_lower_for_tpu(monkeypatch):
+    """A training step of a `ConvTranspose2d` k4 s4 (wgrad from canonical chunks) and of
+    a patch embedding (patches by reshape), traced for a TPU (its kernels compiled, not
+    interpreted) and lowered here, with the Mosaic quantiser's kernel in it (for
+    operands this narrow wgrad's transform and quantiser run as XLA's)."""
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    cases = [  # (shapes no other test runs: traces made for a TPU are not reused)
+        (eqx.nn.ConvTranspose2d(16, 3, 4, stride=4, key=jax.random.key(0)), (3, 16, 5, 4)),
+        (eqx.nn.Conv2d(3, 16, 4, stride=4, key=jax.random.key(1)), (3, 3, 20, 12)),
+    ]
+    try:
+        for layer, shape in cases:
+            params, static = eqx.partition(nvfp4x.quantize(layer, CONVS), eqx.is_array)
+            loss = lambda p, x, s=static: jnp.mean(jax.vmap(eqx.combine(p, s))(x) ** 2)
+            x = jax.ShapeDtypeStruct(shape, jnp.float32)
+            lowered = jax.jit(jax.grad(loss)).trace(params, x).lower(lowering_platforms=("tpu",))
+            assert "nvfp4_quantize_tpu" in lowered.as_text(), type(layer).__name__
+    finally:
+        jax.clear_caches()
 
 
 NO_RHT = nvfp4x.recipes.nvfp4_training(rht=False)
