@@ -464,30 +464,29 @@ def wgrad_plan(geom: Geometry, images: int, unit: int) -> WgradPlan:
     within = np.arange(unit)
     live = (chunked != zero).any(axis=1).T  # (window, nchunks)
     slots = int(live.sum(axis=1).max(initial=0))
-    pixels = distinct.reshape(-1).astype(np.int32)
     if slots == 0 or 2 * slots > nchunks:
-        order = _first_seen(ids.T.reshape(-1), len(distinct))
-        rows = order[ids.T][:, None, :] * unit + within[None, :, None]  # (nchunks, unit, window)
-        distinct = distinct[np.argsort(order)]
-        rows = rows.reshape(-1, window).astype(np.int32)
-        return WgradPlan(
-            distinct.reshape(-1).astype(np.int32), rows, unit, nchunks,
-            **_canonical_chunks(distinct, zero),
-        )  # fmt: skip
-    chunks = np.full((window, slots), nchunks, np.int32)
-    slot_ids = np.full((window, slots), zero_id)
-    for j in range(window):
-        (live_j,) = np.nonzero(live[j])
-        chunks[j, : live_j.size] = live_j
-        slot_ids[j, : live_j.size] = ids[j, live_j]
-    taps = tap_groups(slot_ids)
-    read = slot_ids[taps[:, 0]]  # (groups, slots): the distinct chunk each slot reads
+        read = ids.T  # (nchunks, window): the distinct chunk of each token chunk and tap
+        layout: dict[str, np.ndarray] = {}
+    else:
+        chunks = np.full((window, slots), nchunks, np.int32)
+        slot_ids = np.full((window, slots), zero_id)
+        for j in range(window):
+            (live_j,) = np.nonzero(live[j])
+            chunks[j, : live_j.size] = live_j
+            slot_ids[j, : live_j.size] = ids[j, live_j]
+        taps = tap_groups(slot_ids)
+        read = slot_ids[taps[:, 0]]  # (groups, slots): the distinct chunk each slot reads
+        layout = {"chunks": chunks, "dead": ~live, "taps": taps}
+    # The distinct chunks stored in the order the operand reads them.
     order = _first_seen(read.reshape(-1), len(distinct))
-    rows = (order[read][..., None] * unit + within).reshape(len(taps), -1)
     distinct = distinct[np.argsort(order)]
+    if layout:
+        rows = (order[read][..., None] * unit + within).reshape(len(read), -1)
+    else:
+        rows = (order[read][:, None, :] * unit + within[None, :, None]).reshape(-1, window)
     pixels = distinct.reshape(-1).astype(np.int32)
     canonical = _canonical_chunks(distinct, zero)
-    return WgradPlan(pixels, rows.astype(np.int32), unit, nchunks, chunks, ~live, taps, **canonical)
+    return WgradPlan(pixels, rows.astype(np.int32), unit, nchunks, **layout, **canonical)
 
 
 def _canonical_chunks(distinct: np.ndarray, zero: int) -> dict[str, np.ndarray | None]:
@@ -528,8 +527,8 @@ def _canonical_chunks(distinct: np.ndarray, zero: int) -> dict[str, np.ndarray |
     canon = np.full((len(segments), unit), zero, np.int32)
     canon[:, ::k] = segments
     source = which[:, None] * unit + positions  # (distinct, unit)
-    popcount = np.vectorize(lambda v: bin(int(v)).count("1"))
-    flips = popcount((positions[None, :] % k) & phase[:, None]) % 2 == 1
+    both = (positions[None, :] % k) & phase[:, None]  # (distinct, unit): bits below 16
+    flips = (both ^ (both >> 1) ^ (both >> 2) ^ (both >> 3)) & 1 == 1  # their parity
     return {
         "canon": canon.reshape(-1),
         "source": source.reshape(-1).astype(np.int32),
@@ -678,18 +677,12 @@ def conv_wgrad_operands(
     return plan, g, gs, operand, xs
 
 
-#: The built-in formats, whose quantised values (rounded to nearest) change sign with
-#: their inputs, scales and all (a format registered by a user may not: it keeps the
-#: distinct chunks).
-_SIGN_SYMMETRIC = frozenset({"nvfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2", "bf16", "float32"})
-
-
 def _signs_carry(recipe: Recipe) -> bool:
     """Whether wgrad's patch operand may be quantised from `WgradPlan`'s canonical
     chunks: transformed by the RHT, in 16-token blocks (or none) rounded to nearest by a
-    format whose quantised values change sign with their inputs."""
+    format whose quantised values change sign with their inputs (`sign_symmetric`)."""
     fmt = recipe.input
-    symmetric = fmt is None or (fmt.rounding == "nearest" and fmt.spec.name in _SIGN_SYMMETRIC)
+    symmetric = fmt is None or (fmt.rounding == "nearest" and fmt.spec.sign_symmetric)
     return recipe.rht and token_unit(recipe) == BLOCK and symmetric
 
 

@@ -134,6 +134,7 @@ class FP8Spec(FormatSpec):
     tensor that maps its amax to the kind's largest finite value."""
 
     bits_per_element = 8.0
+    sign_symmetric = True
 
     def __init__(self, kind: str):
         self.kind = kind

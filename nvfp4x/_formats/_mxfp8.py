@@ -153,6 +153,7 @@ class MXFP8Spec(FormatSpec):
     bits_per_element = 8 + 8 / MX_BLOCK
     blocks = ((1, MX_BLOCK),)
     native = _native.MXFP8
+    sign_symmetric = True
 
     def quantize(
         self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None

@@ -65,6 +65,7 @@ class NVFP4Spec(FormatSpec):
     shared_tensor_scale = True
     quantizes_pieces = True
     native = _native.NVFP4
+    sign_symmetric = True
 
     def layouts_agree(self, fmt: Format) -> bool:
         """16x16 tiles read the same either way; 1x16 blocks run along one axis."""

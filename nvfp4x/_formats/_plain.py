@@ -38,6 +38,7 @@ class Plain(FormatSpec):
     """A plain dtype: the operand cast to it, no scales; a weight is stored cast."""
 
     quantised = False
+    sign_symmetric = True
 
     def __init__(self, name: str, dtype, description: str, bits: float):
         self.name, self.dtype, self.description, self.bits_per_element = (

@@ -66,6 +66,13 @@ class FormatSpec:
     #: formats it runs the reference.
     quantizes_pieces: ClassVar[bool] = False
 
+    #: Whether its quantised values, rounded to nearest, change sign with the operand
+    #: (`quantize(-a) == -quantize(a)`, scales alike): a convolution's wgrad then
+    #: quantises a transposed convolution's patch operand from canonical chunks and
+    #: puts the others back with signs (`_conv.WgradPlan`); for other formats it
+    #: quantises every distinct chunk.
+    sign_symmetric: ClassVar[bool] = False
+
     def layouts_agree(self, fmt: "Format") -> bool:
         """Whether a weight quantised in `fmt` holds the same values in both GEMM layouts
         (fprop's `(n, k)` and dgrad's `(k, n)`), so that one quantised weight serves both:
