@@ -9,6 +9,7 @@ telemetry runs, and what is a convolution does not depend on how the class is wr
 on a TPU a frozen NVFP4 patch GEMM is the Mosaic kernel, which sums in its own order.)
 """
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -384,22 +385,30 @@ def test_the_patch_operand_from_canonical_chunks_is_the_reference(geom, images, 
 
 
 def test_transposed_and_patch_embedding_steps_lower_for_tpu(monkeypatch):
-    """A training step of a `ConvTranspose2d` k4 s4 (wgrad from canonical chunks) and of
-    a patch embedding (patches by reshape), traced for a TPU (its kernels compiled, not
-    interpreted) and lowered here, with the Mosaic quantiser's kernel in it (for
-    operands this narrow wgrad's transform and quantiser run as XLA's)."""
+    """A training step of a `ConvTranspose2d` k4 s4 (wgrad from canonical chunks), of a
+    patch embedding (patches by reshape), and of a grouped `ConvTranspose2d` through the
+    patch GEMM (`reference_only`: its groups vmap the GEMM, so the fused operand kernel,
+    which must run them one at a time), traced for a TPU (its kernels compiled, not
+    interpreted) and lowered here, with the Mosaic quantiser's kernel in it (for operands
+    this narrow the first two's wgrad transform and quantiser run as XLA's)."""
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    key = jax.random.key(2)
+    grouped = eqx.nn.ConvTranspose2d(32, 16, 4, stride=4, padding=1, groups=2, key=key)
     cases = [  # (shapes no other test runs: traces made for a TPU are not reused)
-        (eqx.nn.ConvTranspose2d(16, 3, 4, stride=4, key=jax.random.key(0)), (3, 16, 5, 4)),
-        (eqx.nn.Conv2d(3, 16, 4, stride=4, key=jax.random.key(1)), (3, 3, 20, 12)),
+        (eqx.nn.ConvTranspose2d(16, 3, 4, stride=4, key=jax.random.key(0)), (3, 16, 5, 4), None),
+        (eqx.nn.Conv2d(3, 16, 4, stride=4, key=jax.random.key(1)), (3, 3, 20, 12), None),
+        (grouped, (2, 32, 3, 9), "nvfp4x_operand_tpu"),
     ]
     try:
-        for layer, shape in cases:
+        for layer, shape, kernel in cases:
             params, static = eqx.partition(nvfp4x.quantize(layer, CONVS), eqx.is_array)
             loss = lambda p, x, s=static: jnp.mean(jax.vmap(eqx.combine(p, s))(x) ** 2)
             x = jax.ShapeDtypeStruct(shape, jnp.float32)
-            lowered = jax.jit(jax.grad(loss)).trace(params, x).lower(lowering_platforms=("tpu",))
-            assert "nvfp4_quantize_tpu" in lowered.as_text(), type(layer).__name__
+            with reference_only() if kernel else contextlib.nullcontext():
+                traced = jax.jit(jax.grad(loss)).trace(params, x)
+                text = traced.lower(lowering_platforms=("tpu",)).as_text()
+            assert "nvfp4_quantize_tpu" in text, type(layer).__name__
+            assert kernel is None or kernel in text, kernel
     finally:
         jax.clear_caches()
 

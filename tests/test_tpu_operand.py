@@ -18,7 +18,7 @@ from reference import F32, assert_bits
 import nvfp4x
 from nvfp4x import _kernels
 from nvfp4x._formats import Format, quantize_operand, quantize_rht_operand
-from nvfp4x._kernels import _tpu_operand
+from nvfp4x._kernels import _tpu_operand, _tpu_rht
 from nvfp4x._numerics import _hadamard
 from nvfp4x._numerics._nvfp4 import amax_of_bits
 from nvfp4x._numerics._threefry import seed_words
@@ -223,6 +223,34 @@ def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
     # the same lowered GEMMs, its special column taking the `cond`'s other branch; on a
     # TPU the kernel also quantises other 16x1 operands, without the transform).
     assert traced.count(True) == 2
+
+
+def test_vmapped_kernels_run_one_problem_at_a_time():
+    """Vmapped (a grouped convolution's groups, stacked problems), each kernel runs one
+    problem after another: it lowers for a TPU (Pallas's own rule puts the quantiser's
+    parameters in SMEM blocks of a batched shape, which its TPU lowering refuses: seen on
+    a TPU v5e) and gives each problem's own results (its tensor scale, its SR bits)."""
+    x = np.stack([data(128, 144, seed=i) for i in range(2)])
+    x[1] *= 8.0  # (another amax, so another tensor scale)
+    seed = seed_words(jax.random.key(3))
+    op = _tpu_operand.operand
+    calls = {  # (name: a function of x and `interpret`)
+        "operand": lambda x, i: op(x, None, seed, rounding="stochastic", interpret=i),
+        "across": lambda x, i: op(x, None, None, block=(1, 16), interpret=i),
+        "rht": lambda x, i: op(x, jnp.float32(2.0**40), None, rht=True, interpret=i),
+        "stats": lambda x, i: _tpu_operand.rht_stats(x, interpret=i),
+        "transform": lambda x, i: _tpu_rht.transform(x, interpret=i),
+    }
+    for name, fn in calls.items():
+        lowered = jax.jit(jax.vmap(lambda x, f=fn: f(x, False))).trace(x)
+        text = lowered.lower(lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 1, name
+    for name in ("operand", "across"):
+        got = jax.vmap(lambda x, f=calls[name]: f(x, True))(x)
+        for i in range(2):
+            want = calls[name](x[i], True)
+            assert_bits(got[0][i], want[0], f"{name}[{i}]")
+            assert_bits(got[1][i], want[1], f"{name}[{i}] tensor scale")
 
 
 @pytest.mark.parametrize(

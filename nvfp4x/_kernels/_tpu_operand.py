@@ -46,6 +46,7 @@ from jaxtyping import Array, Float
 from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
+from ._batching import one_problem_at_a_time
 from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
 from ._tpu_rht import _INTERPRETERS, butterflies
 
@@ -242,8 +243,22 @@ def operand(
         seed is not None
     ):
         raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
+    kw = dict(across=across, rounding=rounding, rht=rht, rows=rows, looped=looped)
+    given = (amax is not None, seed is not None)
+
+    def call(x, *rest):
+        it = iter(rest)
+        amax, seed = (next(it) if g else None for g in given)
+        return _operand(x, amax, seed, block=tuple(block), interpret=interpret, **kw)
+
+    # vmapped (grouped or stacked problems): one array after another, as the quantiser
+    return one_problem_at_a_time(call)(x, *(a for a in (amax, seed) if a is not None))
+
+
+def _operand(x, amax, seed, *, block, across, rounding, rht, interpret, rows, looped):
+    """`operand` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
-    s_dec, params, seeds, table = kernel_parameters(x, amax, seed, tuple(block), "values")
+    s_dec, params, seeds, table = kernel_parameters(x, amax, seed, block, "values")
     # An array shorter than a tile is padded to whole groups (zero blocks, cut off
     # again); a longer one is not copied: its last tile may overhang it by whole blocks
     # or by rows and lanes of blocks that are all beyond it, whose results are dropped.
@@ -322,6 +337,12 @@ def rht_stats(
             f"`rht_stats` takes float32 (rows, columns) arrays with rows a multiple of "
             f"{BLOCK} and at least {LANES} columns; got {x.dtype} {x.shape}."
         )
+    call = functools.partial(_rht_stats, interpret=interpret, rows=rows, looped=looped)
+    return one_problem_at_a_time(call)(x)  # (vmapped: one array after another)
+
+
+def _rht_stats(x, *, interpret, rows, looped):
+    """`rht_stats` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
     tr = min(rows, -(-n // GROUP_ROWS) * GROUP_ROWS)
     grid = (pl.cdiv(n, tr), pl.cdiv(m, LANES))

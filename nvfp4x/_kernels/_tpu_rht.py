@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK, RHT_SIGNS
+from ._batching import one_problem_at_a_time
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
 LANES = 128
@@ -99,6 +100,12 @@ def transform(
             f"multiple of {BLOCK} and at least {GROUP_ROWS}, and at least {LANES} columns; "
             f"got {x.dtype} {x.shape} (callers check `applies` first)."
         )
+    call = functools.partial(_transform, interpret=interpret, rows=rows)
+    return one_problem_at_a_time(call)(x)  # (vmapped: one array after another)
+
+
+def _transform(x, *, interpret, rows):
+    """`transform` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
     # An array shorter than a tile is padded to whole groups (zero chunks, cut off again);
     # a longer one is not copied: its last tile may overhang it (by whole chunks, as the
