@@ -193,6 +193,20 @@ def test_bench_compile_counts_instructions_per_region():
     assert hlo_regions(text) == {"fprop": 1, "dgrad": 1, "wgrad": 1, "other": 1}
 
 
+def test_tpu_compile_check_lowers_each_kernel_for_a_tpu(tmp_path):
+    """The compile script's kernel section (`--smoke`: lowered for a TPU here, no compile)
+    lowers each kernel at each number of call sites into one kernel function."""
+    from benchmarks.tpu_compile_check import KERNELS, main
+
+    out = tmp_path / "compile.md"
+    assert main(["--smoke", "--only", "sites", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "error" not in text
+    for name in KERNELS:
+        for k in (1, 2):
+            assert f"| {name} | {k} | 1 / None |" in text, (name, k)
+
+
 def test_tpu_chunks_hold_every_numerics_file_once():
     """`benchmarks/tpu_check.sh`'s chunks name existing test files, each once, and hold
     every numerics file issue 36 names (a renamed or new file would otherwise never run

@@ -1,0 +1,204 @@
+"""Where the NVFP4 training step's compile time goes on a TPU (issue 37: <= 1.5x float32;
+the fifteenth session measured 44.4 s against float32's 2.8 s, the apart RHT operand
+27.8 s, no RHT and no SR 7.3 s).
+
+```
+python benchmarks/tpu_compile_check.py --out PATH [--size N] [--sites 1 4 8] [--d D ...]
+python benchmarks/tpu_compile_check.py --smoke     # small, on a CPU: lowering only for the kernels
+```
+
+Two sections, each compile from a fresh function (no cache hides work), lowering
+(`jit(f).lower`: tracing and StableHLO) and XLA's compile (`.compile()`, which on a TPU
+compiles each Mosaic kernel call) timed apart:
+
+1. **Kernel call sites.** A function that applies one Mosaic kernel to `k` different
+   `N x N` arrays (`--sites`), for the fused RHT operand (`_tpu_operand.operand`, 16x1,
+   RHT, SR), the quantiser's 1x16 values (`_tpu_quantize.quantize_2d`, SR) and the RHT
+   statistics (`_tpu_operand.rht_stats`): seconds per call site from the slope between
+   the fewest and the most sites; whether the compile of `k` identical kernels grows
+   with `k` says whether Mosaic compiles each call site anew.
+2. **The training step by recipe and pick.** The adam step of `bench_accel`'s MLP stack
+   (`--d`, `--hidden`, `--tokens`, `--blocks`): float32, the default NVFP4 recipe (RHT, SR,
+   16x16 weights), the same with the RHT operand apart (`rht_operand` xla), with every
+   quantiser XLA's, with RHT alone, with SR alone, with neither; each with the number of
+   Mosaic calls and the StableHLO's lines.
+
+On a CPU (`--smoke`) section 1 lowers the kernels for a TPU (no compile: Mosaic's runs on
+the chip only) and section 2 runs the XLA variants.
+"""
+
+import argparse
+import contextlib
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+import nvfp4x
+from nvfp4x import _kernels
+from nvfp4x._kernels import _tpu_operand, _tpu_quantize
+
+try:
+    from benchmarks.bench_compile import MOSAIC, compile_seconds
+    from benchmarks.bench_training import Stack
+except ImportError:  # run as a script from inside benchmarks/
+    from bench_compile import MOSAIC, compile_seconds
+    from bench_training import Stack
+
+SEED = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
+#: The kernels of section 1: name -> a call on one `N x N` float32 array.
+KERNELS = {
+    "fused RHT operand (16x1, SR)": lambda x: _tpu_operand.operand(
+        x, jnp.float32(64.0), SEED, rounding="stochastic", rht=True
+    )[0],
+    "quantiser values (1x16, SR)": lambda x: _tpu_quantize.quantize_2d(
+        x, None, SEED, block=(1, 16), rounding="stochastic", output="values"
+    )[0],
+    "RHT statistics": lambda x: _tpu_operand.rht_stats(x)[1],
+}
+
+
+class Report:
+    """Lines printed and, with `--out`, written to a file as they come."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        if path:
+            open(path, "w").close()
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(text + "\n")
+
+
+def sites_fn(kernel, k: int):
+    """`k` calls of `kernel` on `k` different arrays derived from `x`, summed (a fresh
+    function each time: no trace is reused)."""
+
+    def f(x):
+        return sum(jnp.sum(kernel(x * jnp.float32(i + 1)).astype(jnp.float32)) for i in range(k))
+
+    return f
+
+
+def lower_compile(f, *args, on_tpu: bool) -> tuple[float, float | None, int, int | None]:
+    """`(lower s, compile s, kernel functions in the StableHLO, Mosaic calls in the
+    optimised HLO)` of a fresh `jax.jit(f)`; off a TPU lowered for one, the last two
+    `None` (Mosaic's compile runs on the chip only)."""
+    t0 = time.perf_counter()
+    jitted = jax.jit(f)
+    if on_tpu:
+        lowered = jitted.lower(*args)
+    else:
+        lowered = jitted.trace(*args).lower(lowering_platforms=("tpu",))
+    t1 = time.perf_counter()
+    functions = lowered.as_text().count("tpu_custom_call")
+    if not on_tpu:
+        return t1 - t0, None, functions, None
+    compiled = lowered.compile()
+    return t1 - t0, time.perf_counter() - t1, functions, compiled.as_text().count(MOSAIC)
+
+
+def call_sites(report: Report, n: int, sites: list[int], on_tpu: bool) -> None:
+    report.line(f"## Kernel call sites ({n}x{n} float32, a fresh function each)")
+    report.line()
+    report.line("| kernel | call sites | kernel functions / Mosaic calls | lower s | compile s |")
+    report.line("|---|---|---|---|---|")
+    x = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    for name, kernel in KERNELS.items():
+        seen = {}
+        for k in sites:
+            try:
+                low, comp, functions, calls = lower_compile(sites_fn(kernel, k), x, on_tpu=on_tpu)
+            except Exception as e:  # noqa: BLE001
+                report.line(f"| {name} | {k} | error: {type(e).__name__} | | |")
+                traceback.print_exc()
+                continue
+            seen[k] = comp
+            comp_s = "n/a (no TPU)" if comp is None else f"{comp:.2f}"
+            report.line(f"| {name} | {k} | {functions} / {calls} | {low:.2f} | {comp_s} |")
+        lo, hi = min(sites), max(sites)
+        if seen.get(lo) is not None and seen.get(hi) is not None and hi > lo:
+            slope = (seen[hi] - seen[lo]) / (hi - lo)
+            report.line(f"| {name}: compile per call site | | | | {slope:.3f} |")
+    report.line()
+
+
+def steps(report: Report, a, on_tpu: bool) -> None:
+    shape = f"{a.blocks} blocks d={a.d} hidden={a.hidden}, {a.tokens} tokens, adam"
+    report.line(f"## The training step's compile ({shape})")
+    report.line()
+    report.line(
+        "| step | lower s | compile s | total / float32 | kernel functions / Mosaic calls "
+        "| StableHLO lines |"
+    )
+    report.line("|---|---|---|---|---|---|")
+    kx, ky, km = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (a.tokens, a.d), jnp.float32)
+    y = jax.random.normal(ky, (a.tokens, a.d), jnp.float32)
+    model = Stack(a.d, a.hidden, a.blocks, km)
+    nv = nvfp4x.recipes.nvfp4_training
+    variants = {
+        "float32": (model, {}),
+        "nvfp4 default": (nvfp4x.quantize(model, nv()), {}),
+        "nvfp4, rht_operand xla (apart)": (nvfp4x.quantize(model, nv()), {"rht_operand": "xla"}),
+        "nvfp4, every quantiser xla": (
+            nvfp4x.quantize(model, nv()),
+            {"rht_operand": "xla", "nvfp4_quantize": "xla", "rht": "xla"},
+        ),
+        "nvfp4, RHT without SR": (nvfp4x.quantize(model, nv(stochastic_rounding=False)), {}),
+        "nvfp4, SR without RHT": (nvfp4x.quantize(model, nv(rht=False)), {}),
+        "nvfp4, neither": (nvfp4x.quantize(model, nv(rht=False, stochastic_rounding=False)), {}),
+    }
+    base = None
+    for name, (m, picks) in variants.items():
+        try:
+            with contextlib.ExitStack() as stack:
+                for op, impl in picks.items():
+                    stack.enter_context(_kernels.use(op, impl))
+                r = compile_seconds(m, x, y, text=True)
+        except Exception as e:  # noqa: BLE001
+            report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | |")
+            traceback.print_exc()
+            continue
+        base = r["total"] if name == "float32" else base
+        ratio = f"{r['total'] / base:.2f}x" if base else ""
+        lines = r["lowered"].count("\n")
+        calls = f"{r['lowered'].count('tpu_custom_call')} / {r['mosaic_calls']}"
+        report.line(
+            f"| {name} | {r['lower']:.2f} | {r['compile']:.2f} | {ratio} | {calls} | {lines} |"
+        )
+    report.line()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out")
+    p.add_argument("--size", type=int, default=4096)
+    p.add_argument("--sites", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--only", choices=("sites", "steps"), nargs="+", default=["sites", "steps"])
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.size, a.sites, a.d, a.hidden, a.tokens = 256, [1, 2], 32, 64, 64
+    on_tpu = jax.default_backend() == "tpu"
+    report = Report(a.out)
+    report.line(f"# tpu_compile_check on {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    report.line()
+    if "sites" in a.only:
+        call_sites(report, a.size, a.sites, on_tpu)
+    if "steps" in a.only:
+        steps(report, a, on_tpu)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
