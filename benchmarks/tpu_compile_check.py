@@ -21,7 +21,10 @@ compiles each Mosaic kernel call) timed apart:
    (`--d`, `--hidden`, `--tokens`, `--blocks`): float32, the default NVFP4 recipe (RHT, SR,
    16x16 weights), the same with the RHT operand apart (`rht_operand` xla), with every
    quantiser XLA's, with RHT alone, with SR alone, with neither; each with the number of
-   Mosaic calls and the StableHLO's lines.
+   Mosaic calls and the StableHLO's lines. Two diagnostic variants (never results: wrong
+   for columns the RHT must scale) compile the default with the transform's guarded
+   branch as the plain one, and without its near-maximum recomputation, to weigh that
+   rarely taken XLA code in the compile.
 
 On a CPU (`--smoke`) section 1 lowers the kernels for a TPU (no compile: Mosaic's runs on
 the chip only) and section 2 runs the XLA variants.
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import nvfp4x
 from nvfp4x import _kernels
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize
+from nvfp4x._numerics import _hadamard
 
 try:
     from benchmarks.bench_compile import MOSAIC, compile_seconds
@@ -128,6 +132,20 @@ def call_sites(report: Report, n: int, sites: list[int], on_tpu: bool) -> None:
     report.line()
 
 
+@contextlib.contextmanager
+def replaced(module, name: str, by: str):
+    """`module.name` as `module.by` inside the block (JAX's caches cleared on the way in
+    and out, so that no trace of either crosses it)."""
+    original = getattr(module, name)
+    setattr(module, name, getattr(module, by))
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+        jax.clear_caches()
+
+
 def steps(report: Report, a, on_tpu: bool) -> None:
     shape = f"{a.blocks} blocks d={a.d} hidden={a.hidden}, {a.tokens} tokens, adam"
     report.line(f"## The training step's compile ({shape})")
@@ -154,12 +172,23 @@ def steps(report: Report, a, on_tpu: bool) -> None:
         "nvfp4, SR without RHT": (nvfp4x.quantize(model, nv(rht=False)), {}),
         "nvfp4, neither": (nvfp4x.quantize(model, nv(rht=False, stochastic_rounding=False)), {}),
     }
+    # Diagnostics (wrong bits for columns that need the RHT's scaling, never a result):
+    # the default step with the guarded transform's branches as the plain transform, and
+    # with only its near-maximum recomputation (`_accurate`) left out.
+    default = variants["nvfp4 default"]
+    diagnostics = {
+        "diagnostic: nvfp4 default, guarded RHT branch plain": ("_guarded", "_unguarded"),
+        "diagnostic: nvfp4 default, no near-max recomputation": ("_accurate", "_as_is"),
+    }
+    variants |= {name: default for name in diagnostics}
     base = None
     for name, (m, picks) in variants.items():
         try:
             with contextlib.ExitStack() as stack:
                 for op, impl in picks.items():
                     stack.enter_context(_kernels.use(op, impl))
+                if name in diagnostics:
+                    stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | |")
