@@ -47,9 +47,11 @@ from nvfp4x._numerics import _hadamard
 try:
     from benchmarks.bench_compile import MOSAIC, compile_seconds
     from benchmarks.bench_training import Stack
+    from benchmarks.tpu_quantize_check import Report
 except ImportError:  # run as a script from inside benchmarks/
     from bench_compile import MOSAIC, compile_seconds
     from bench_training import Stack
+    from tpu_quantize_check import Report
 
 SEED = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
 #: The kernels of section 1: name -> a call on one `N x N` float32 array.
@@ -62,21 +64,6 @@ KERNELS = {
     )[0],
     "RHT statistics": lambda x: _tpu_operand.rht_stats(x)[1],
 }
-
-
-class Report:
-    """Lines printed and, with `--out`, written to a file as they come."""
-
-    def __init__(self, path: str | None):
-        self.path = path
-        if path:
-            open(path, "w").close()
-
-    def line(self, text: str = "") -> None:
-        print(text, flush=True)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(text + "\n")
 
 
 def sites_fn(kernel, k: int):
@@ -109,7 +96,7 @@ def lower_compile(f, *args, on_tpu: bool) -> tuple[float, float | None, int, int
 
 def call_sites(report: Report, n: int, sites: list[int], on_tpu: bool) -> None:
     report.line(f"## Kernel call sites ({n}x{n} float32, a fresh function each)")
-    report.line()
+    report.line("")
     report.line("| kernel | call sites | kernel functions / Mosaic calls | lower s | compile s |")
     report.line("|---|---|---|---|---|")
     x = jax.ShapeDtypeStruct((n, n), jnp.float32)
@@ -129,7 +116,7 @@ def call_sites(report: Report, n: int, sites: list[int], on_tpu: bool) -> None:
         if seen.get(lo) is not None and seen.get(hi) is not None and hi > lo:
             slope = (seen[hi] - seen[lo]) / (hi - lo)
             report.line(f"| {name}: compile per call site | | | | {slope:.3f} |")
-    report.line()
+    report.line("")
 
 
 @contextlib.contextmanager
@@ -149,7 +136,7 @@ def replaced(module, name: str, by: str):
 def steps(report: Report, a, on_tpu: bool) -> None:
     shape = f"{a.blocks} blocks d={a.d} hidden={a.hidden}, {a.tokens} tokens, adam"
     report.line(f"## The training step's compile ({shape})")
-    report.line()
+    report.line("")
     report.line(
         "| step | lower s | compile s | total / float32 | kernel functions / Mosaic calls "
         "| StableHLO lines |"
@@ -201,7 +188,7 @@ def steps(report: Report, a, on_tpu: bool) -> None:
         report.line(
             f"| {name} | {r['lower']:.2f} | {r['compile']:.2f} | {ratio} | {calls} | {lines} |"
         )
-    report.line()
+    report.line("")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     on_tpu = jax.default_backend() == "tpu"
     report = Report(a.out)
     report.line(f"# tpu_compile_check on {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    report.line()
+    report.line("")
     if "sites" in a.only:
         call_sites(report, a.size, a.sites, on_tpu)
     if "steps" in a.only:
