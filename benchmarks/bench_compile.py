@@ -101,6 +101,15 @@ def hlo_regions(text: str) -> dict[str, int]:
     return dict(counts)
 
 
+def temp_bytes(compiled) -> int | None:
+    """A compiled program's temporaries in bytes (`memory_analysis()`), or None where the
+    backend does not report them."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
 #: How a Mosaic kernel's call reads in an optimised HLO text (on a TPU).
 MOSAIC = 'custom_call_target="tpu_custom_call"'
 
@@ -110,8 +119,9 @@ def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = Fa
     for one fresh step (`optimizer`: adam by default): wall seconds, the process's CPU
     seconds for the whole (steadier than wall time on a shared machine), the optimised
     HLO's lines and its instructions per region (`hlo_regions`); with `text`, also
-    `"lowered"`, the step's StableHLO text, and `"mosaic_calls"`, the Mosaic kernel calls
-    in the optimised HLO (on a TPU)."""
+    `"lowered"`, the step's StableHLO text, `"mosaic_calls"`, the Mosaic kernel calls
+    in the optimised HLO (on a TPU), and `"temp_bytes"`, its temporaries
+    (`memory_analysis()`; None where the backend does not report them)."""
     optimizer = optax.adam(1e-4) if optimizer is None else optimizer
     arrays, static = eqx.partition(model, eqx.is_array)
     state = optimizer.init(arrays)
@@ -123,7 +133,15 @@ def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = Fa
     t2, c2 = time.perf_counter(), time.process_time()
     hlo = compiled.as_text()
     return {
-        **({"lowered": lowered.as_text(), "mosaic_calls": hlo.count(MOSAIC)} if text else {}),
+        **(
+            {
+                "lowered": lowered.as_text(),
+                "mosaic_calls": hlo.count(MOSAIC),
+                "temp_bytes": temp_bytes(compiled),
+            }
+            if text
+            else {}
+        ),
         "lower": t1 - t0,
         "compile": t2 - t1,
         "total": t2 - t0,
