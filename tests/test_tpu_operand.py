@@ -164,21 +164,29 @@ def test_the_scaled_path_alone_is_the_transform(special):
 def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeypatch):
     """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
     quantiser, for operands with and without special columns (the scaled path then runs
-    apart), eagerly and under `jit` (rows padded to whole chunks, lanes overhanging a
-    tile); traced for a TPU it holds both kernels."""
+    apart, in row batches: here 3 of 4 chunks, each quantised by the XLA quantiser and by
+    the TPU kernel with its SR samples moved to the batch's rows), eagerly and under
+    `jit` (rows padded to whole chunks, lanes overhanging a tile); traced for a TPU it
+    holds both kernels."""
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((200, 144)).astype(F32)
+    x = rng.standard_normal((190, 144)).astype(F32)
     big = x.copy()
-    big[3, 4] = F32(2.0**126)
+    big[3, 4], big[150, 7] = F32(2.0**126), np.nan
+    big[40:56, 9] = F32(1e-38)  # (a tiny column, subnormals among it)
     fmt = Format("nvfp4", rounding="stochastic")
     key = jax.random.key(9)
+    monkeypatch.setattr(_kernels, "SCALED_BATCH_ELEMENTS", 4 * 16 * 144)
+    jax.clear_caches()
     for a in (x, big):
         with _kernels.use("rht_operand", "xla"):  # (the reference, jitted: one compile)
             want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
-        with _kernels.use("rht_operand", "mosaic"):
-            results = [jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)]
-            if a is x:  # (eagerly once)
-                results.append(quantize_rht_operand(jnp.asarray(a), fmt, key))
+        results = []
+        for quantiser in ("xla", "mosaic") if a is big else ("xla",):
+            with _kernels.use("rht_operand", "mosaic"), _kernels.use("nvfp4_quantize", quantiser):
+                fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
+                results.append(fn(jnp.asarray(a), key))
+                if a is x:  # (eagerly once)
+                    results.append(quantize_rht_operand(jnp.asarray(a), fmt, key))
         for got in results:
             assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
             assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
@@ -190,6 +198,25 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     # The other branch is the scaled path then the quantiser: no transform kernel, which
     # would be compiled for nothing (only inputs that need the scaling take that branch).
     assert '"nvfp4x_rht_tpu"' not in text
+
+
+def test_the_scaled_branch_holds_a_batch_not_the_operand(monkeypatch):
+    """The fused operand's rarely taken branch (a column needs the transform's scaling)
+    works through the operand in row batches: a `cond`'s branch buffers are allocated
+    whether or not it runs, and with the whole operand at once they would hold its
+    float32 transform (compiled here: `memory_analysis`'s temporaries)."""
+    fmt = Format("nvfp4", rounding="stochastic")
+    x = jax.ShapeDtypeStruct((2048, 1024), jnp.float32)
+    temps = {}
+    for elements in (2**30, 2**16):  # (the whole operand in one batch; 4 chunks a batch)
+        monkeypatch.setattr(_kernels, "SCALED_BATCH_ELEMENTS", elements)
+        jax.clear_caches()
+        with _kernels.use("rht_operand", "mosaic"):
+            fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
+            compiled = fn.lower(x, jax.random.key(0)).compile()
+        temps[elements] = compiled.memory_analysis().temp_size_in_bytes
+    jax.clear_caches()
+    assert temps[2**16] <= temps[2**30] - 0.9 * 2048 * 1024 * 4, temps
 
 
 def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):

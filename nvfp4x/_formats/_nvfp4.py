@@ -92,7 +92,16 @@ class NVFP4Spec(FormatSpec):
             values, s_dec = self.quantize(y, fmt, 0, key)
             return values, jnp.asarray(s_dec, jnp.float32)
 
-        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, quantised)) is not None:
+        def piece(y, amax, offset):  # rows of it, with its amax, from flat index `offset`
+            _, rounding, scale_rounding = _layout(fmt)
+            down = (BLOCK, 1)  # (16 rows of a column, as `quantised` has them)
+            run = _kernels.nvfp4_quantizer(y, down, rounding, scale_rounding, amax, key, offset)
+            if run is None:
+                return self.quantize_piece(y, fmt, amax, key, offset, down)
+            q = run("values")
+            return q.values, jnp.asarray(q.tensor_scale, jnp.float32)
+
+        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, quantised, piece)) is not None:
             return fast  # the backend's fused kernel, where `_kernels` picks one
         return quantised(_kernels.rht(a, axis=0))  # the transform, then the quantiser
 

@@ -131,7 +131,8 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._numerics import _hadamard
-from .._numerics._constants import BLOCK, ROW_BLOCK, TILE
+from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, ROW_BLOCK, TILE
+from .._numerics._ieee import INF_BITS, abs_bits, from_bits
 from .._numerics._nvfp4 import pad_to_blocks
 from .._numerics._threefry import seed_words
 from ._native import NativeOperand, block_scaled_dot, fp8_dot
@@ -343,12 +344,16 @@ class Quantized(NamedTuple):
     values: Array | None
 
 
-def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, key):
+def nvfp4_quantizer(
+    xp: Array, block, rounding: str, scale_rounding: str, amax, key, offset: Array | int = 0
+):
     """A function `run(output) -> Quantized` quantising the padded array `xp` (blocked
     axes multiples of 16) in blocks `block` (`(1, 16)`, `(16, 16)`, or `(16, 1)`: 16 rows
     of a column) with the picked implementation and writing only `output` (`"codes"`,
     `"values"` or `"dequantized"`), or `None` where the reference is picked or the case
-    is one the kernel does not cover (the caller runs the reference)."""
+    is one the kernel does not cover (the caller runs the reference). `offset`: the
+    flat index of `xp`'s first element in a larger array whose stochastic rounding
+    samples it draws (`_e2m1.uniform`'s `offset`)."""
     if (implementation := pick("nvfp4_quantize")) not in KERNELS:
         return None
     block = tuple(block)
@@ -369,7 +374,8 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         grid = (*rows, cols // BLOCK) if block == ROW_BLOCK else (*rows[:-1], rows[-1] // 16)
         if block != ROW_BLOCK:
             grid = (*grid, cols // block[1])
-        seed = None if key is None else seed_words(key)  # `jax.random.bits(key, (2,))`
+        # (`jax.random.bits(key, (2,))`, moved along by `offset`)
+        seed = None if key is None else offset_seed(seed_words(key), offset)
         out, scale_bits, s_dec = kernel.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),
@@ -385,6 +391,15 @@ def nvfp4_quantizer(xp: Array, block, rounding: str, scale_rounding: str, amax, 
         return Quantized(out.reshape(*rows, cols // 2), scales, s_dec, None)
 
     return run
+
+
+def offset_seed(seed: Array, offset: Array | int) -> Array:
+    """Seed words (two uint32) whose stochastic-rounding samples at flat index `i` are
+    those of `seed` at `i + offset` (modulo 2^32): `_e2m1.uniform` hashes
+    `i * GOLDEN_RATIO_32 + seed[0]`, so the offset moves into the first word. A kernel
+    that numbers a piece's elements from 0 draws the larger array's samples with it."""
+    step = jnp.asarray(offset).astype(jnp.uint32) * jnp.uint32(GOLDEN_RATIO_32)
+    return seed.at[0].add(step)
 
 
 def _kernel_module(implementation: str):
@@ -440,17 +455,25 @@ def _in_primitive_interpret() -> bool | str:
 
 
 def rht_operand(
-    a: Array, block, rounding: str, scale_rounding: str, key, quantised: Callable
+    a: Array,
+    block,
+    rounding: str,
+    scale_rounding: str,
+    key,
+    quantised: Callable,
+    piece: Callable | None = None,
 ) -> tuple[Array, Array] | None:
     """`NVFP4Spec.quantize(_hadamard.rht(a, axis=0), ..., axis=0, key)` of a 2-D operand
     (`(bfloat16 block values, s_dec)`, rows padded to a multiple of 16) by the fused
     TPU kernels where `"rht_operand"` picks `"mosaic"` (`_tpu_operand`: one read for
     the special-column check and the transform's amax, then the transform and the
     quantiser in one pass; where a column needs the transform's scaled path, that path
-    (`_hadamard.rht_scaled`) then `quantised(y)`, the caller's quantiser of a
-    transformed operand, run instead), or `None` where the caller runs the transform
-    and `quantised` itself (the reference, 16x16 tiles, `scale_rounding="up"`, a shape
-    the kernels do not take)."""
+    (`_hadamard.rht_scaled`) then the quantiser run instead: `piece(y, amax, offset)`, the
+    caller's quantiser of rows `y` of the transformed operand with the tensor amax
+    `amax` and the flat index `offset` of `y`'s first element, in row batches
+    (`_scaled_in_batches`), or, without `piece`, `quantised(y)` on the whole), or `None`
+    where the caller runs the transform and `quantised` itself (the reference, 16x16
+    tiles, `scale_rounding="up"`, a shape the kernels do not take)."""
     if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
         return None
     if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
@@ -470,10 +493,55 @@ def rht_operand(
         kw = dict(rounding=rounding, rht=True, interpret=interpret)
         return _tpu_operand.operand(x, amax, seed, **kw)
 
+    def scaled(x):
+        if piece is None:
+            return quantised(_hadamard.rht_scaled(x))
+        return _scaled_in_batches(x, piece)
+
     # (The other branch is the scaled path alone, not `rht(...)`: its `cond` and the
     # transform's kernel would be compiled for a branch that only runs for inputs that
     # take the scaled path.)
-    return jax.lax.cond(special, lambda x: quantised(_hadamard.rht_scaled(x)), fused, x)
+    return jax.lax.cond(special, scaled, fused, x)
+
+
+#: Values of a batch of `_scaled_in_batches` (float32: 16 MiB).
+SCALED_BATCH_ELEMENTS = 2**22
+
+
+def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
+    """`quantised(_hadamard.rht_scaled(x))` bit for bit, a batch of whole chunks of rows
+    at a time (about `SCALED_BATCH_ELEMENTS` values): one loop over the batches twice,
+    the transform traced once in its body (its XLA code is large to compile). The first
+    pass takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the
+    second quantises each batch with it by `piece(y, amax, offset)`, its stochastic
+    rounding drawing the whole operand's samples at its rows (`offset`: the flat index of
+    its first element), into the output in place (the first pass's quantiser results,
+    made with a partial amax, are dropped). A `cond`'s branch buffers are allocated
+    whether or not it runs, so this rarely taken branch holds a batch's transform, not
+    the whole operand's float32 copy (256 MiB for an 8192 x 8192 wgrad operand)."""
+    r, m = x.shape
+    chunks = r // BLOCK
+    most = max(1, SCALED_BATCH_ELEMENTS // (BLOCK * m))
+    per = max(d for d in range(1, min(most, chunks) + 1) if chunks % d == 0) * BLOCK
+    n = r // per
+    batches = x.reshape(n, per, m)
+
+    def step(carry, k):
+        top, out, s_dec = carry
+        second = k >= n
+        i = jnp.where(second, k - n, k)
+        y = _hadamard.rht_scaled(jax.lax.dynamic_index_in_dim(batches, i, keepdims=False))
+        bits = abs_bits(y)
+        mine = jnp.max(jnp.where(bits > INF_BITS, 0, bits), initial=0)
+        top = jnp.where(second, top, jnp.maximum(top, mine))
+        values, scale = piece(y, from_bits(top), i.astype(jnp.uint32) * jnp.uint32(per * m))
+        old = jax.lax.dynamic_index_in_dim(out, i, keepdims=False)
+        out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(second, values, old), i, 0)
+        return (top, out, jnp.where(second, scale, s_dec)), None
+
+    init = (jnp.int32(0), jnp.zeros((n, per, m), jnp.bfloat16), jnp.float32(0))
+    (_, out, s_dec), _ = jax.lax.scan(step, init, jnp.arange(2 * n))
+    return out.reshape(r, m), s_dec
 
 
 def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:
