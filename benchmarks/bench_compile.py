@@ -101,6 +101,16 @@ def hlo_regions(text: str) -> dict[str, int]:
     return dict(counts)
 
 
+def entry_ops(hlo: str) -> int:
+    """The operations an optimised HLO text's entry computation runs (each fusion, custom
+    call, dot, `conditional`, `while`...; not its parameters, constants, tuples,
+    `get-tuple-element`s and bitcasts): on an accelerator, about its kernel launches."""
+    entry = hlo[hlo.index("ENTRY") :] if "ENTRY" in hlo else ""
+    skip = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+    ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = \S+ ([\w-]+)\(", entry, re.M)
+    return sum(op not in skip for op in ops)
+
+
 def temp_bytes(compiled) -> int | None:
     """A compiled program's temporaries in bytes (`memory_analysis()`), or None where the
     backend does not report them."""
@@ -120,8 +130,9 @@ def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = Fa
     seconds for the whole (steadier than wall time on a shared machine), the optimised
     HLO's lines and its instructions per region (`hlo_regions`); with `text`, also
     `"lowered"`, the step's StableHLO text, `"mosaic_calls"`, the Mosaic kernel calls
-    in the optimised HLO (on a TPU), and `"temp_bytes"`, its temporaries
-    (`memory_analysis()`; None where the backend does not report them)."""
+    in the optimised HLO (on a TPU), `"temp_bytes"`, its temporaries
+    (`memory_analysis()`; None where the backend does not report them), and
+    `"entry_ops"`, the operations its entry computation runs (`entry_ops`)."""
     optimizer = optax.adam(1e-4) if optimizer is None else optimizer
     arrays, static = eqx.partition(model, eqx.is_array)
     state = optimizer.init(arrays)
@@ -138,6 +149,7 @@ def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = Fa
                 "lowered": lowered.as_text(),
                 "mosaic_calls": hlo.count(MOSAIC),
                 "temp_bytes": temp_bytes(compiled),
+                "entry_ops": entry_ops(hlo),
             }
             if text
             else {}

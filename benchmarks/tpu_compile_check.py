@@ -21,7 +21,8 @@ compiles each Mosaic kernel call) timed apart:
    (`--d`, `--hidden`, `--tokens`, `--blocks`): float32, the default NVFP4 recipe (RHT, SR,
    16x16 weights), the same with the RHT operand apart (`rht_operand` xla), with every
    quantiser XLA's, with RHT alone, with SR alone, with neither; each with the number of
-   Mosaic calls, the StableHLO's lines and the temporaries (`memory_analysis()`). Two
+   Mosaic calls, the StableHLO's lines, the operations of the optimised entry
+   computation (about the kernel launches a step) and the temporaries. Two
    diagnostic variants (never results: wrong for columns the RHT must scale) compile the
    default with the transform's guarded branch as the plain one, and without its
    near-maximum recomputation, to weigh that rarely taken XLA code in the compile and
@@ -140,9 +141,9 @@ def steps(report: Report, a, on_tpu: bool) -> None:
     report.line("")
     report.line(
         "| step | lower s | compile s | total / float32 | kernel functions / Mosaic calls "
-        "| StableHLO lines | temporaries MiB |"
+        "| StableHLO lines | entry ops | temporaries MiB |"
     )
-    report.line("|---|---|---|---|---|---|---|")
+    report.line("|---|---|---|---|---|---|---|---|")
     kx, ky, km = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (a.tokens, a.d), jnp.float32)
     y = jax.random.normal(ky, (a.tokens, a.d), jnp.float32)
@@ -179,7 +180,7 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
-            report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | |")
+            report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")
             traceback.print_exc()
             continue
         base = r["total"] if name == "float32" else base
@@ -189,7 +190,7 @@ def steps(report: Report, a, on_tpu: bool) -> None:
         temp = "" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.0f}"
         report.line(
             f"| {name} | {r['lower']:.2f} | {r['compile']:.2f} | {ratio} | {calls} | {lines} "
-            f"| {temp} |"
+            f"| {r['entry_ops']} | {temp} |"
         )
     report.line("")
 

@@ -193,6 +193,29 @@ def test_bench_compile_counts_instructions_per_region():
     assert hlo_regions(text) == {"fprop": 1, "dgrad": 1, "wgrad": 1, "other": 1}
 
 
+def test_bench_compile_counts_the_entry_computations_operations():
+    from benchmarks.bench_compile import entry_ops
+
+    text = "\n".join(
+        [
+            "%fused_computation (p: f32[4]) -> f32[4] {",
+            "  %p = f32[4] parameter(0)",
+            "  ROOT %n = f32[4] negate(%p)",
+            "}",
+            "ENTRY %main (a: f32[4]) -> (f32[4], f32[]) {",
+            "  %a = f32[4]{0} parameter(0)",
+            "  %c = f32[] constant(1)",
+            "  %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
+            '  %k = f32[4]{0} custom-call(%f), custom_call_target="tpu_custom_call"',
+            "  %b = f32[4]{0} bitcast(%k)",
+            "  %r = f32[] reduce(%b, %c), dimensions={0}, to_apply=%add",
+            "  ROOT %t = (f32[4]{0}, f32[]) tuple(%b, %r)",
+            "}",
+        ]
+    )
+    assert entry_ops(text) == 3  # the fusion, the custom call, the reduce
+
+
 def test_tpu_compile_check_lowers_each_kernel_for_a_tpu(tmp_path):
     """The compile script's kernel section (`--smoke`: lowered for a TPU here, no compile)
     lowers each kernel at each number of call sites into one kernel function."""
