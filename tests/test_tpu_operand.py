@@ -165,9 +165,9 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
     quantiser, for operands with and without special columns (the scaled path then runs
     apart, in row batches: here 3 of 4 chunks, each quantised by the XLA quantiser and by
-    the TPU kernel with its SR samples moved to the batch's rows), eagerly and under
-    `jit` (rows padded to whole chunks, lanes overhanging a tile); traced for a TPU it
-    holds both kernels."""
+    the TPU kernel with its SR samples moved to the batch's rows), eagerly, under `jit`
+    and vmapped (rows padded to whole chunks, lanes overhanging a tile); traced for a TPU
+    it holds both kernels."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((190, 144)).astype(F32)
     big = x.copy()
@@ -190,6 +190,16 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
         for got in results:
             assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
             assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
+    # Vmapped (a grouped or stacked GEMM's problems), one with a special column: the
+    # batched `cond` runs both sides for both, and the other's bits are its own still.
+    pair = jnp.asarray(np.stack([x, big]))
+    results = {}
+    for implementation in ("xla", "mosaic"):
+        with _kernels.use("rht_operand", implementation):
+            fn = jax.jit(jax.vmap(lambda a: quantize_rht_operand(a, fmt, key)))
+            results[implementation] = fn(pair)
+    assert_bits(np.asarray(results["mosaic"][0]), np.asarray(results["xla"][0]), "vmapped values")
+    assert_bits(np.asarray(results["mosaic"][1]), np.asarray(results["xla"][1]), "vmapped scales")
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
     with _kernels.use("rht_operand", "mosaic"):
         fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))

@@ -515,8 +515,7 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
     pass takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the
     second quantises each batch with it by `piece(y, amax, offset)`, its stochastic
     rounding drawing the whole operand's samples at its rows (`offset`: the flat index of
-    its first element), into the output in place (the first pass's quantiser results,
-    made with a partial amax, are dropped). A `cond`'s branch buffers are allocated
+    its first element), into the output in place. A `cond`'s branch buffers are allocated
     whether or not it runs, so this rarely taken branch holds a batch's transform, not
     the whole operand's float32 copy (256 MiB for an 8192 x 8192 wgrad operand)."""
     r, m = x.shape
@@ -534,14 +533,30 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
         bits = abs_bits(y)
         mine = jnp.max(jnp.where(bits > INF_BITS, 0, bits), initial=0)
         top = jnp.where(second, top, jnp.maximum(top, mine))
-        values, scale = piece(y, from_bits(top), i.astype(jnp.uint32) * jnp.uint32(per * m))
         old = jax.lax.dynamic_index_in_dim(out, i, keepdims=False)
-        out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(second, values, old), i, 0)
-        return (top, out, jnp.where(second, scale, s_dec)), None
+        offset = i.astype(jnp.uint32) * jnp.uint32(per * m)
+        # (the quantiser in the second pass only: the loop's index is never batched, so
+        # this `cond` stays one under `vmap`, where the `cond` choosing this branch runs
+        # both of its sides)
+        quantise = functools.partial(_quantised_piece, piece)
+        values, s_dec = jax.lax.cond(
+            second, quantise, _kept_piece, y, from_bits(top), offset, old, s_dec
+        )
+        return (top, jax.lax.dynamic_update_index_in_dim(out, values, i, 0), s_dec), None
 
     init = (jnp.int32(0), jnp.zeros((n, per, m), jnp.bfloat16), jnp.float32(0))
     (_, out, s_dec), _ = jax.lax.scan(step, init, jnp.arange(2 * n))
     return out.reshape(r, m), s_dec
+
+
+def _quantised_piece(piece, y, amax, offset, old, s_dec):
+    values, scale = piece(y, amax, offset)
+    return values, jnp.asarray(scale, jnp.float32)
+
+
+def _kept_piece(y, amax, offset, old, s_dec):
+    del y, amax, offset
+    return old, s_dec
 
 
 def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:
