@@ -18,7 +18,7 @@ from reference import F32, assert_bits
 import nvfp4x
 from nvfp4x import _kernels
 from nvfp4x._formats import Format, quantize_operand, quantize_rht_operand
-from nvfp4x._kernels import _tpu_operand, _tpu_rht
+from nvfp4x._kernels import _tpu_operand, _tpu_quantize, _tpu_rht
 from nvfp4x._numerics import _hadamard
 from nvfp4x._numerics._nvfp4 import amax_of_bits
 from nvfp4x._numerics._threefry import seed_words
@@ -164,29 +164,26 @@ def test_the_scaled_path_alone_is_the_transform(special):
 def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeypatch):
     """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
     quantiser, for operands with and without special columns (the scaled path then runs
-    apart, in row batches: here 3 of 4 chunks, each quantised by the XLA quantiser and by
-    the TPU kernel with its SR samples moved to the batch's rows), eagerly, under `jit`
-    and vmapped (rows padded to whole chunks, lanes overhanging a tile); traced for a TPU
-    it holds both kernels."""
+    apart, in row batches: here three of two chunks each, their SR samples the whole
+    operand's), eagerly, under `jit` and vmapped (rows padded to whole chunks, lanes
+    overhanging a tile); traced for a TPU it holds both kernels (and the batches'
+    quantiser the Mosaic one: `test_offset_seed_draws_the_whole_arrays_samples`)."""
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((190, 144)).astype(F32)
+    x = rng.standard_normal((94, 144)).astype(F32)
     big = x.copy()
-    big[3, 4], big[150, 7] = F32(2.0**126), np.nan
+    big[3, 4], big[80, 7] = F32(2.0**126), np.nan
     big[40:56, 9] = F32(1e-38)  # (a tiny column, subnormals among it)
     fmt = Format("nvfp4", rounding="stochastic")
     key = jax.random.key(9)
-    monkeypatch.setattr(_kernels, "SCALED_BATCH_ELEMENTS", 4 * 16 * 144)
+    monkeypatch.setattr(_kernels, "SCALED_BATCH_ELEMENTS", 2 * 16 * 144)
     jax.clear_caches()
     for a in (x, big):
         with _kernels.use("rht_operand", "xla"):  # (the reference, jitted: one compile)
             want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
-        results = []
-        for quantiser in ("xla", "mosaic") if a is big else ("xla",):
-            with _kernels.use("rht_operand", "mosaic"), _kernels.use("nvfp4_quantize", quantiser):
-                fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
-                results.append(fn(jnp.asarray(a), key))
-                if a is x:  # (eagerly once)
-                    results.append(quantize_rht_operand(jnp.asarray(a), fmt, key))
+        with _kernels.use("rht_operand", "mosaic"):
+            results = [jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)]
+            if a is x:  # (eagerly once)
+                results.append(quantize_rht_operand(jnp.asarray(a), fmt, key))
         for got in results:
             assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
             assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
@@ -208,6 +205,23 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     # The other branch is the scaled path then the quantiser: no transform kernel, which
     # would be compiled for nothing (only inputs that need the scaling take that branch).
     assert '"nvfp4x_rht_tpu"' not in text
+
+
+def test_offset_seed_draws_the_whole_arrays_samples():
+    """The TPU quantiser on rows of an array, given the array's amax and its seed moved
+    along by the rows' flat offset (`_kernels.offset_seed`), writes those rows of the
+    whole array's stochastically rounded values (how the fused operand's batched branch
+    quantises a batch)."""
+    x = jnp.asarray(data(96, 128, seed=5))
+    seed = seed_words(jax.random.key(7))
+    amax = amax_of_bits(x)
+    kw = dict(block=(16, 1), rounding="stochastic", output="values", interpret=True)
+    whole = _tpu_quantize.quantize_2d(x, amax, seed, **kw)[0]
+    rows = _tpu_quantize.quantize_2d(x[32:80], amax, _kernels.offset_seed(seed, 32 * 128), **kw)
+    assert_bits(np.asarray(rows[0]), np.asarray(whole[32:80]), "values")
+    # (and not by chance: unmoved, the samples differ)
+    plain = _tpu_quantize.quantize_2d(x[32:80], amax, seed, **kw)[0]
+    assert not np.array_equal(np.asarray(plain), np.asarray(whole[32:80]))
 
 
 def test_the_scaled_branch_holds_a_batch_not_the_operand(monkeypatch):
