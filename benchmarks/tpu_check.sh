@@ -6,7 +6,7 @@
 #
 #   Here (once, with network):  bash benchmarks/tpu_check.sh download
 #       fetches the wheels the TPU image and its package index lack into .whl-tpu/
-#       (ignored by git: `echo /.whl-tpu/ >> .git/info/exclude`); the device call
+#       (ignored by git: `.gitignore`); the device call
 #       then names `.whl-tpu` in `carry`.
 #   There:  CHUNK=N OUT=$OUT bash benchmarks/tpu_check.sh [TEST_SECONDS] [-- SCRIPT ARGS...]
 #       CHUNK=N runs chunk N (1..9, see `chunk_files` below; CHUNK=list prints them,

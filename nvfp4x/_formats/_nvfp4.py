@@ -88,22 +88,21 @@ class NVFP4Spec(FormatSpec):
     def quantize_rht(
         self, a: Float[Array, "t n"], fmt: Format, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        def quantised(y):  # the quantiser of the transformed operand
-            values, s_dec = self.quantize(y, fmt, 0, key)
-            return values, jnp.asarray(s_dec, jnp.float32)
+        _, rounding, scale_rounding = _layout(fmt)
+        down = (BLOCK, 1)  # (16 rows of a column: `quantize` along axis 0 of a 2-D array)
 
-        def piece(y, amax, offset):  # rows of it, with its amax, from flat index `offset`
-            _, rounding, scale_rounding = _layout(fmt)
-            down = (BLOCK, 1)  # (16 rows of a column, as `quantised` has them)
+        def piece(y, amax, offset):  # rows of the transform, its amax, from flat `offset`
             run = _kernels.nvfp4_quantizer(y, down, rounding, scale_rounding, amax, key, offset)
             if run is None:
                 return self.quantize_piece(y, fmt, amax, key, offset, down)
             q = run("values")
             return q.values, jnp.asarray(q.tensor_scale, jnp.float32)
 
-        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, quantised, piece)) is not None:
+        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, piece)) is not None:
             return fast  # the backend's fused kernel, where `_kernels` picks one
-        return quantised(_kernels.rht(a, axis=0))  # the transform, then the quantiser
+        # the transform, then the quantiser
+        values, s_dec = self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)
+        return values, jnp.asarray(s_dec, jnp.float32)
 
     def _blocks(self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None):
         """The quantiser's work in its block view: `(q, scale_b, s_dec, block, padded,

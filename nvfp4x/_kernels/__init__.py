@@ -132,8 +132,8 @@ from jaxtyping import Array
 
 from .._numerics import _hadamard
 from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, ROW_BLOCK, TILE
-from .._numerics._ieee import INF_BITS, abs_bits, from_bits
-from .._numerics._nvfp4 import pad_to_blocks
+from .._numerics._ieee import abs_bits, from_bits
+from .._numerics._nvfp4 import amax_of_bits, pad_to_blocks
 from .._numerics._threefry import seed_words
 from ._native import NativeOperand, block_scaled_dot, fp8_dot
 
@@ -460,20 +460,19 @@ def rht_operand(
     rounding: str,
     scale_rounding: str,
     key,
-    quantised: Callable,
-    piece: Callable | None = None,
+    piece: Callable,
 ) -> tuple[Array, Array] | None:
     """`NVFP4Spec.quantize(_hadamard.rht(a, axis=0), ..., axis=0, key)` of a 2-D operand
     (`(bfloat16 block values, s_dec)`, rows padded to a multiple of 16) by the fused
     TPU kernels where `"rht_operand"` picks `"mosaic"` (`_tpu_operand`: one read for
     the special-column check and the transform's amax, then the transform and the
     quantiser in one pass; where a column needs the transform's scaled path, that path
-    (`_hadamard.rht_scaled`) then the quantiser run instead: `piece(y, amax, offset)`, the
-    caller's quantiser of rows `y` of the transformed operand with the tensor amax
-    `amax` and the flat index `offset` of `y`'s first element, in row batches
-    (`_scaled_in_batches`), or, without `piece`, `quantised(y)` on the whole), or `None`
-    where the caller runs the transform and `quantised` itself (the reference, 16x16
-    tiles, `scale_rounding="up"`, a shape the kernels do not take)."""
+    (`_hadamard.rht_scaled`) then the quantiser run instead, in row batches
+    (`_scaled_in_batches`): `piece(y, amax, offset)`, the caller's quantiser of rows `y`
+    of the transformed operand with the tensor amax `amax` and the flat index `offset`
+    of `y`'s first element), or `None` where the caller runs the transform and its
+    quantiser itself (the reference, 16x16 tiles, `scale_rounding="up"`, a shape the
+    kernels do not take)."""
     if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
         return None
     if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
@@ -493,15 +492,10 @@ def rht_operand(
         kw = dict(rounding=rounding, rht=True, interpret=interpret)
         return _tpu_operand.operand(x, amax, seed, **kw)
 
-    def scaled(x):
-        if piece is None:
-            return quantised(_hadamard.rht_scaled(x))
-        return _scaled_in_batches(x, piece)
-
     # (The other branch is the scaled path alone, not `rht(...)`: its `cond` and the
     # transform's kernel would be compiled for a branch that only runs for inputs that
     # take the scaled path.)
-    return jax.lax.cond(special, scaled, fused, x)
+    return jax.lax.cond(special, functools.partial(_scaled_in_batches, piece=piece), fused, x)
 
 
 #: Values of a batch of `_scaled_in_batches` (float32: 16 MiB).
@@ -509,8 +503,9 @@ SCALED_BATCH_ELEMENTS = 2**22
 
 
 def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
-    """`quantised(_hadamard.rht_scaled(x))` bit for bit, a batch of whole chunks of rows
-    at a time (about `SCALED_BATCH_ELEMENTS` values): one loop over the batches twice,
+    """`piece(_hadamard.rht_scaled(x), amax, 0)` with `amax` the transform's own, bit for
+    bit, a batch of whole chunks of rows at a time (about `SCALED_BATCH_ELEMENTS` values,
+    `_hadamard.chunk_batch`): one loop over the batches twice,
     the transform traced once in its body (its XLA code is large to compile). The first
     pass takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the
     second quantises each batch with it by `piece(y, amax, offset)`, its stochastic
@@ -519,9 +514,7 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
     whether or not it runs, so this rarely taken branch holds a batch's transform, not
     the whole operand's float32 copy (256 MiB for an 8192 x 8192 wgrad operand)."""
     r, m = x.shape
-    chunks = r // BLOCK
-    most = max(1, SCALED_BATCH_ELEMENTS // (BLOCK * m))
-    per = max(d for d in range(1, min(most, chunks) + 1) if chunks % d == 0) * BLOCK
+    per = _hadamard.chunk_batch(r // BLOCK, m, SCALED_BATCH_ELEMENTS) * BLOCK
     n = r // per
     batches = x.reshape(n, per, m)
 
@@ -530,9 +523,8 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
         second = k >= n
         i = jnp.where(second, k - n, k)
         y = _hadamard.rht_scaled(jax.lax.dynamic_index_in_dim(batches, i, keepdims=False))
-        bits = abs_bits(y)
-        mine = jnp.max(jnp.where(bits > INF_BITS, 0, bits), initial=0)
-        top = jnp.where(second, top, jnp.maximum(top, mine))
+        # (the running amax as bits: a subnormal one is not read through float arithmetic)
+        top = jnp.where(second, top, jnp.maximum(top, abs_bits(amax_of_bits(y))))
         old = jax.lax.dynamic_index_in_dim(out, i, keepdims=False)
         offset = i.astype(jnp.uint32) * jnp.uint32(per * m)
         # (the quantiser in the second pass only: the loop's index is never batched, so

@@ -35,3 +35,16 @@ def one_problem_at_a_time(call):
         return out, jax.tree.map(lambda _: True, out)
 
     return fn
+
+
+def each_problem(fn, *args):
+    """`fn(*args)`, a vmapped call running one problem after another
+    (`one_problem_at_a_time`); `None` arguments (an amax or seed not given) pass through
+    as they are."""
+    given = [a is not None for a in args]
+
+    def call(*present):
+        it = iter(present)
+        return fn(*(next(it) if g else None for g in given))
+
+    return one_problem_at_a_time(call)(*(a for a in args if a is not None))

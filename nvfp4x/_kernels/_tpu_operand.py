@@ -46,7 +46,7 @@ from jaxtyping import Array, Float
 from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
-from ._batching import one_problem_at_a_time
+from ._batching import each_problem
 from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
 from ._tpu_rht import _INTERPRETERS, butterflies
 
@@ -244,15 +244,9 @@ def operand(
     ):
         raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
     kw = dict(across=across, rounding=rounding, rht=rht, rows=rows, looped=looped)
-    given = (amax is not None, seed is not None)
-
-    def call(x, *rest):
-        it = iter(rest)
-        amax, seed = (next(it) if g else None for g in given)
-        return _operand(x, amax, seed, block=tuple(block), interpret=interpret, **kw)
-
+    call = functools.partial(_operand, block=tuple(block), interpret=interpret, **kw)
     # vmapped (grouped or stacked problems): one array after another, as the quantiser
-    return one_problem_at_a_time(call)(x, *(a for a in (amax, seed) if a is not None))
+    return each_problem(call, x, amax, seed)
 
 
 def _operand(x, amax, seed, *, block, across, rounding, rht, interpret, rows, looped):
@@ -338,7 +332,7 @@ def rht_stats(
             f"{BLOCK} and at least {LANES} columns; got {x.dtype} {x.shape}."
         )
     call = functools.partial(_rht_stats, interpret=interpret, rows=rows, looped=looped)
-    return one_problem_at_a_time(call)(x)  # (vmapped: one array after another)
+    return each_problem(call, x)  # (vmapped: one array after another)
 
 
 def _rht_stats(x, *, interpret, rows, looped):

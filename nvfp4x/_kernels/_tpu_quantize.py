@@ -71,7 +71,7 @@ from .._numerics._ieee import (
 )
 from .._numerics._nvfp4 import Block, Rounding
 from . import _exact
-from ._batching import ONE_PASS as _ONE_PASS, one_problem_at_a_time
+from ._batching import ONE_PASS as _ONE_PASS, each_problem
 
 #: The block layouts the kernel takes and what a call writes (`_exact`'s).
 BLOCKS_2D, OUTPUTS = _exact.BLOCKS_2D, _exact.OUTPUTS
@@ -383,24 +383,16 @@ def quantize_2d(
     in `x`'s dtype, and `scale_bits` `None`.
     """
     tiling = tiling or tiling_for(block, x.dtype)
-    given = (amax is not None, seed is not None)
-
-    def call(x, *rest):
-        it = iter(rest)
-        amax, seed = (next(it) if g else None for g in given)
-        return _quantize_2d(
-            x,
-            amax,
-            seed,
-            block=block,
-            rounding=rounding,
-            output=output,
-            interpret=interpret,
-            tiling=tiling,
-        )
-
+    call = functools.partial(
+        _quantize_2d,
+        block=block,
+        rounding=rounding,
+        output=output,
+        interpret=interpret,
+        tiling=tiling,
+    )
     # vmapped (a stack of weights, a batch of operands): one array after another
-    return one_problem_at_a_time(call)(x, *(a for a in (amax, seed) if a is not None))
+    return each_problem(call, x, amax, seed)
 
 
 def kernel_parameters(x, amax, seed, block, output: str):

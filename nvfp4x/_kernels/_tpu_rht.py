@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK, RHT_SIGNS
-from ._batching import one_problem_at_a_time
+from ._batching import each_problem
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
 LANES = 128
@@ -101,7 +101,7 @@ def transform(
             f"got {x.dtype} {x.shape} (callers check `applies` first)."
         )
     call = functools.partial(_transform, interpret=interpret, rows=rows)
-    return one_problem_at_a_time(call)(x)  # (vmapped: one array after another)
+    return each_problem(call, x)  # (vmapped: one array after another)
 
 
 def _transform(x, *, interpret, rows):

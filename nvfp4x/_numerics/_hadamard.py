@@ -156,17 +156,27 @@ def _guarded(chunks: Array, amax_bits: Array) -> Array:
     branch's buffers are allocated whether or not it runs, and this rare one's steps
     would otherwise hold several copies of the operand."""
     c, _, m = chunks.shape
-    most = max(1, _GUARDED_ELEMENTS // (BLOCK * max(1, m)))
-    if most >= c:
+    batch = chunk_batch(c, m, _GUARDED_ELEMENTS)
+    if batch == c:
         return _guarded_chunks((chunks, amax_bits))
-    # Batches of a divisor of `c` chunks (no padded copy), each one step of a loop (not
-    # `lax.map`'s `batch_size`, which vmaps the step and so runs both sides of its `cond`).
-    batch = max(d for d in range(1, most + 1) if c % d == 0)
+    # Each batch one step of a loop (not `lax.map`'s `batch_size`, which vmaps the step
+    # and so runs both sides of its `cond`).
     parts = (
         chunks.reshape(c // batch, batch, BLOCK, m),
         amax_bits.reshape(c // batch, batch, 1, m),
     )
     return jax.lax.map(_guarded_chunks, parts).reshape(chunks.shape)
+
+
+def chunk_batch(chunks: int, columns: int, elements: int) -> int:
+    """How many chunks of 16 rows of `columns` values a loop over `chunks` of them takes
+    at a time to hold about `elements` values: the largest divisor of `chunks` within
+    that (at least 1; all of them, none included, where they fit), so that the batches
+    need no padded copy."""
+    most = max(1, elements // (BLOCK * max(1, columns)))
+    if chunks <= most:
+        return chunks
+    return max(d for d in range(1, most + 1) if chunks % d == 0)
 
 
 #: Values `_guarded` transforms at a time.
