@@ -240,7 +240,10 @@ def test_the_scaled_branch_holds_a_batch_not_the_operand(monkeypatch):
             compiled = fn.lower(x, jax.random.key(0)).compile()
         temps[elements] = compiled.memory_analysis().temp_size_in_bytes
     jax.clear_caches()
-    assert temps[2**16] <= temps[2**30] - 0.9 * 2048 * 1024 * 4, temps
+    # Batches save at least half the operand's float32 bytes (8 MiB) on either backend:
+    # measured 26.7 -> 11.3 MB on the CPU, 7.1 -> 1.5 MB compiled on a TPU v5e (whose
+    # compiler holds less of the whole-operand branch than XLA:CPU does).
+    assert temps[2**16] <= temps[2**30] - 0.5 * 2048 * 1024 * 4, temps
 
 
 def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
