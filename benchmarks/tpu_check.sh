@@ -30,6 +30,8 @@
 # (15 of its tests took ~120 s there: give chunk 9 ~450 s). Each test file's times are in the JUnit file. Two chunks fit one
 # command where their times add up to ~540 s. The first start of a machine adds 1-2 minutes before this script, the
 # installs here 20 s.
+# Commands in one machine start share a compilation cache (`.jax-cache-tpu/` in the
+# repo's copy there): a later chunk or shard loads what an earlier one compiled.
 # Writes: $OUT/device.txt (jax, devices), $OUT/chunk<N>.log (pytest -rA), $OUT/chunk<N>.xml
 # (JUnit: every test's outcome and time), $OUT/script.log, $OUT/extra.tar (any other files),
 # and $OUT/install.log only if an install failed (the device tool returns 8 files).
@@ -99,6 +101,14 @@ if [ ! -d "$site" ]; then
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/examples:$site:$site/deps"
 export PYTHONUNBUFFERED=1 NVFP4X_TEST_FULL_OPT=1
+# One compilation cache for every command while the machine stays warm (in the repo's
+# copy there, ignored by git and kept between calls): a later chunk or shard loads the
+# programs an earlier one compiled (the same models in each recipe, the quantiser's
+# kernels) instead of compiling them again. Same executables, same numbers;
+# NVFP4X_TEST_JAX_CACHE= (empty) gives this command a fresh cache of its own.
+export NVFP4X_TEST_JAX_CACHE=${NVFP4X_TEST_JAX_CACHE-$PWD/.jax-cache-tpu}
+[ -n "$NVFP4X_TEST_JAX_CACHE" ] && mkdir -p "$NVFP4X_TEST_JAX_CACHE" &&
+    echo "compilation cache: $NVFP4X_TEST_JAX_CACHE ($(find "$NVFP4X_TEST_JAX_CACHE" -name '*-cache' | wc -l) entries)"
 python3 -c "import jax, equinox, quax; print(jax.__version__, jax.devices())" 2>&1 |
     grep -v -i hugepage | tee "$OUT/device.txt"
 

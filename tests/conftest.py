@@ -45,13 +45,39 @@ if not RUN_CACHE:
     os.environ["NVFP4X_TEST_JAX_CACHE"] = RUN_CACHE
     atexit.register(shutil.rmtree, RUN_CACHE, ignore_errors=True)
 
-# The tests' own processes use it too, each in a folder of its own (nothing is read that
-# another process may be writing): `jax.clear_caches()` after each module (below) and
+# The tests' own processes use it too: `jax.clear_caches()` after each module (below) and
 # the many jitted functions the tests create anew (lambdas, `eqx.filter_jit` per test)
-# compile programs this process has compiled before, which are then loaded instead.
-# (Same executables, same numbers; user CPU time of tests/test_save_load.py, test_tied.py
-# and test_transform.py in one process: 73.3 s -> 68.6 s.)
-jax.config.update("jax_compilation_cache_dir", os.path.join(RUN_CACHE, f"tests-{os.getpid()}"))
+# compile programs this process or another worker has compiled before, which are then
+# loaded instead (same executables, same numbers). One folder for all of them: jax's
+# cache key includes the folder's path (the GPU autotuning cache it names in the compile
+# options), so per-process folders never shared an entry. jax writes an entry in place,
+# and a worker could read one half-written, so here each entry is written to a file of
+# its own and renamed into place (`_atomic_put`); where jax's cache class is not as
+# expected, each process keeps a folder of its own as before. (On this 2-core CPU the
+# whole suite gains little: 16:51 against 16:54, the workers' files share few programs;
+# test_telemetry.py alone 54 s, after test_freeze.py's entries 49 s. What it is for:
+# `benchmarks/tpu_check.sh` keeps the folder between a device's commands, so a later
+# chunk or shard loads an earlier one's programs: test_fp8_tables.py 13.2 s -> 4.9 s
+# run twice here.)
+from jax._src import lru_cache as _lru_cache  # noqa: E402
+
+
+def _atomic_put(self, key, value):
+    if self.eviction_enabled:  # (the tests' cache has no size limit)
+        return _plain_put(self, key, value)
+    path = self.path / f"{key}{_lru_cache._CACHE_SUFFIX}"
+    if not path.exists():
+        part = self.path / f".{key}.{os.getpid()}.part"
+        part.write_bytes(value)
+        os.replace(part, path)
+
+
+_plain_put = getattr(getattr(_lru_cache, "LRUCache", None), "put", None)
+_shared = _plain_put is not None and hasattr(_lru_cache, "_CACHE_SUFFIX")
+if _shared:
+    _lru_cache.LRUCache.put = _atomic_put
+_folder = "tests" if _shared else f"tests-{os.getpid()}"
+jax.config.update("jax_compilation_cache_dir", os.path.join(RUN_CACHE, _folder))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # The multi-device tests need 8 host devices, fixed when JAX starts: `test_sharding.py`
