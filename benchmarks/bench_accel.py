@@ -111,12 +111,12 @@ from nvfp4x import _kernels
 from nvfp4x._formats import quantize_operand
 
 try:
-    from benchmarks.bench_compile import Scanned, compile_seconds
+    from benchmarks.bench_compile import Scanned, compile_seconds, memory
     from benchmarks.bench_format import jax_nvfp4_quantizer
     from benchmarks.bench_inference import to_bf16, weight_bytes
     from benchmarks.bench_training import Stack
 except ImportError:  # run as a script from inside benchmarks/
-    from bench_compile import Scanned, compile_seconds
+    from bench_compile import Scanned, compile_seconds, memory
     from bench_format import jax_nvfp4_quantizer
     from bench_inference import to_bf16, weight_bytes
     from bench_training import Stack
@@ -305,18 +305,6 @@ def compile_many(
 def lowering(fn: Callable, *args, **picks: str) -> Callable[[], Any]:
     """A function lowering `fn(*args)` with `picks` (see `traced_with`)."""
     return lambda: jax.jit(traced_with(fn, **picks)).lower(*args)
-
-
-def memory(compiled: Any) -> dict[str, int] | None:
-    """`{"temp", "peak"}` bytes of a compiled program (`memory_analysis()`): its
-    temporaries, and arguments + temporaries + outputs less what outputs alias."""
-    try:
-        m = compiled.memory_analysis()
-        temp = int(m.temp_size_in_bytes)
-        args, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
-        return {"temp": temp, "peak": args + temp + out - int(m.alias_size_in_bytes)}
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        return None
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}

@@ -111,11 +111,15 @@ def entry_ops(hlo: str) -> int:
     return sum(op not in skip for op in ops)
 
 
-def temp_bytes(compiled) -> int | None:
-    """A compiled program's temporaries in bytes (`memory_analysis()`), or None where the
-    backend does not report them."""
+def memory(compiled) -> dict[str, int] | None:
+    """`{"temp", "peak"}` bytes of a compiled program (`memory_analysis()`): its
+    temporaries, and arguments + temporaries + outputs less what outputs alias; None
+    where the backend does not report them."""
     try:
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        m = compiled.memory_analysis()
+        temp = int(m.temp_size_in_bytes)
+        args, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
+        return {"temp": temp, "peak": args + temp + out - int(m.alias_size_in_bytes)}
     except Exception:  # noqa: BLE001 - not every backend reports it
         return None
 
@@ -148,7 +152,7 @@ def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = Fa
             {
                 "lowered": lowered.as_text(),
                 "mosaic_calls": hlo.count(MOSAIC),
-                "temp_bytes": temp_bytes(compiled),
+                "temp_bytes": None if (m := memory(compiled)) is None else m["temp"],
                 "entry_ops": entry_ops(hlo),
             }
             if text
