@@ -20,6 +20,12 @@ the machine) and the optimised HLO's line count per block
 instructions per block split by where they come from (`hlo_regions`: the fprop, dgrad
 and wgrad primitives, each with its operand quantisers, and the rest).
 
+`--separate` (a diagnostic, not a way to run nvfp4x) lowers every nvfp4x GEMM primitive
+on the CPU as a host callback into a program of its own, compiled once per distinct
+problem (its shapes and parameters, the layer's name aside) when the step is lowered, and
+counted in the step's lowering time: how much of the compile is the same quantisers
+compiled again for every layer, and how much is their programs' size.
+
 `--example default` (or `smoke`) also compiles the main example's training step
 (`examples/nvfp4_lm`: its transformer, loss and AdamW, the `default` or `smoke` config),
 float32 against the NVFP4 model under the example's precision policy (`paper_policy`).
@@ -27,10 +33,12 @@ float32 against the NVFP4 model under the example's precision policy (`paper_pol
 
 import argparse
 import collections
+import contextlib
 import pathlib
 import re
 import sys
 import time
+from collections.abc import Iterator
 
 import equinox as eqx
 import jax
@@ -184,7 +192,68 @@ def example_seconds(config: str) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def separate_programs() -> Iterator[dict]:
+    """Inside the block, every nvfp4x primitive lowers on the CPU as a host callback into a
+    program of its own, compiled (`jax.jit(impl).lower(...).compile()`) the first time its
+    problem is lowered and shared by every later call site of the same problem
+    (`--separate`). Yields the programs compiled so far, by problem (the caller clears
+    it before each measured step, so that no step loads another's); the primitives'
+    own lowerings are back after the block."""
+    import gc
+
+    import numpy as np
+    from jax._src import callback
+    from jax._src.interpreters import mlir
+
+    from nvfp4x import _prims
+
+    programs = {}
+
+    def lowering(prim):
+        def lower(ctx, *args, **params):
+            shared = {k: v for k, v in params.items() if k != "name"}
+            key = (prim, tuple(sorted(shared.items())), tuple(ctx.avals_in))
+            if key not in programs:
+                avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
+                fn = jax.jit(lambda *a: prim.impl(*a, **params))
+                programs[key] = fn.lower(*avals).compile()
+            program = programs[key]
+            out, _, _ = callback.emit_python_callback(
+                ctx,
+                lambda *a: (np.asarray(program(*a)),),
+                None,
+                list(args),
+                ctx.avals_in,
+                ctx.avals_out,
+                has_side_effect=False,
+                returns_token=False,
+            )
+            return out
+
+        return lower
+
+    cpu = mlir._platform_specific_lowerings["cpu"]
+    prims = [o for o in gc.get_objects() if isinstance(o, _prims._Primitive)]
+    before = {prim: cpu.get(prim) for prim in prims}
+    for prim in prims:
+        mlir.register_lowering(prim, lowering(prim), platform="cpu")
+    try:
+        yield programs
+    finally:
+        for prim, entry in before.items():
+            if entry is None:
+                cpu.pop(prim, None)
+            else:
+                cpu[prim] = entry
+
+
 def main(argv: list[str] | None = None) -> dict:
+    with contextlib.ExitStack() as stack:
+        return _main(stack, argv)
+
+
+def _main(stack: contextlib.ExitStack, argv: list[str] | None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--scan", type=int, default=16, help="depth of the scanned stack")
@@ -197,7 +266,18 @@ def main(argv: list[str] | None = None) -> dict:
         default="default",
         help="also the main example's training step, in this config",
     )
+    parser.add_argument(
+        "--separate",
+        action="store_true",
+        help="diagnostic (CPU): each distinct nvfp4x GEMM problem compiled once, as a "
+        "program of its own called back from the step (see the module docstring)",
+    )
     args = parser.parse_args(argv)
+    programs = {}
+    if args.separate:
+        if jax.devices()[0].platform != "cpu":
+            parser.error("--separate is a CPU diagnostic (host callbacks into CPU programs)")
+        programs = stack.enter_context(separate_programs())
 
     kx, ky, km = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (args.tokens, args.d), jnp.float32)
@@ -220,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     for label, cls, depth in cases:
         model = cls(args.d, args.hidden, depth, km)
         f32 = compile_seconds(model, x, y)
+        programs.clear()
         q = compile_seconds(nvfp4x.quantize(model, recipe), x, y)
         ratio = q["total"] / f32["total"]
         result[label] = {
@@ -238,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
         regions = ", ".join(f"{k} {v / depth:.0f}" for k, v in q["regions"].items())
         print(f"{'':12s} nvfp4 HLO instructions per block: {regions}")
     if args.example != "none":
+        programs.clear()
         ex = example_seconds(args.example)
         f32, q = ex["float32"], ex["nvfp4"]
         label = f"main example ({args.example})"

@@ -280,3 +280,37 @@ def test_shards_split_the_collected_tests():
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 0 and "deselected" in out.stdout, out.stdout[-500:]
+
+
+def test_bench_compile_separate_programs_compiles_each_problem_once_and_restores():
+    """`bench_compile.py --separate`: the two blocks' layers (the same problems) share one
+    program per primitive, the step they are called back from computes what the inline
+    step computes (up to float32 summation order), and after the block the primitives
+    lower inline again."""
+    import equinox as eqx
+    import optax
+
+    import nvfp4x
+    from benchmarks.bench_compile import Unrolled, make_step, mse, separate_programs
+
+    model = nvfp4x.quantize(Unrolled(16, 16, 2, jax.random.key(0)), nvfp4x.recipes.nvfp4_training())
+    arrays, static = eqx.partition(model, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    optimizer = optax.sgd(1e-2)
+    state = optimizer.init(arrays)
+
+    def run():
+        step = jax.jit(make_step(optimizer, static, mse))
+        return step.lower(arrays, state, x, x), step(arrays, state, x, x)
+
+    with separate_programs() as programs:
+        lowered, loss = run()
+    names = sorted(key[0].name for key in programs)
+    assert names == ["nvfp4x_dgrad", "nvfp4x_qdot", "nvfp4x_wgrad"], names
+    assert "callback" in lowered.as_text()
+    inline, inline_loss = run()
+    assert "callback" not in inline.as_text()
+    # The same numbers up to the float32 GEMMs' summation order (not defined across two
+    # programs: the callback's program is compiled on its own).
+    for a, b in zip(jax.tree.leaves(loss), jax.tree.leaves(inline_loss), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
