@@ -2,7 +2,7 @@
 the main example's training step.
 
 ```
-python benchmarks/bench_compile.py [--depths 2 4 8 16] [--scan 16] [--example default]
+python benchmarks/bench_compile.py [--depths 2 4 8 16] [--scan 16] [--example default] [--separate]
 ```
 
 The model is a residual MLP stack (`benchmarks/bench_training.py`'s `Block`, `d=128`,
@@ -24,7 +24,9 @@ and wgrad primitives, each with its operand quantisers, and the rest).
 on the CPU as a host callback into a program of its own, compiled once per distinct
 problem (its shapes and parameters, the layer's name aside) when the step is lowered, and
 counted in the step's lowering time: how much of the compile is the same quantisers
-compiled again for every layer, and how much is their programs' size.
+compiled again for every layer, and how much is their programs' size. It reaches into
+JAX's internals (`jax._src.callback.emit_python_callback`, the CPU lowering table), as a
+measurement may; the library does not.
 
 `--example default` (or `smoke`) also compiles the main example's training step
 (`examples/nvfp4_lm`: its transformer, loss and AdamW, the `default` or `smoke` config),
@@ -289,6 +291,12 @@ def _main(stack: contextlib.ExitStack, argv: list[str] | None) -> dict:
     print(
         f"d={args.d}, hidden={args.hidden}, tokens={args.tokens}, adam step, "
         f"{jax.devices()[0].platform}; seconds to lower / compile (XLA) / total"
+        + (
+            "; --separate: each distinct GEMM problem one program of its own, its compile "
+            "in the lowering"
+            if args.separate
+            else ""
+        )
     )
     # One-time costs of the first NVFP4 trace in a process (imports, registrations), on
     # other shapes than those measured, so that they do not land on the first row.
