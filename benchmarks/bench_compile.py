@@ -202,8 +202,6 @@ def separate_programs() -> Iterator[dict]:
     (`--separate`). Yields the programs compiled so far, by problem (the caller clears
     it before each measured step, so that no step loads another's); the primitives'
     own lowerings are back after the block."""
-    import gc
-
     import numpy as np
     from jax._src import callback
     from jax._src.interpreters import mlir
@@ -236,7 +234,9 @@ def separate_programs() -> Iterator[dict]:
         return lower
 
     cpu = mlir._platform_specific_lowerings["cpu"]
-    prims = [o for o in gc.get_objects() if isinstance(o, _prims._Primitive)]
+    # nvfp4x's primitives, as JAX's lowering table holds them (`_prims.primitive`
+    # registers each one's lowering there)
+    prims = [p for p in mlir._lowerings if isinstance(p, _prims._Primitive)]
     before = {prim: cpu.get(prim) for prim in prims}
     for prim in prims:
         mlir.register_lowering(prim, lowering(prim), platform="cpu")
