@@ -1109,6 +1109,13 @@ def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
     return ops
 
 
+def op_name(event: str) -> str:
+    """The HLO instruction name of a trace event's name: the name itself (GPU traces),
+    or the instruction's text, `%fusion.37 = (f32[...]) fusion(...)` (TPU traces)."""
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", event)
+    return m.group(1) if m else event
+
+
 def op_times(trace_dir: str, platform: str) -> dict[str, float]:
     """`{HLO op name: nanoseconds}` summed over the device events of a `jax.profiler`
     trace in `trace_dir` (on a CPU: the host's XLA thunk events). Events are matched to
@@ -1221,8 +1228,8 @@ def profile_one(label: str, make: Callable, s: Sizes, table: Table, state: dict)
     except Exception as e:  # noqa: BLE001 - one failing program must not stop the rest
         table.error("profile", label, e)
         return
+    name = re.sub(r"[^\w]+", "_", label).strip("_")
     if state.get("out"):
-        name = re.sub(r"[^\w]+", "_", label).strip("_")
         with gzip.open(f"{state['out']}.{name}.hlo.txt.gz", "wt") as f:
             f.write(hlo)
     if not times:
@@ -1236,8 +1243,13 @@ def profile_one(label: str, make: Callable, s: Sizes, table: Table, state: dict)
     total = sum(times.values()) / n
     by_kind: dict[str, float] = {}
     for op, ns in times.items():
-        kind = ops.get(op, ("unmatched", ""))[0]
+        kind = ops.get(op_name(op), ("unmatched", ""))[0]
         by_kind[kind] = by_kind.get(kind, 0.0) + ns / n
+    if state.get("out"):  # every operation's time, for a closer look than the top rows
+        with gzip.open(f"{state['out']}.{name}.ops.tsv.gz", "wt") as f:
+            for op, ns in sorted(times.items(), key=lambda kv: -kv[1]):
+                kind, shape = ops.get(op_name(op), ("unmatched", ""))
+                f.write(f"{ns / n / 1e6:.4f}\t{kind}\t{shape}\t{op}\n")
     note = ", ".join(
         f"{k} {v / 1e6:.2f} ms ({v / total:.0%})"
         for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
@@ -1245,7 +1257,7 @@ def profile_one(label: str, make: Callable, s: Sizes, table: Table, state: dict)
     what = f"{label}: device time per call, {len(times)} ops"
     table.add("profile", what, f"{total / 1e6:.3f} ms", note)
     for op, ns in sorted(times.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]:
-        kind, shape = ops.get(op, ("unmatched", ""))
+        kind, shape = ops.get(op_name(op), ("unmatched", ""))
         table.add(
             "profile",
             f"{label}: {op} ({kind}) {shape}",

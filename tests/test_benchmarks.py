@@ -134,7 +134,7 @@ def test_bench_accel_profile_names_tpu_kinds_and_reads_a_perfetto_trace(tmp_path
     import gzip
     import json
 
-    from benchmarks.bench_accel import hlo_ops, perfetto_op_times
+    from benchmarks.bench_accel import hlo_ops, op_name, perfetto_op_times
 
     # XLA:TPU's GEMMs are fusions whose computation holds a convolution; Pallas TPU
     # kernels are `tpu_custom_call`s.
@@ -163,6 +163,9 @@ ENTRY %main.9 (Arg_0.1: bf16[8,8]) -> f32[8,8] {
     assert kinds["fusion.2"] == "fusion"
     assert kinds["cc.3"] == "kernel"
     assert kinds["copy.4"] == "copy"
+    # A TPU trace names an operation by its instruction's text (seen on a TPU v5e).
+    assert op_name("%fusion.1 = f32[8,8]{1,0:T(8,128)} fusion(bf16[8,8] %Arg_0.1)") == "fusion.1"
+    assert op_name("fusion.2") == "fusion.2"
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:TPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
