@@ -179,12 +179,12 @@ def test_the_scaled_path_alone_is_the_transform(special):
 
 
 def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeypatch):
-    """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
-    quantiser, for float32 and bfloat16 operands (the latter read as they are) with and
-    without special columns (the scaled path then runs apart, in row batches: here three
-    of two chunks each, their SR samples the whole operand's), eagerly, under `jit` and vmapped (rows padded to whole chunks, lanes
-    overhanging a tile); traced for a TPU it holds both kernels (and the batches'
-    quantiser the Mosaic one: `test_offset_seed_draws_the_whole_arrays_samples`)."""
+    """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the quantiser,
+    for float32 and bfloat16 operands (the latter read as they are) with and without special columns
+    (the scaled path then runs apart, in row batches: here three of two chunks each, their SR
+    samples the whole operand's), eagerly, under `jit` and vmapped (rows padded to whole chunks,
+    lanes overhanging a tile); traced for a TPU it holds both kernels (and the batches' quantiser
+    the Mosaic one: `test_offset_seed_draws_the_whole_arrays_samples`)."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((94, 144)).astype(F32)
     big = x.copy()

@@ -509,16 +509,16 @@ SCALED_BATCH_ELEMENTS = 2**22
 
 
 def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
-    """`piece(_hadamard.rht_scaled(x), amax, 0)` with `amax` the transform's own, bit for
-    bit, for `x` (float32 or bfloat16, whole chunks of rows), a batch of whole chunks of rows at a time (about `SCALED_BATCH_ELEMENTS` values,
-    `_hadamard.chunk_batch`): one loop over the batches twice,
-    the transform traced once in its body (its XLA code is large to compile). The first
-    pass takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the
-    second quantises each batch with it by `piece(y, amax, offset)`, its stochastic
-    rounding drawing the whole operand's samples at its rows (`offset`: the flat index of
-    its first element), into the output in place. A `cond`'s branch buffers are allocated
-    whether or not it runs, so this rarely taken branch holds a batch's transform, not
-    the whole operand's float32 copy (256 MiB for an 8192 x 8192 wgrad operand)."""
+    """`piece(_hadamard.rht_scaled(x), amax, 0)` with `amax` the transform's own, bit for bit, for
+    `x` (float32 or bfloat16, whole chunks of rows), a batch of whole chunks of rows at a time
+    (about `SCALED_BATCH_ELEMENTS` values, `_hadamard.chunk_batch`): one loop over the batches
+    twice, the transform traced once in its body (its XLA code is large to compile). The first pass
+    takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the second quantises
+    each batch with it by `piece(y, amax, offset)`, its stochastic rounding drawing the whole
+    operand's samples at its rows (`offset`: the flat index of its first element), into the output
+    in place. A `cond`'s branch buffers are allocated whether or not it runs, so this rarely taken
+    branch holds a batch's transform, not the whole operand's float32 copy (256 MiB for an 8192 x
+    8192 wgrad operand)."""
     r, m = x.shape
     per = _hadamard.chunk_batch(r // BLOCK, m, SCALED_BATCH_ELEMENTS) * BLOCK
     n = r // per
