@@ -63,9 +63,6 @@ Operations:
   (`operand(..., rht=True)`), so the transformed operand is never written; where a
   column needs the transform's scaled path, that path (`_hadamard.rht_scaled`, XLA's)
   then the quantiser run instead (`lax.cond`; the branch holds no transform kernel).
-  A bfloat16 operand (NVFP4 inside mixed bfloat16) is read as it is by both kernels,
-  widened in VMEM (exactly, as `_hadamard.padded_rows` widens it), not first copied to
-  float32 by XLA (a read and a write of twice its bytes before the kernels' two reads).
   The same bits (`tests/test_tpu_operand.py`, whole on a TPU v5e, 2026-12-06: the
   kernels' reference cases and a layer's gradients with the fused operands bit for bit
   those with the transform and quantiser apart). `"mosaic"` is the default on TPUs:
@@ -484,10 +481,7 @@ def rht_operand(
         return None  # (the reference raises)
     from . import _tpu_operand
 
-    # (a bfloat16 operand is read as it is: the kernels widen it in VMEM, so that it is
-    # not copied to float32 first, as `padded_rows` would; the scaled path widens its
-    # batches)
-    x = _hadamard.padded_rows(a, widen=False)
+    x = _hadamard.padded_rows(a)
     if not _tpu_operand.applies(x.shape, x.dtype):
         return None
     interpret = _in_primitive_interpret()
@@ -509,16 +503,16 @@ SCALED_BATCH_ELEMENTS = 2**22
 
 
 def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
-    """`piece(_hadamard.rht_scaled(x), amax, 0)` with `amax` the transform's own, bit for bit, for
-    `x` (float32 or bfloat16, whole chunks of rows), a batch of whole chunks of rows at a time
-    (about `SCALED_BATCH_ELEMENTS` values, `_hadamard.chunk_batch`): one loop over the batches
-    twice, the transform traced once in its body (its XLA code is large to compile). The first pass
-    takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the second quantises
-    each batch with it by `piece(y, amax, offset)`, its stochastic rounding drawing the whole
-    operand's samples at its rows (`offset`: the flat index of its first element), into the output
-    in place. A `cond`'s branch buffers are allocated whether or not it runs, so this rarely taken
-    branch holds a batch's transform, not the whole operand's float32 copy (256 MiB for an 8192 x
-    8192 wgrad operand)."""
+    """`piece(_hadamard.rht_scaled(x), amax, 0)` with `amax` the transform's own, bit for
+    bit, a batch of whole chunks of rows at a time (about `SCALED_BATCH_ELEMENTS` values,
+    `_hadamard.chunk_batch`): one loop over the batches twice,
+    the transform traced once in its body (its XLA code is large to compile). The first
+    pass takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the
+    second quantises each batch with it by `piece(y, amax, offset)`, its stochastic
+    rounding drawing the whole operand's samples at its rows (`offset`: the flat index of
+    its first element), into the output in place. A `cond`'s branch buffers are allocated
+    whether or not it runs, so this rarely taken branch holds a batch's transform, not
+    the whole operand's float32 copy (256 MiB for an 8192 x 8192 wgrad operand)."""
     r, m = x.shape
     per = _hadamard.chunk_batch(r // BLOCK, m, SCALED_BATCH_ELEMENTS) * BLOCK
     n = r // per
@@ -528,8 +522,7 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
         top, out, s_dec = carry
         second = k >= n
         i = jnp.where(second, k - n, k)
-        batch = jax.lax.dynamic_index_in_dim(batches, i, keepdims=False)
-        y = _hadamard.rht_scaled(_hadamard.padded_rows(batch))  # (float32, exactly)
+        y = _hadamard.rht_scaled(jax.lax.dynamic_index_in_dim(batches, i, keepdims=False))
         # (the running amax as bits: a subnormal one is not read through float arithmetic)
         top = jnp.where(second, top, jnp.maximum(top, abs_bits(amax_of_bits(y))))
         old = jax.lax.dynamic_index_in_dim(out, i, keepdims=False)

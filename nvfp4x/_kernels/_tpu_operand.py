@@ -26,9 +26,8 @@ load (sublane stride 16) into one `(8, 128)` vector register, so that
 The values (`e2m1 * scale_b`, exact in float32) are stored back the same strided way
 into a float32 scratch, then converted to the bfloat16 output one group at a time; a
 bfloat16 input is converted to a float32 scratch first (strided loads of packed
-bfloat16 rows are not what Mosaic takes), with or without the transform, and so is a
-bfloat16 tile of `rht_stats`. The tensor amax comes from the caller (an XLA reduction, or
-`rht_stats` here for the transformed operand).
+bfloat16 rows are not what Mosaic takes). The tensor amax comes from the caller (an XLA
+reduction, or `rht_stats` here for the transformed operand).
 
 Same bits as the reference (`_numerics._nvfp4`'s quantiser, and `_hadamard.rht` before
 it with `rht=True`), tested in the TPU interpreter on the CPU (`tests/test_tpu_operand.py`)
@@ -221,9 +220,8 @@ def operand(
     row) with the tensor amax `amax` (the tensor's own, or of its transform with
     `rht=True`; `None`: `x`'s own), and `s_dec`: the results of `_tpu_quantize.tiled(x,
     amax, seed, block=block, output="values")`, bit for bit, after the product of
-    `_hadamard.rht(x, axis=0)` with `rht=True` (16x1 blocks only; a bfloat16 `x` is
-    widened in VMEM, exactly, as `_hadamard.padded_rows` widens it; the caller checks that
-    no chunk column needs `_hadamard`'s scaling: `rht_stats`).
+    `_hadamard.rht(x, axis=0)` with `rht=True` (16x1 blocks of a float32 `x` only; the
+    caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`).
     `seed`: two uint32 words for `rounding="stochastic"`. `interpret` as
     `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`);
     `looped`: the kernel's groups in a loop rather than unrolled (`_kernel`); `None`:
@@ -233,11 +231,14 @@ def operand(
     rows = default_rows if rows is None else rows
     looped = default_looped if looped is None else looped
     _check_rows(rows)
-    if not applies(x.shape, x.dtype, block) or (rht and across):
+    # (`rht=True` takes float32 only: widened in the kernel, a bfloat16 operand's
+    # subnormals read as zero on a TPU v5e, 2026-12-07, so that a column of them was not
+    # found tiny by `rht_stats`; `_kernels.rht_operand` widens on the bits first.)
+    if not applies(x.shape, x.dtype, block) or (rht and (x.dtype != jnp.float32 or across)):
         raise ValueError(
             f"the TPU operand kernel takes float32 or bfloat16 (rows, columns) arrays in "
             f"16x1 blocks (rows a multiple of {BLOCK}) or 1x16 blocks (columns a multiple "
-            f"of {BLOCK}), with at least {LANES} columns (16x1 blocks only with "
+            f"of {BLOCK}), with at least {LANES} columns (16x1 blocks of float32 with "
             f"`rht=True`); got {x.dtype} {x.shape} in {block} blocks (callers check "
             f"`applies` first)."
         )
@@ -285,17 +286,12 @@ def _operand(x, amax, seed, *, block, across, rounding, rht, interpret, rows, lo
     return (y[:n] if pad else y), s_dec
 
 
-def _stats_kernel(x_ref, o_ref, *scratch, n, m, looped):
+def _stats_kernel(x_ref, o_ref, *, n, m, looped):
     """One tile `rows x 128` of `rht_stats`: `o_ref` `(2, 8, 128)` int32, the largest
     `_hadamard.special_columns` flag of the tile's chunk columns and the largest
     absolute-value bits of their transform (rows and lanes beyond the array, which an
-    overhanging tile holds as garbage, masked); its groups by `_each_group`. A bfloat16
-    tile is widened into a float32 scratch first (`scratch`), as `operand`'s kernel does
-    (its strided loads then read float32 rows)."""
+    overhanging tile holds as garbage, masked); its groups by `_each_group`."""
     tr = x_ref.shape[0]
-    if scratch:
-        scratch[0][...] = x_ref[...].astype(jnp.float32)
-        x_ref = scratch[0]
     r_tile = pl.program_id(0) * tr
     col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
     sub_row = jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 0) * BLOCK
@@ -325,8 +321,7 @@ def rht_stats(
     rows: int = ROWS,
     looped: bool = LOOPED,
 ) -> tuple[Array, Float[Array, ""]]:
-    """`(special, amax)` of the float32 or bfloat16 `x` (`applies(x.shape, x.dtype)`; a
-    bfloat16 one read as it is, widened in VMEM, not copied to float32 first) in one read:
+    """`(special, amax)` of the float32 `x` (`applies(x.shape, x.dtype)`) in one read:
     whether any chunk column of 16 rows needs `_hadamard.rht`'s scaled path
     (`_hadamard.special_columns`: big, non-finite, or tiny but nonzero), and the tensor
     amax of `_hadamard.rht(x, axis=0)` (`amax_of_bits` of it), valid where `special` is
@@ -334,10 +329,10 @@ def rht_stats(
     kernel computes). `operand(x, amax, ..., rht=True)` then quantises it. `rows` and
     `looped` as `operand`'s."""
     _check_rows(rows)
-    if not applies(x.shape, x.dtype):
+    if x.dtype != jnp.float32 or not applies(x.shape, x.dtype):
         raise ValueError(
-            f"`rht_stats` takes float32 or bfloat16 (rows, columns) arrays with rows a "
-            f"multiple of {BLOCK} and at least {LANES} columns; got {x.dtype} {x.shape}."
+            f"`rht_stats` takes float32 (rows, columns) arrays with rows a multiple of "
+            f"{BLOCK} and at least {LANES} columns; got {x.dtype} {x.shape}."
         )
     call = functools.partial(_rht_stats, interpret=interpret, rows=rows, looped=looped)
     return each_problem(call, x)  # (vmapped: one array after another)
@@ -354,7 +349,6 @@ def _rht_stats(x, *, interpret, rows, looped):
         grid=grid,
         in_specs=[pl.BlockSpec((tr, LANES), lambda i, j: (i, j))],
         out_specs=pl.BlockSpec((2, 8, LANES), lambda i, j: (0, i, j)),
-        scratch_shapes=[] if x.dtype == jnp.float32 else [pltpu.VMEM((tr, LANES), jnp.float32)],
         interpret=_INTERPRETERS[interpret],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         name="nvfp4x_rht_stats_tpu",

@@ -96,12 +96,11 @@ def _chunk_columns(x: Float[Array, "r ..."]) -> tuple[Float[Array, "c 16 m"], Ar
     return chunks, jnp.max(abs_bits(chunks), axis=1, keepdims=True, initial=0)
 
 
-def padded_rows(x: Array, widen: bool = True) -> Float[Array, "..."]:
+def padded_rows(x: Array) -> Float[Array, "..."]:
     """`x` in float32 (`to_float32`: subnormals read exactly), its leading axis padded
     with zeros to whole chunks of 16: what `rht` transforms along that axis (the fused
-    TPU operand of `_kernels.rht_operand` too). `widen=False` keeps `x`'s dtype (only
-    the rows padded: for a kernel that widens as it reads)."""
-    x = to_float32(x) if widen else x
+    TPU operand of `_kernels.rht_operand` too)."""
+    x = to_float32(x)
     if pad := -x.shape[0] % BLOCK:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
     return x
