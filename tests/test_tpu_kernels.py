@@ -227,3 +227,45 @@ def test_kernel_dots_ignore_a_callers_default_matmul_precision():
         with jax.default_matmul_precision("highest"):
             precisions = _kernel_dot_precisions(jax.make_jaxpr(fn)(*args))
         assert precisions and set(precisions) == {one_pass}, precisions
+
+
+def bfloat16_subnormals() -> np.ndarray:
+    """A bfloat16 array built on the host (a TPU's convert flushes subnormals, so data
+    scaled there would be zeros): tensor amax 2^-118, its blocks of bfloat16 subnormals
+    (2^-133..2^-127) and small normals, whose block scales are not zero relative to it."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((32, 64)).astype(np.float32) * np.float32(2.0**-130)
+    x[0, :16] = np.float32(2.0**-118) * np.linspace(-1, 1, 16, dtype=np.float32)
+    x[1, 16:32] = np.float32(2.0**-133) * np.arange(16, dtype=np.float32)
+    return x.astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16), "operand 16x1"])
+def test_mosaic_reads_bfloat16_subnormals_exactly(block):
+    """The Mosaic quantisers on a bfloat16 tensor whose values are mostly bfloat16
+    subnormals (data made on the host): the reference's codes, scales and tensor scale
+    (`to_nvfp4` in 1x16 blocks and 16x16 tiles), and its block values (the GEMM operand
+    in 16x1 blocks, `_tpu_operand`'s kernel). On a TPU v5e a Mosaic kernel's widening of
+    bfloat16 read a column of subnormals as zero (`_tpu_operand.rht_stats` given a
+    bfloat16 operand, 2026-12-07): this checks the quantisers' own widening."""
+    x = jnp.asarray(bfloat16_subnormals())
+    assert np.count_nonzero(np.asarray(x.astype(jnp.float32))) > 1000  # (not flushed)
+    if block == "operand 16x1":
+
+        def to():
+            return lambda x: quantize_operand(x, Format("nvfp4"), axis=0)
+
+        want, got = traced_with("xla", to(), x), traced_with("mosaic", to(), x)
+        expected = want(*on_cpu((x,)))
+        assert np.count_nonzero(np.asarray(expected[0])) > 100  # (the subnormals count)
+        for g, w in zip(got(x), expected, strict=True):
+            same_floats(g, w)
+        return
+
+    def to():
+        return lambda x: nvfp4x.to_nvfp4(x, block=block)
+
+    want, got = traced_with("xla", to(), x), traced_with("mosaic", to(), x)
+    expected = want(*on_cpu((x,)))
+    assert np.count_nonzero(np.asarray(expected.codes)) > 100  # (the subnormals count)
+    same_nvfp4(got(x), expected)
