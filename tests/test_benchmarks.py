@@ -318,3 +318,27 @@ def test_bench_compile_separate_programs_compiles_each_problem_once_and_restores
     # programs: the callback's program is compiled on its own).
     for a, b in zip(jax.tree.leaves(loss), jax.tree.leaves(inline_loss), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_hlo_memory_finds_the_buffers_live_at_the_peak(capsys, tmp_path):
+    """`hlo_memory` walks a compiled program's entry computation: two intermediates of
+    1 MiB each live together at the peak, the arguments and the result never counted."""
+    from benchmarks import hlo_memory
+
+    def f(x):
+        a = jax.numpy.sin(x) @ x  # (dots: buffers XLA:CPU does not fuse away)
+        b = jax.numpy.cos(x) @ x
+        return (a @ b).sum()
+
+    x = jax.numpy.ones((512, 512), "float32")
+    text = jax.jit(f).lower(x).compile().as_text()
+    bufs = hlo_memory.buffers(text)
+    total, _, live = hlo_memory.peak(bufs)
+    big = [b for b in live if b.nbytes == 512 * 512 * 4]
+    assert len(big) >= 2 and total >= 2 * 2**20
+    assert all(b.opcode not in ("parameter", "constant") for b in bufs)
+    assert hlo_memory.array_bytes("(f32[4,4]{1,0}, bf16[8]{0:T(8)S(1)}, u8[3])") == 64 + 3
+    path = tmp_path / "program.hlo.txt"
+    path.write_text(text)
+    assert hlo_memory.main([str(path), "--top", "3"]) == 0
+    assert "the largest sum live" in capsys.readouterr().out
