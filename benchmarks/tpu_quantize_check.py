@@ -281,12 +281,14 @@ def lowers_for_tpu(shape, dtype, block, rounding, output, tiling=None) -> bool:
     x = jax.ShapeDtypeStruct(shape, dtype)
 
     def fn(x, seed):
+        seed = seed if rounding == "stochastic" else None
         return _tpu_quantize.quantize_2d(
             x, None, seed, block=block, rounding=rounding, output=output, tiling=tiling
         )
 
     lowered = jax.jit(fn).trace(x, jnp.zeros((2,), jnp.uint32)).lower(lowering_platforms=("tpu",))
-    return "nvfp4_quantize_tpu" in lowered.as_text()
+    text = lowered.as_text()  # (16x1 values: `_tpu_operand`'s kernel, `OPERAND_KERNEL_BLOCKS`)
+    return "nvfp4_quantize_tpu" in text or "nvfp4x_operand_tpu" in text
 
 
 def main(argv: list[str] | None = None) -> int:

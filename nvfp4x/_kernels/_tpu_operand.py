@@ -25,9 +25,10 @@ load (sublane stride 16) into one `(8, 128)` vector register, so that
 
 The values (`e2m1 * scale_b`, exact in float32) are stored back the same strided way
 into a float32 scratch, then converted to the bfloat16 output one group at a time; a
-bfloat16 input is converted to a float32 scratch first (strided loads of packed
-bfloat16 rows are not what Mosaic takes). The tensor amax comes from the caller (an XLA
-reduction, or `rht_stats` here for the transformed operand).
+bfloat16 input is widened into a float32 scratch first, exactly, on its bits
+(`_tpu_quantize.store_widened`: a TPU's conversion reads subnormals as zero; strided
+loads of packed bfloat16 rows are not what Mosaic takes). The tensor amax comes from
+the caller (an XLA reduction, or `rht_stats` here for the transformed operand).
 
 Same bits as the reference (`_numerics._nvfp4`'s quantiser, and `_hadamard.rht` before
 it with `rht=True`), tested in the TPU interpreter on the CPU (`tests/test_tpu_operand.py`)
@@ -47,7 +48,7 @@ from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
 from ._batching import each_problem
-from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
+from ._tpu_quantize import _block_steps, _uniform, kernel_parameters, store_widened
 from ._tpu_rht import _INTERPRETERS, butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -169,13 +170,17 @@ def _kernel(
     src, dst = x_ref, scratch[0]
     if not across and x_ref.dtype != jnp.float32:  # (widened into a float32 scratch)
         src = scratch[1]
-        src[...] = x_ref[...].astype(jnp.float32)
+        store_widened(src, 0, x_ref[...])
 
     def one(base, carry):
         group = pl.ds(base, GROUP_ROWS)
         if across:  # (rows of the square are the caller's columns, lanes its rows)
             square = scratch[1]
-            square[...] = x_ref[group, :].astype(jnp.float32).T
+            if x_ref.dtype == jnp.float32:
+                square[...] = x_ref[group, :].T
+            else:
+                store_widened(square, 0, x_ref[group, :])
+                square[...] = square[...].T
             rows = [square[pl.ds(j, 8, stride=BLOCK), :] for j in range(BLOCK)]
             at = 0
         else:
