@@ -54,15 +54,18 @@ Sections (the default set: every one that runs on the backend; `kernel_sweep`,
   which the weights are read, and the program's peak memory (arguments + temporaries +
   output, `memory_analysis()`).
 - `profile`: where a step's time goes. The `train` section's mixed bf16 and NVFP4 steps
-  (full recipe, the fastest quantiser; reused from `train` when it ran) and the frozen
-  bf16 and W4A16 forwards at one token, each traced with `jax.profiler` over a few
+  (full recipe, the fastest quantiser, float32 and inside mixed bf16; reused from
+  `train` when it ran) and the frozen bf16 and W4A16 forwards at one token, each
+  traced with `jax.profiler` over a few
   calls: device time per call summed per HLO operation of the compiled program (the
   trace's XLA-op events, read with `jax.profiler.ProfileData`; on a TPU the
   `/device:TPU:0` plane's "XLA Ops" line), grouped by kind (`hlo_ops`: GEMMs, custom
   kernels, other fusions, copies, the rest) and the top operations with their kind and
   output shape. Where the trace has no device events it says so (a row), after trying
   the Perfetto trace (`create_perfetto_trace=True`). With `--out`, each program's
-  optimised HLO is written next to it (`<out>.<label>.hlo.txt.gz`).
+  optimised HLO is written next to it (`<out>.<label>.hlo.txt.gz`: its peak's buffers
+  by `benchmarks/hlo_memory.py`), and every operation's time
+  (`<out>.<label>.ops.tsv.gz`).
 - `kernel_sweep` (GPU): `to_nvfp4` through the Pallas Triton kernel with each tiling of
   `_pallas_nvfp4.CANDIDATES`, the best per case printed as a `TILINGS` table.
 - `frozen_sweep` (GPU): the Pallas Triton frozen GEMM with each of its `SWEEP_TILES`.
@@ -720,10 +723,11 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         except Exception as e:  # noqa: BLE001
             table.error("train", name, e)
     state["compile_s"] = {name: st.compile_s for name, st in steps.items()}
-    # The profile section traces these two again (without compiling them anew).
+    # The profile section traces these again (without compiling them anew).
     state["profile_steps"] = state.get("profile") and {
         "mixed bf16 step": steps.get("mixed bf16"),
         f"nvfp4 ({best}) step": steps.get(f"nvfp4 ({best})"),
+        f"nvfp4 in mixed bf16 ({best}) step": steps.get(f"nvfp4 in mixed bf16 ({best})"),
     }
     t = interleaved(dict(steps), s.repeats, table, "train")
     _zeros.clear()  # (the steps hold theirs until they go)
@@ -1174,9 +1178,13 @@ def profile(s: Sizes, table: Table, state: dict) -> None:
         x, y, km = _train_data(s)
         model = Stack(s.d, s.hidden, s.blocks, km)
         nv = nvfp4x.quantize(model, nvfp4x.recipes.nvfp4_training())
+        picks = {"nvfp4_quantize": best}
         makes = {
             "mixed bf16 step": lambda: model_step(model, x, y, cast=True),
-            f"nvfp4 ({best}) step": lambda: model_step(nv, x, y, picks={"nvfp4_quantize": best}),
+            f"nvfp4 ({best}) step": lambda: model_step(nv, x, y, picks=picks),
+            f"nvfp4 in mixed bf16 ({best}) step": lambda: model_step(
+                nv, x, y, cast=True, picks=picks
+            ),
         }
         for label, make in makes.items():
             try:

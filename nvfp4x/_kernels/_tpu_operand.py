@@ -25,10 +25,9 @@ load (sublane stride 16) into one `(8, 128)` vector register, so that
 
 The values (`e2m1 * scale_b`, exact in float32) are stored back the same strided way
 into a float32 scratch, then converted to the bfloat16 output one group at a time; a
-bfloat16 input is widened into a float32 scratch first, exactly, on its bits
-(`_tpu_quantize.store_widened`: a TPU's conversion reads subnormals as zero; strided
-loads of packed bfloat16 rows are not what Mosaic takes). The tensor amax comes from
-the caller (an XLA reduction, or `rht_stats` here for the transformed operand).
+bfloat16 input is converted to a float32 scratch first (strided loads of packed
+bfloat16 rows are not what Mosaic takes). The tensor amax comes from the caller (an XLA
+reduction, or `rht_stats` here for the transformed operand).
 
 Same bits as the reference (`_numerics._nvfp4`'s quantiser, and `_hadamard.rht` before
 it with `rht=True`), tested in the TPU interpreter on the CPU (`tests/test_tpu_operand.py`)
@@ -48,7 +47,7 @@ from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
 from ._batching import each_problem
-from ._tpu_quantize import _block_steps, _uniform, kernel_parameters, store_widened
+from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
 from ._tpu_rht import _INTERPRETERS, butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -170,17 +169,13 @@ def _kernel(
     src, dst = x_ref, scratch[0]
     if not across and x_ref.dtype != jnp.float32:  # (widened into a float32 scratch)
         src = scratch[1]
-        store_widened(src, 0, x_ref[...])
+        src[...] = x_ref[...].astype(jnp.float32)
 
     def one(base, carry):
         group = pl.ds(base, GROUP_ROWS)
         if across:  # (rows of the square are the caller's columns, lanes its rows)
             square = scratch[1]
-            if x_ref.dtype == jnp.float32:
-                square[...] = x_ref[group, :].T
-            else:
-                store_widened(square, 0, x_ref[group, :])
-                square[...] = square[...].T
+            square[...] = x_ref[group, :].astype(jnp.float32).T
             rows = [square[pl.ds(j, 8, stride=BLOCK), :] for j in range(BLOCK)]
             at = 0
         else:
@@ -236,9 +231,10 @@ def operand(
     rows = default_rows if rows is None else rows
     looped = default_looped if looped is None else looped
     _check_rows(rows)
-    # (`rht=True` takes float32 only: widened in the kernel, a bfloat16 operand's
-    # subnormals read as zero on a TPU v5e, 2026-12-07, so that a column of them was not
-    # found tiny by `rht_stats`; `_kernels.rht_operand` widens on the bits first.)
+    # (`rht=True` takes float32 only: `_kernels.rht_operand` widens a bfloat16 operand
+    # first, `_hadamard.padded_rows`. Read as it is by the kernels instead, on a TPU v5e
+    # (2026-12-07), the mixed-bf16 training step gained 1.25 ms of 40 but its temporaries
+    # rose from 718 to 1,358 MiB.)
     if not applies(x.shape, x.dtype, block) or (rht and (x.dtype != jnp.float32 or across)):
         raise ValueError(
             f"the TPU operand kernel takes float32 or bfloat16 (rows, columns) arrays in "

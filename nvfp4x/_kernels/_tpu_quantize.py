@@ -293,21 +293,6 @@ def _chunk(
     return None, bits, q
 
 
-def store_widened(dst, start, x: Array) -> None:
-    """Rows `start ..` of the float32 ref `dst` set to the bfloat16 value `x` (an even
-    number of rows; `start` a multiple of 2), widened exactly on its bits. A TPU's
-    conversion of bfloat16 to float32 reads subnormals as zero (seen on a TPU v5e,
-    2026-12-07: a column of them in `_tpu_operand.rht_stats`); here each 32-bit word of
-    `x` holds two rows, as its tiles pack them (`pltpu.bitcast`: row `2i` in the low
-    half, `2i + 1` in the high), and each half becomes a float32 by a shift."""
-    words = pltpu.bitcast(x, jnp.uint32)
-    half = x.shape[0] // 2
-    dst[pl.ds(start, half, stride=2), :] = pltpu.bitcast(words << 16, jnp.float32)
-    dst[pl.ds(start + 1, half, stride=2), :] = pltpu.bitcast(
-        words & jnp.uint32(0xFFFF0000), jnp.float32
-    )
-
-
 def _kernel(
     params_ref,
     seed_ref,
@@ -320,16 +305,12 @@ def _kernel(
     output: str,
     cols: int,
     chunk: int,
-    widen: bool,
 ):
     """One tile: a loop down its rows, `CHUNK_ROWS` at a time, over its chunks of
     `chunk` columns; the tile's scale bits are gathered in an int32 scratch and written
-    at the end. With `widen` (bfloat16 input) each chunk is widened exactly into a
-    float32 scratch first (`store_widened`), the last of `refs`."""
+    at the end."""
     tr, tc = x_ref.shape
     transposed = block == ROW_BLOCK
-    if widen:
-        *refs, wide = refs
     scratch = refs[-1]
     outs = refs[:-1]
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
@@ -338,10 +319,7 @@ def _kernel(
     def body(k, carry):
         r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
         for c0 in range(0, tc, chunk):
-            x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)]
-            if widen:
-                store_widened(wide, 0, x)
-                x = wide[...]
+            x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
             shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
             ri, ci = (1, 0) if transposed else (0, 1)
             row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
@@ -484,9 +462,8 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
         out_shape = [jax.ShapeDtypeStruct((rp, cp), dtype)]
         out_specs = [tiles((tr, tc))]
         scratch = pltpu.VMEM((8, 128), jnp.int32)  # (unused)
-    widen = x.dtype != jnp.float32
     kernel = functools.partial(
-        _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk, widen=widen
+        _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk
     )
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     outs = pl.pallas_call(
@@ -501,10 +478,7 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
             tiles((tr, tc)),
         ],
         out_specs=out_specs,
-        scratch_shapes=[
-            scratch,
-            *([pltpu.VMEM((CHUNK_ROWS, chunk), jnp.float32)] if widen else []),
-        ],
+        scratch_shapes=[scratch],
         interpret=pltpu.InterpretParams() if interpret else False,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"),
