@@ -20,7 +20,13 @@ bytes, timed (medians of `--repeats`, interleaved) against that read:
 - `rht_stats contiguous WxH`: the same two results from contiguous `(8, width)` loads,
   each chunk of 16 rows two of them, the transform's stages 1, 2 and 4 by sublane
   rotations (`pltpu.roll`) and stage 8 between the two; its results compared with
-  `rht_stats`'s, bit for bit.
+  `rht_stats`'s, bit for bit;
+- `quantize_2d 1x16 values` (fprop's and dgrad's operand, the Mosaic quantiser), the
+  same then `rht_stats` (what a step pays now for such an operand and wgrad's RHT
+  statistics of it), and `quantize 1x16 + stats (probe)`: both from one read
+  (`quantize_with_stats`, a probe of the design that carries the statistics from fprop
+  and dgrad to wgrad), its values, tensor scale and statistics compared with the two
+  apart, bit for bit.
 """
 
 import argparse
@@ -34,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.tpu_quantize_check import Report, copy_bandwidth, timed
-from nvfp4x._kernels import _tpu_operand
+from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._kernels._tpu_rht import _INTERPRETERS
 from nvfp4x._numerics._constants import BLOCK
 from nvfp4x._numerics._hadamard import special_columns
@@ -138,6 +144,85 @@ def stats_contiguous(x, *, tile, interpret, unroll=4):
     return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))
 
 
+def quantize_with_stats(x, amax, *, interpret):
+    """A probe (not the library's): `_tpu_quantize`'s 1x16 values path (round to
+    nearest, float32) with `rht_stats`'s two results computed from the same chunks in
+    VMEM (`stats_contiguous`'s method): `(values, s_dec, (special, amax))`, so that the
+    one read of `x` gives fprop's or dgrad's operand and wgrad's RHT statistics. Only
+    whole tiles (the array a multiple of the tiling)."""
+    block, output = (1, BLOCK), "values"
+    rows, cols = x.shape
+    s_dec, params, seeds, table = _tpu_quantize.kernel_parameters(x, amax, None, block, output)
+    pairs = jnp.asarray(_tpu_quantize._pair_matrix(True), jnp.bfloat16)
+    rp, cp, tr, tc, chunk = _tpu_quantize._tile(
+        rows, cols, _tpu_quantize.tiling_for(block, x.dtype)
+    )
+    if (rp, cp) != (rows, cols):
+        raise ValueError(f"the probe takes whole tiles; got {x.shape}")
+    grid = (rp // tr, cp // tc)
+    rows_per = _tpu_quantize.CHUNK_ROWS
+
+    def kernel(params_ref, seed_ref, table_ref, pair_ref, x_ref, o_ref, st_ref):
+        r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
+        consts = (params_ref, seed_ref, table_ref, pair_ref)
+        sub = jax.lax.broadcasted_iota(jnp.int32, (8, chunk), 0)
+        low = {h: (sub & h) == 0 for h in (1, 2, 4)}
+        st_ref[...] = jnp.zeros(st_ref.shape, jnp.int32)
+
+        def body(k, carry):
+            r0 = pl.multiple_of(k * rows_per, rows_per)
+            for c0 in range(0, tc, chunk):
+                xc = x_ref[pl.ds(r0, rows_per), pl.ds(c0, chunk)]
+                shape = (chunk, rows_per)
+                row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+                col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+                _, _, q = _tpu_quantize._chunk(
+                    xc.T, row, col, consts, block=block, rounding="nearest", output=output,
+                    cols=cols,
+                )  # fmt: skip
+                o_ref[pl.ds(r0, rows_per), pl.ds(c0, chunk)] = q.T.astype(o_ref.dtype)
+                flag = st_ref[0, :, pl.ds(c0, chunk)]
+                top = st_ref[1, :, pl.ds(c0, chunk)]
+                for g in range(rows_per // BLOCK):
+                    a, b = xc[g * BLOCK : g * BLOCK + 8], xc[g * BLOCK + 8 : (g + 1) * BLOCK]
+                    xmax = _sublane_max(jnp.maximum(abs_bits(a), abs_bits(b)))
+                    flag = jnp.maximum(flag, special_columns(xmax).astype(jnp.int32))
+                    a, b = a * np.float32(0.25), b * np.float32(0.25)
+                    for h in (1, 2, 4):
+                        a, b = _stage(a, h, low), _stage(b, h, low)
+                    top = jnp.maximum(top, jnp.maximum(abs_bits(a + b), abs_bits(a - b)))
+                st_ref[0, :, pl.ds(c0, chunk)] = flag
+                st_ref[1, :, pl.ds(c0, chunk)] = top
+            return carry
+
+        jax.lax.fori_loop(0, tr // rows_per, body, 0)
+
+    tiles = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, j))  # noqa: E731
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    values, stats = pl.pallas_call(
+        kernel,
+        out_shape=[
+            jax.ShapeDtypeStruct((rp, cp), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, grid[0] * 8, cp), jnp.int32),
+        ],
+        grid=grid,
+        in_specs=[
+            smem,
+            smem,
+            smem,
+            pl.BlockSpec(pairs.shape, lambda i, j: (0, 0)),
+            tiles((tr, tc)),
+        ],
+        out_specs=[tiles((tr, tc)), pl.BlockSpec((2, 8, tc), lambda i, j: (0, i, j))],
+        interpret=pltpu.InterpretParams() if interpret else False,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=_tpu_quantize._vmem_limit(tr, tc, x.dtype, output),
+        ),
+    )(params, seeds, table, pairs, x)
+    return values, s_dec, (jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1])))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
@@ -169,6 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         cases[f"rht_stats contiguous {t}"] = jax.jit(
             functools.partial(stats_contiguous, tile=tile, interpret=interpret)
         )
+    amax = jnp.max(jnp.abs(x))
+    quantize = functools.partial(
+        _tpu_quantize.quantize_2d, block=(1, BLOCK), output="values", interpret=interpret
+    )
+    cases["quantize_2d 1x16 values"] = jax.jit(lambda x: quantize(x, amax))
+    cases["quantize_2d 1x16 values, then rht_stats"] = jax.jit(
+        lambda x: (quantize(x, amax), _tpu_operand.rht_stats(x, interpret=interpret))
+    )
+    cases["quantize 1x16 + stats (probe)"] = jax.jit(
+        lambda x: quantize_with_stats(x, amax, interpret=interpret)
+    )
     want = jax.device_get(_tpu_operand.rht_stats(x, interpret=interpret))
     # a second array with a special column (a tiny nonzero chunk column)
     x2 = x.at[32:48, 5].set(1e-35)
@@ -181,7 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             got = jax.device_get(f(x))
             same = ""
-            if name.startswith("rht_stats "):
+            if name == "quantize 1x16 + stats (probe)":
+                values, s_dec, stats = got
+                ref_values, _, ref_s = jax.device_get(quantize(x, amax))
+                ok = np.asarray(values).tobytes() == np.asarray(ref_values).tobytes()
+                ok &= np.asarray(s_dec).tobytes() == np.asarray(ref_s).tobytes()
+                ok &= all(
+                    np.asarray(g).tobytes() == np.asarray(w).tobytes()
+                    for g, w in zip(stats, want, strict=True)
+                )
+                same = "yes (values, s_dec, stats)" if ok else "NO"
+            elif name.startswith("rht_stats "):
                 got2 = jax.device_get(f(x2))
                 ok = all(
                     np.asarray(g).tobytes() == np.asarray(w).tobytes()
