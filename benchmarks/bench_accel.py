@@ -56,8 +56,8 @@ Sections (the default set: every one that runs on the backend; `kernel_sweep`,
 - `profile`: where a step's time goes. The `train` section's mixed bf16 and NVFP4 steps
   (full recipe, the fastest quantiser, float32 and inside mixed bf16; reused from
   `train` when it ran) and the frozen bf16 and W4A16 forwards at one token, each
-  traced with `jax.profiler` over a few
-  calls: device time per call summed per HLO operation of the compiled program (the
+  traced with `jax.profiler` over a few calls: device time per call summed per HLO
+  operation of the compiled program (the
   trace's XLA-op events, read with `jax.profiler.ProfileData`; on a TPU the
   `/device:TPU:0` plane's "XLA Ops" line), grouped by kind (`hlo_ops`: GEMMs, custom
   kernels, other fusions, copies, the rest) and the top operations with their kind and

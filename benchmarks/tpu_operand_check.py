@@ -18,7 +18,6 @@ operand kernel with the transform over tile rows, its groups unrolled and looped
 compile seconds, bits, time.
 """
 
-import argparse
 import functools
 import sys
 import time
@@ -27,7 +26,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.tpu_quantize_check import Report, copy_bandwidth, same_bits, test_array, timed
+from benchmarks.tpu_quantize_check import same_bits, square_check, test_array, timed
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize, _tpu_rht
 from nvfp4x._numerics._nvfp4 import amax_of_bits
 
@@ -35,17 +34,7 @@ SEED = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--size", type=int, default=8192)
-    p.add_argument("--smoke", action="store_true")
-    a = p.parse_args(argv)
-    n = 256 if a.smoke else a.size
-    interpret = jax.default_backend() != "tpu"
-    report = Report(a.out)
-    report.line(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {n}x{n}")
-    bw = copy_bandwidth((n, n), a.repeats)
+    a, n, interpret, report, bw = square_check(__doc__, argv, smoke_n=256)
     report.line(f"copy bandwidth (x + 1, float32): {bw / 1e9:.0f} GB/s")
     report.line("")
     report.line("| case | same bits | quantize_2d ms | x floor | operand ms | x floor | ratio |")

@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -289,6 +290,34 @@ def lowers_for_tpu(shape, dtype, block, rounding, output, tiling=None) -> bool:
     lowered = jax.jit(fn).trace(x, jnp.zeros((2,), jnp.uint32)).lower(lowering_platforms=("tpu",))
     text = lowered.as_text()  # (16x1 values: `_tpu_operand`'s kernel, `OPERAND_KERNEL_BLOCKS`)
     return "nvfp4_quantize_tpu" in text or "nvfp4x_operand_tpu" in text
+
+
+class SquareCheck(NamedTuple):
+    """A square-array check's setup (`square_check`)."""
+
+    args: argparse.Namespace
+    n: int
+    interpret: bool
+    report: Report
+    bandwidth: float
+
+
+def square_check(doc: str, argv: list[str] | None, smoke_n: int) -> SquareCheck:
+    """The arguments (`--out`, `--repeats`, `--size`, `--smoke`) and setup of a check on
+    one `N x N` array (`tpu_operand_check`, `tpu_read_check`): `N` (`smoke_n` with
+    `--smoke`), whether the kernels run interpreted (off a TPU), the report with its
+    first line, and the copy bandwidth measured on that array's shape."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    n = smoke_n if a.smoke else a.size
+    report = Report(a.out)
+    report.line(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {n}x{n}")
+    bw = copy_bandwidth((n, n), a.repeats)
+    return SquareCheck(a, n, jax.default_backend() != "tpu", report, bw)
 
 
 def main(argv: list[str] | None = None) -> int:

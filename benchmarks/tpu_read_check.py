@@ -29,7 +29,6 @@ bytes, timed (medians of `--repeats`, interleaved) against that read:
   apart, bit for bit.
 """
 
-import argparse
 import functools
 import sys
 
@@ -39,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from benchmarks.tpu_quantize_check import Report, copy_bandwidth, timed
+from benchmarks.tpu_quantize_check import square_check, timed
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._kernels._tpu_rht import _INTERPRETERS
 from nvfp4x._numerics._constants import BLOCK
@@ -224,17 +223,7 @@ def quantize_with_stats(x, amax, *, interpret):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--size", type=int, default=8192)
-    p.add_argument("--smoke", action="store_true")
-    a = p.parse_args(argv)
-    n = 512 if a.smoke else a.size
-    interpret = jax.default_backend() != "tpu"
-    report = Report(a.out)
-    report.line(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {n}x{n}")
-    bw = copy_bandwidth((n, n), a.repeats)
+    a, n, interpret, report, bw = square_check(__doc__, argv, smoke_n=512)
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)  # (no special column)
     read_s = x.nbytes / (bw / 2)
     report.line(f"copy bandwidth {bw / 1e9:.0f} GB/s; one read of x: {read_s * 1e3:.3f} ms")
