@@ -23,10 +23,10 @@ bytes, timed (medians of `--repeats`, interleaved) against that read:
   `rht_stats`'s, bit for bit;
 - `quantize_2d 1x16 values` (fprop's and dgrad's operand, the Mosaic quantiser), the
   same then `rht_stats` (what a step pays now for such an operand and wgrad's RHT
-  statistics of it), and `quantize 1x16 + stats (probe)`: both from one read
-  (`quantize_with_stats`, a probe of the design that carries the statistics from fprop
-  and dgrad to wgrad), its values, tensor scale and statistics compared with the two
-  apart, bit for bit.
+  statistics of it), and `quantize 1x16 + stats`: both from one read
+  (`_tpu_quantize.quantize_with_stats`, for the design that carries the statistics from
+  fprop and dgrad to wgrad), its values, tensor scale and statistics compared with the
+  two apart, bit for bit.
 """
 
 import functools
@@ -42,7 +42,6 @@ from benchmarks.tpu_quantize_check import square_check, timed
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._kernels._tpu_rht import _INTERPRETERS
 from nvfp4x._numerics._constants import BLOCK
-from nvfp4x._numerics._hadamard import special_columns
 from nvfp4x._numerics._ieee import abs_bits, from_bits
 
 
@@ -93,47 +92,22 @@ def max_strided(x, *, interpret):
     return jnp.max(_grid_call(kernel, x, (2048, 128), interpret))
 
 
-def _sublane_max(v):
-    """Every sublane of `v` (`(8, w)`) holding the maximum of its column's 8."""
-    for h in (4, 2, 1):
-        v = jnp.maximum(v, pltpu.roll(v, h, 0))
-    return v
-
-
-def _stage(v, h, low):
-    """One butterfly stage over sublanes `j` and `j + h` of `v`: `a + b` at the lower,
-    `a - b` at the upper (`_hadamard._plain`'s operands in its order)."""
-    up = pltpu.roll(v, 8 - h, 0)  # up[j] = v[j + h]
-    down = pltpu.roll(v, h, 0)  # down[j] = v[j - h]
-    return jnp.where(low[h], v + up, down - v)
-
-
 def stats_contiguous(x, *, tile, interpret, unroll=4):
-    """`rht_stats(x)` from contiguous loads: `(special, amax)`."""
+    """`rht_stats(x)` from contiguous loads, `_tpu_quantize.rht_chunk_stats` on each
+    chunk of 16 rows: `(special, amax)`."""
     n, m = x.shape
 
     def kernel(x_ref, o_ref):
         tr, tw = x_ref.shape
         r_tile = pl.program_id(0) * tr
-        col = pl.program_id(1) * tw + jax.lax.broadcasted_iota(jnp.int32, (8, tw), 1)
-        sub = jax.lax.broadcasted_iota(jnp.int32, (8, tw), 0)
-        low = {h: (sub & h) == 0 for h in (1, 2, 4)}
-        inside_col = col < m
+        col = pl.program_id(1) * tw + jax.lax.broadcasted_iota(jnp.int32, (BLOCK, tw), 1)
 
         def body(c, carry):
-            flag, top = carry
             base = pl.multiple_of(c * BLOCK, BLOCK)
-            a = x_ref[pl.ds(base, 8), :]
-            b = x_ref[pl.ds(base + 8, 8), :]
-            inside = inside_col & (r_tile + base < n)
-            xmax = _sublane_max(jnp.maximum(abs_bits(a), abs_bits(b)))
-            flag = jnp.maximum(flag, (inside & special_columns(xmax)).astype(jnp.int32))
-            a, b = a * np.float32(0.25), b * np.float32(0.25)
-            for h in (1, 2, 4):
-                a, b = _stage(a, h, low), _stage(b, h, low)
-            a, b = a + b, a - b  # stage 8 (the signs do not change |.|)
-            t = jnp.maximum(abs_bits(a), abs_bits(b))
-            return flag, jnp.maximum(top, jnp.where(inside, t, 0))
+            inside = (col < m) & (r_tile + base < n)
+            rows = jnp.where(inside, x_ref[pl.ds(base, BLOCK), :], np.float32(0.0))
+            parts = _tpu_quantize.rht_chunk_stats(rows)
+            return tuple(jnp.maximum(c, p) for c, p in zip(carry, parts, strict=True))
 
         zeros = jnp.zeros((8, tw), jnp.int32)
         flag, top = jax.lax.fori_loop(0, tr // BLOCK, body, (zeros, zeros), unroll=unroll)
@@ -141,85 +115,6 @@ def stats_contiguous(x, *, tile, interpret, unroll=4):
 
     stats = _grid_call(kernel, x, tile, interpret)
     return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))
-
-
-def quantize_with_stats(x, amax, *, interpret):
-    """A probe (not the library's): `_tpu_quantize`'s 1x16 values path (round to
-    nearest, float32) with `rht_stats`'s two results computed from the same chunks in
-    VMEM (`stats_contiguous`'s method): `(values, s_dec, (special, amax))`, so that the
-    one read of `x` gives fprop's or dgrad's operand and wgrad's RHT statistics. Only
-    whole tiles (the array a multiple of the tiling)."""
-    block, output = (1, BLOCK), "values"
-    rows, cols = x.shape
-    s_dec, params, seeds, table = _tpu_quantize.kernel_parameters(x, amax, None, block, output)
-    pairs = jnp.asarray(_tpu_quantize._pair_matrix(True), jnp.bfloat16)
-    rp, cp, tr, tc, chunk = _tpu_quantize._tile(
-        rows, cols, _tpu_quantize.tiling_for(block, x.dtype)
-    )
-    if (rp, cp) != (rows, cols):
-        raise ValueError(f"the probe takes whole tiles; got {x.shape}")
-    grid = (rp // tr, cp // tc)
-    rows_per = _tpu_quantize.CHUNK_ROWS
-
-    def kernel(params_ref, seed_ref, table_ref, pair_ref, x_ref, o_ref, st_ref):
-        r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
-        consts = (params_ref, seed_ref, table_ref, pair_ref)
-        sub = jax.lax.broadcasted_iota(jnp.int32, (8, chunk), 0)
-        low = {h: (sub & h) == 0 for h in (1, 2, 4)}
-        st_ref[...] = jnp.zeros(st_ref.shape, jnp.int32)
-
-        def body(k, carry):
-            r0 = pl.multiple_of(k * rows_per, rows_per)
-            for c0 in range(0, tc, chunk):
-                xc = x_ref[pl.ds(r0, rows_per), pl.ds(c0, chunk)]
-                shape = (chunk, rows_per)
-                row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-                col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-                _, _, q = _tpu_quantize._chunk(
-                    xc.T, row, col, consts, block=block, rounding="nearest", output=output,
-                    cols=cols,
-                )  # fmt: skip
-                o_ref[pl.ds(r0, rows_per), pl.ds(c0, chunk)] = q.T.astype(o_ref.dtype)
-                flag = st_ref[0, :, pl.ds(c0, chunk)]
-                top = st_ref[1, :, pl.ds(c0, chunk)]
-                for g in range(rows_per // BLOCK):
-                    a, b = xc[g * BLOCK : g * BLOCK + 8], xc[g * BLOCK + 8 : (g + 1) * BLOCK]
-                    xmax = _sublane_max(jnp.maximum(abs_bits(a), abs_bits(b)))
-                    flag = jnp.maximum(flag, special_columns(xmax).astype(jnp.int32))
-                    a, b = a * np.float32(0.25), b * np.float32(0.25)
-                    for h in (1, 2, 4):
-                        a, b = _stage(a, h, low), _stage(b, h, low)
-                    top = jnp.maximum(top, jnp.maximum(abs_bits(a + b), abs_bits(a - b)))
-                st_ref[0, :, pl.ds(c0, chunk)] = flag
-                st_ref[1, :, pl.ds(c0, chunk)] = top
-            return carry
-
-        jax.lax.fori_loop(0, tr // rows_per, body, 0)
-
-    tiles = lambda shape: pl.BlockSpec(shape, lambda i, j: (i, j))  # noqa: E731
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    values, stats = pl.pallas_call(
-        kernel,
-        out_shape=[
-            jax.ShapeDtypeStruct((rp, cp), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2, grid[0] * 8, cp), jnp.int32),
-        ],
-        grid=grid,
-        in_specs=[
-            smem,
-            smem,
-            smem,
-            pl.BlockSpec(pairs.shape, lambda i, j: (0, 0)),
-            tiles((tr, tc)),
-        ],
-        out_specs=[tiles((tr, tc)), pl.BlockSpec((2, 8, tc), lambda i, j: (0, i, j))],
-        interpret=pltpu.InterpretParams() if interpret else False,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=_tpu_quantize._vmem_limit(tr, tc, x.dtype, output),
-        ),
-    )(params, seeds, table, pairs, x)
-    return values, s_dec, (jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     cases["quantize_2d 1x16 values, then rht_stats"] = jax.jit(
         lambda x: (quantize(x, amax), _tpu_operand.rht_stats(x, interpret=interpret))
     )
-    cases["quantize 1x16 + stats (probe)"] = jax.jit(
-        lambda x: quantize_with_stats(x, amax, interpret=interpret)
+    cases["quantize 1x16 + stats"] = jax.jit(
+        lambda x: _tpu_quantize.quantize_with_stats(x, amax, interpret=interpret)
     )
     want = jax.device_get(_tpu_operand.rht_stats(x, interpret=interpret))
     # a second array with a special column (a tiny nonzero chunk column)
@@ -266,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             got = jax.device_get(f(x))
             same = ""
-            if name == "quantize 1x16 + stats (probe)":
-                values, s_dec, stats = got
+            if name == "quantize 1x16 + stats":
+                values, _, s_dec, stats = got
                 ref_values, _, ref_s = jax.device_get(quantize(x, amax))
                 ok = np.asarray(values).tobytes() == np.asarray(ref_values).tobytes()
                 ok &= np.asarray(s_dec).tobytes() == np.asarray(ref_s).tobytes()

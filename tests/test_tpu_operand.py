@@ -385,3 +385,32 @@ def test_shapes_the_kernels_do_not_take_run_apart():
         assert (
             _kernels.rht_operand(jnp.ones((64, 128)), (1, 16), "nearest", "up", None, apart) is None
         )
+
+
+def test_the_quantiser_gives_the_rht_statistics_of_its_read():
+    """`_tpu_quantize.quantize_with_stats`'s kernel (the 1x16 quantiser that also gives
+    wgrad's RHT statistics from its read) equals `tiled`'s results (SR codes and scales)
+    and `rht_stats` of the rows padded to whole chunks, bit for bit, in the TPU
+    interpreter: tiles overhanging the rows (a chunk cut short: its garbage rows taken as
+    zeros) and the lanes, a column the transform scales in the cut chunk."""
+    rounding, output, special = "stochastic", "codes", True
+    x = np.random.default_rng(6).standard_normal((520, 528)).astype(F32)
+    x *= np.exp2(np.random.default_rng(7).integers(-20, 20, 528)).astype(F32)
+    x[512:520, 7] = F32(1e-35)  # (a tiny column in the cut chunk)
+    a = jnp.asarray(x)
+    seed = seed_words(jax.random.key(4)) if rounding == "stochastic" else None
+    kw = dict(block=(1, 16), rounding=rounding, output=output, interpret=not ON_TPU)
+    tiling = _tpu_quantize.Tiling(512, 512, 256)
+    *got, (flag, amax) = _tpu_quantize.tiled(a, None, seed, tiling=tiling, stats=True, **kw)
+    want = _tpu_quantize.tiled(a, None, seed, tiling=tiling, **kw)
+    for g, w in zip(got, want, strict=True):
+        if w is not None:
+            assert_bits(np.asarray(g), np.asarray(w), "quantiser result")
+    want_flag, want_amax = _tpu_operand.rht_stats(_hadamard.padded_rows(a), interpret=not ON_TPU)
+    assert bool(flag) == bool(want_flag) == special
+    # (the amax too: both take the same maximum, special columns included)
+    assert_bits(np.asarray(amax), np.asarray(want_amax), "amax of the transform")
+    # With the default tiling it lowers for a TPU (tiles overhanging both axes).
+    traced = jax.jit(lambda x: _tpu_quantize.quantize_with_stats(x, rounding="nearest"))
+    big = jax.ShapeDtypeStruct((4120, 4112), jnp.float32)
+    assert "nvfp4_quantize_tpu" in traced.trace(big).lower(lowering_platforms=("tpu",)).as_text()

@@ -48,6 +48,12 @@ Same bits as the reference (`nvfp4x._numerics._nvfp4`), tested in interpret mode
 CPU (`pltpu.InterpretParams()`, which simulates the TPU's semantics); the same tests run
 the compiled kernel on a TPU. Tile shapes are one table, `TILINGS`;
 `benchmarks/tpu_quantize_check.py` times `CANDIDATES` on a TPU and prints the best.
+
+`quantize_with_stats` (1x16 blocks) also gives, from the same read, the random Hadamard
+transform's statistics of the rows that wgrad needs (`_tpu_operand.rht_stats`' results):
+one pass over an activation instead of two, once its GEMM carries them to wgrad (not yet:
+the GEMMs call `rht_stats`; `benchmarks/tpu_read_check.py` times the two ways). Without
+it the kernel's program is the one it was (its jaxprs compared, 2026-12-07).
 """
 
 import functools
@@ -62,9 +68,11 @@ from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK, FLT_MAX, GOLDEN_RATIO_32, ROW_BLOCK, TILE
 from .._numerics._e2m1 import _fmix32
+from .._numerics._hadamard import special_columns
 from .._numerics._ieee import (
     INF_BITS,
     MIN_NORMAL_BITS,
+    abs_bits,
     from_bits,
     ldexp_normal,
     scale_down_149,
@@ -163,6 +171,40 @@ def _lane_group_max(a: Array) -> Array:
         from_fwd = pltpu.roll(lane, d, 1) == (lane ^ d)
         a = jnp.maximum(a, jnp.where(from_fwd, fwd, pltpu.roll(a, m - d, 1)))
     return a
+
+
+def sublane_max(v: Array) -> Array:
+    """Every sublane of `v` (`(8, m)`) holding the maximum of its column's 8, by rolls
+    over sublane distances 4, 2, 1."""
+    for d in (4, 2, 1):
+        v = jnp.maximum(v, pltpu.roll(v, d, 0))
+    return v
+
+
+def rht_chunk_stats(x: Array) -> tuple[Array, Array]:
+    """`_tpu_operand.rht_stats`' two results for the chunks of 16 rows of the float32
+    `x` (`(16 k, m)`, in VMEM), each column of them element-wise: `(flag, amax bits)`,
+    int32 `(8, m)`, the largest `_hadamard.special_columns` flag of its chunk columns and
+    the largest absolute-value bits of their transform (every sublane holds its column's
+    result). Each chunk is two `(8, m)` rows of registers in order (no strided loads):
+    its column maximum by sublane rolls, and `_hadamard._plain`'s butterflies: times
+    1/4, stages 1, 2 and 4 by rolls (`a + b` at row `j`, `a - b` at `j + h`, its
+    operands in that order: the same bits), stage 8 between the two halves; the signs,
+    which do not change a magnitude, are left out."""
+    m = x.shape[1]
+    sub = jax.lax.broadcasted_iota(jnp.int32, (8, m), 0)
+    flag = top = jnp.zeros((8, m), jnp.int32)
+    for g in range(0, x.shape[0], BLOCK):
+        a, b = x[g : g + 8], x[g + 8 : g + BLOCK]
+        amax = sublane_max(jnp.maximum(abs_bits(a), abs_bits(b)))
+        flag = jnp.maximum(flag, special_columns(amax).astype(jnp.int32))
+        a, b = a * np.float32(0.25), b * np.float32(0.25)
+        for h in (1, 2, 4):
+            low = (sub & h) == 0
+            a = jnp.where(low, a + pltpu.roll(a, 8 - h, 0), pltpu.roll(a, h, 0) - a)
+            b = jnp.where(low, b + pltpu.roll(b, 8 - h, 0), pltpu.roll(b, h, 0) - b)
+        top = jnp.maximum(top, jnp.maximum(abs_bits(a + b), abs_bits(a - b)))
+    return flag, top
 
 
 def _lookup(index: Array, table) -> Array:
@@ -305,14 +347,22 @@ def _kernel(
     output: str,
     cols: int,
     chunk: int,
+    stats: bool = False,
+    nrows: int = 0,
 ):
     """One tile: a loop down its rows, `CHUNK_ROWS` at a time, over its chunks of
     `chunk` columns; the tile's scale bits are gathered in an int32 scratch and written
-    at the end."""
+    at the end. With `stats`, the last output `(2, 8, tile columns)` gathers the
+    chunks' `rht_chunk_stats` too (the RHT's statistics of the same rows, from the same
+    read), elements beyond the array's `nrows` and `cols` (an overhanging tile's garbage)
+    taken as zeros, as `_hadamard.padded_rows` pads."""
     tr, tc = x_ref.shape
     transposed = block == ROW_BLOCK
     scratch = refs[-1]
     outs = refs[:-1]
+    if stats:
+        *outs, stats_ref = outs
+        stats_ref[...] = jnp.zeros(stats_ref.shape, jnp.int32)
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
     consts = (params_ref, seed_ref, table_ref, pair_ref)
 
@@ -320,6 +370,13 @@ def _kernel(
         r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
         for c0 in range(0, tc, chunk):
             x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
+            if stats:
+                lanes = pl.ds(c0, chunk)
+                at = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + r_tile + r0
+                on = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) + c_tile + c0
+                inside = jnp.where((at < nrows) & (on < cols), x, np.float32(0.0))
+                for i, part in enumerate(rht_chunk_stats(inside)):
+                    stats_ref[i, :, lanes] = jnp.maximum(stats_ref[i, :, lanes], part)
             shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
             ri, ci = (1, 0) if transposed else (0, 1)
             row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
@@ -431,10 +488,41 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
     return tiled(x, amax, seed, tiling=tiling, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "rounding", "output", "interpret", "tiling"))
-def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
+def quantize_with_stats(
+    x: Float[Array, "rows cols"],
+    amax: Float[Array, ""] | None = None,
+    seed: Array | None = None,
+    *,
+    rounding: Rounding = "nearest",
+    output: str = "values",
+    interpret: bool = False,
+) -> tuple[Array, Array | None, Float[Array, ""], tuple[Array, Float[Array, ""]]]:
+    """`quantize_2d(x, amax, seed, block=(1, 16), ...)`'s results and, from the same
+    read of `x`, `_tpu_operand.rht_stats(x)`'s `(special, amax)` (its rows padded to
+    whole chunks of 16 with zeros, as `_hadamard.padded_rows` pads them): one pass over
+    an activation for its 1x16 GEMM operand (fprop's x, dgrad's dy) and wgrad's RHT
+    statistics of it, bit for bit both apart. 1x16 blocks by this module's kernel
+    (`tiled`), whatever the output."""
+    call = functools.partial(
+        tiled,
+        block=ROW_BLOCK,
+        rounding=rounding,
+        output=output,
+        interpret=interpret,
+        tiling=tiling_for(ROW_BLOCK, x.dtype),
+        stats=True,
+    )
+    return call(x, amax, seed)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block", "rounding", "output", "interpret", "tiling", "stats")
+)
+def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling, stats=False):
     """`quantize_2d`'s results by this module's kernel, whatever the output (jitted: one
-    trace per case)."""
+    trace per case); with `stats` (1x16 blocks) a fourth: `quantize_with_stats`'."""
+    if stats and block != ROW_BLOCK:
+        raise ValueError(f"`stats=True` takes 1x16 blocks, got {block}.")
     rows, cols = x.shape
     br, bc = block
     s_dec, params, seeds, table = kernel_parameters(x, amax, seed, block, output)
@@ -462,8 +550,12 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
         out_shape = [jax.ShapeDtypeStruct((rp, cp), dtype)]
         out_specs = [tiles((tr, tc))]
         scratch = pltpu.VMEM((8, 128), jnp.int32)  # (unused)
+    if stats:  # (the RHT's statistics: per tile, 8 sublanes of each column's)
+        out_shape.append(jax.ShapeDtypeStruct((2, grid[0] * 8, cp), jnp.int32))
+        out_specs.append(pl.BlockSpec((2, 8, tc), lambda i, j: (0, i, j)))
+    kw = dict(stats=True, nrows=rows) if stats else {}
     kernel = functools.partial(
-        _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk
+        _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk, **kw
     )
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     outs = pl.pallas_call(
@@ -486,6 +578,16 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling):
         ),
         name="nvfp4_quantize_tpu",
     )(params, seeds, table, pairs, xp)
+    if stats:
+        *outs, partial = outs
+        found = (jnp.max(partial[0]) > 0, from_bits(jnp.max(partial[1])))
+        return (*_tiled_results(outs, output, block, rows, cols, rp, cp, br, bc, s_dec), found)
+    return _tiled_results(outs, output, block, rows, cols, rp, cp, br, bc, s_dec)
+
+
+def _tiled_results(outs, output, block, rows, cols, rp, cp, br, bc, s_dec):
+    """`tiled`'s `(out, scale_bits, s_dec)` from the kernel's outputs."""
+    transposed = block == ROW_BLOCK
     if output != "codes":
         out = outs[0]
         return (out if (rp, cp) == (rows, cols) else out[:rows, :cols]), None, s_dec
