@@ -249,10 +249,10 @@ def bfloat16_subnormals() -> np.ndarray:
 def test_mosaic_reads_bfloat16_subnormals_exactly(block):
     """The Mosaic quantisers on a bfloat16 tensor whose values are mostly bfloat16
     subnormals, its amax 2^-118 (so that they decide codes and block scales): the
-    reference's codes, scales and tensor scale (`to_nvfp4` in 1x16 blocks), and its
-    block values (the GEMM operand in 16x1 blocks, `_tpu_operand`'s
-    kernel), in the TPU interpreter. The tests' other tiny tensors scale on the device,
-    where bfloat16 results that small are zeros on a TPU; this data is made on the host."""
+    reference's codes, scales and tensor scale (`to_nvfp4` in 1x16 blocks), and its block
+    values (the GEMM operand in 16x1 blocks, `_tpu_operand`'s kernel), in the TPU
+    interpreter. The tests' other tiny tensors scale on the device, where bfloat16
+    results that small are zeros on a TPU; this data is made on the host."""
     x = jnp.asarray(bfloat16_subnormals())
     assert np.count_nonzero(np.asarray(x.astype(jnp.float32))) > 1000  # (not flushed)
     if block == "operand 16x1":
