@@ -107,7 +107,7 @@ def stats_contiguous(x, *, tile, interpret, unroll=4):
             inside = (col < m) & (r_tile + base < n)
             rows = jnp.where(inside, x_ref[pl.ds(base, BLOCK), :], np.float32(0.0))
             parts = _tpu_quantize.rht_chunk_stats(rows)
-            return tuple(jnp.maximum(c, p) for c, p in zip(carry, parts, strict=True))
+            return tuple(jnp.maximum(old, new) for old, new in zip(carry, parts, strict=True))
 
         zeros = jnp.zeros((8, tw), jnp.int32)
         flag, top = jax.lax.fori_loop(0, tr // BLOCK, body, (zeros, zeros), unroll=unroll)
