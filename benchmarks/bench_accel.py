@@ -1249,23 +1249,23 @@ def profile_one(label: str, make: Callable, s: Sizes, table: Table, state: dict)
         )
         return
     total = sum(times.values()) / n
+    found = {op: ops.get(op_name(op), ("unmatched", "")) for op in times}  # (kind, shape)
     by_kind: dict[str, float] = {}
     for op, ns in times.items():
-        kind = ops.get(op_name(op), ("unmatched", ""))[0]
-        by_kind[kind] = by_kind.get(kind, 0.0) + ns / n
+        by_kind[found[op][0]] = by_kind.get(found[op][0], 0.0) + ns / n
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
     if state.get("out"):  # every operation's time, for a closer look than the top rows
         with gzip.open(f"{state['out']}.{name}.ops.tsv.gz", "wt") as f:
-            for op, ns in sorted(times.items(), key=lambda kv: -kv[1]):
-                kind, shape = ops.get(op_name(op), ("unmatched", ""))
-                f.write(f"{ns / n / 1e6:.4f}\t{kind}\t{shape}\t{op}\n")
+            for op, ns in ranked:
+                f.write(f"{ns / n / 1e6:.4f}\t{found[op][0]}\t{found[op][1]}\t{op}\n")
     note = ", ".join(
         f"{k} {v / 1e6:.2f} ms ({v / total:.0%})"
         for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
     )
     what = f"{label}: device time per call, {len(times)} ops"
     table.add("profile", what, f"{total / 1e6:.3f} ms", note)
-    for op, ns in sorted(times.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]:
-        kind, shape = ops.get(op_name(op), ("unmatched", ""))
+    for op, ns in ranked[:PROFILE_TOP]:
+        kind, shape = found[op]
         table.add(
             "profile",
             f"{label}: {op} ({kind}) {shape}",

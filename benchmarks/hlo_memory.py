@@ -28,7 +28,6 @@ _INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
 _ARRAY = re.compile(
     r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64|f8e\w+)\[([\d,]*)\](\{[^}]*\})?"
 )
-_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
 #: Instructions that make no buffer of their own.
 _ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant", "after-all"}
 #: Instructions whose operand lists are followed by attributes naming computations.
@@ -55,10 +54,8 @@ def array_bytes(shape: str) -> int:
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype)[:2] or 8)
-        if dtype.startswith("f8"):
-            bits = 8
-        total += n * bits // 8
+        width = re.match(r"[a-z]+?(\d+)", dtype)  # (s4, f8e4m3fn, bf16, f32...; pred: a byte)
+        total += n * (int(width.group(1)) if width else 8) // 8
     return total
 
 

@@ -173,7 +173,7 @@ def _lane_group_max(a: Array) -> Array:
     return a
 
 
-def sublane_max(v: Array) -> Array:
+def _sublane_max(v: Array) -> Array:
     """Every sublane of `v` (`(8, m)`) holding the maximum of its column's 8, by rolls
     over sublane distances 4, 2, 1."""
     for d in (4, 2, 1):
@@ -196,7 +196,7 @@ def rht_chunk_stats(x: Array) -> tuple[Array, Array]:
     flag = top = jnp.zeros((8, m), jnp.int32)
     for g in range(0, x.shape[0], BLOCK):
         a, b = x[g : g + 8], x[g + 8 : g + BLOCK]
-        amax = sublane_max(jnp.maximum(abs_bits(a), abs_bits(b)))
+        amax = _sublane_max(jnp.maximum(abs_bits(a), abs_bits(b)))
         flag = jnp.maximum(flag, special_columns(amax).astype(jnp.int32))
         a, b = a * np.float32(0.25), b * np.float32(0.25)
         for h in (1, 2, 4):
@@ -348,14 +348,14 @@ def _kernel(
     cols: int,
     chunk: int,
     stats: bool = False,
-    nrows: int = 0,
+    bounds: tuple[int, int] | None = None,
 ):
     """One tile: a loop down its rows, `CHUNK_ROWS` at a time, over its chunks of
     `chunk` columns; the tile's scale bits are gathered in an int32 scratch and written
     at the end. With `stats`, the last output `(2, 8, tile columns)` gathers the
     chunks' `rht_chunk_stats` too (the RHT's statistics of the same rows, from the same
-    read), elements beyond the array's `nrows` and `cols` (an overhanging tile's garbage)
-    taken as zeros, as `_hadamard.padded_rows` pads."""
+    read); with `bounds` (the array's rows and columns, where a tile overhangs it) the
+    elements beyond them, garbage, taken as zeros, as `_hadamard.padded_rows` pads."""
     tr, tc = x_ref.shape
     transposed = block == ROW_BLOCK
     scratch = refs[-1]
@@ -371,10 +371,12 @@ def _kernel(
         for c0 in range(0, tc, chunk):
             x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
             if stats:
-                lanes = pl.ds(c0, chunk)
-                at = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + r_tile + r0
-                on = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) + c_tile + c0
-                inside = jnp.where((at < nrows) & (on < cols), x, np.float32(0.0))
+                lanes, inside = pl.ds(c0, chunk), x
+                if bounds is not None:
+                    at = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + r_tile + r0
+                    on = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) + c_tile + c0
+                    keep = (at < bounds[0]) & (on < bounds[1])
+                    inside = jnp.where(keep, x, np.float32(0.0))
                 for i, part in enumerate(rht_chunk_stats(inside)):
                     stats_ref[i, :, lanes] = jnp.maximum(stats_ref[i, :, lanes], part)
             shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
@@ -503,16 +505,9 @@ def quantize_with_stats(
     an activation for its 1x16 GEMM operand (fprop's x, dgrad's dy) and wgrad's RHT
     statistics of it, bit for bit both apart. 1x16 blocks by this module's kernel
     (`tiled`), whatever the output."""
-    call = functools.partial(
-        tiled,
-        block=ROW_BLOCK,
-        rounding=rounding,
-        output=output,
-        interpret=interpret,
-        tiling=tiling_for(ROW_BLOCK, x.dtype),
-        stats=True,
-    )
-    return call(x, amax, seed)
+    tiling = tiling_for(ROW_BLOCK, x.dtype)
+    kw = dict(rounding=rounding, output=output, interpret=interpret, tiling=tiling)
+    return tiled(x, amax, seed, block=ROW_BLOCK, stats=True, **kw)
 
 
 @functools.partial(
@@ -553,7 +548,9 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling, 
     if stats:  # (the RHT's statistics: per tile, 8 sublanes of each column's)
         out_shape.append(jax.ShapeDtypeStruct((2, grid[0] * 8, cp), jnp.int32))
         out_specs.append(pl.BlockSpec((2, 8, tc), lambda i, j: (0, i, j)))
-    kw = dict(stats=True, nrows=rows) if stats else {}
+    # (the statistics mask an overhanging tile's garbage; padded or whole tiles need none)
+    overhang = rp % tr or cp % tc
+    kw = dict(stats=True, bounds=(rows, cols) if overhang else None) if stats else {}
     kernel = functools.partial(
         _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk, **kw
     )
@@ -578,26 +575,20 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling, 
         ),
         name="nvfp4_quantize_tpu",
     )(params, seeds, table, pairs, xp)
+    found = ()
     if stats:
         *outs, partial = outs
-        found = (jnp.max(partial[0]) > 0, from_bits(jnp.max(partial[1])))
-        return (*_tiled_results(outs, output, block, rows, cols, rp, cp, br, bc, s_dec), found)
-    return _tiled_results(outs, output, block, rows, cols, rp, cp, br, bc, s_dec)
-
-
-def _tiled_results(outs, output, block, rows, cols, rp, cp, br, bc, s_dec):
-    """`tiled`'s `(out, scale_bits, s_dec)` from the kernel's outputs."""
-    transposed = block == ROW_BLOCK
+        found = ((jnp.max(partial[0]) > 0, from_bits(jnp.max(partial[1]))),)
     if output != "codes":
         out = outs[0]
-        return (out if (rp, cp) == (rows, cols) else out[:rows, :cols]), None, s_dec
+        return (out if (rp, cp) == (rows, cols) else out[:rows, :cols]), None, s_dec, *found
     codes = jax.lax.bitcast_convert_type(outs[0], jnp.uint8)[:rows, : cols // 2]
     scale_bits = jax.lax.bitcast_convert_type(outs[1], jnp.uint8)
     if transposed:
         scale_bits = scale_bits.T
     elif block == TILE:
         scale_bits = scale_bits[:, ::BLOCK]
-    return codes, scale_bits[: rows // br, : cols // bc], s_dec
+    return codes, scale_bits[: rows // br, : cols // bc], s_dec, *found
 
 
 def _vmem_limit(tr: int, tc: int, dtype, output: str) -> int:
