@@ -28,12 +28,21 @@ compiles each Mosaic kernel call) timed apart:
    near-maximum recomputation, to weigh that rarely taken XLA code in the compile and
    the temporaries (a `cond`'s branch buffers are allocated whether or not it runs).
 
-On a CPU (`--smoke`) section 1 lowers the kernels for a TPU (no compile: Mosaic's runs on
-the chip only) and section 2 runs the XLA variants.
+3. **The quantiser's tilings** (`--only tilings`): the 1x16 and 16x16 quantiser kernel
+   (`_tpu_quantize.tiled`: the GEMM operand's values, float32 and bfloat16, SR and to
+   nearest; `to_nvfp4`'s codes) in each of `TILING_CANDIDATES` (the table's, its chunks
+   looped, tiles one chunk wide): lower and compile seconds of a fresh function, the
+   time (median of `--repeats`), and the bits against the table's tiling. The kernel's
+   compile dominated a step's (5 s for the 1x16 SR values kernel, 2026-12-07), its
+   chunks along a row unrolled.
+
+On a CPU (`--smoke`) sections 1 and 3 lower the kernels for a TPU (no compile: Mosaic's
+runs on the chip only) and section 2 runs the XLA variants.
 """
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 import traceback
@@ -49,11 +58,11 @@ from nvfp4x._numerics import _hadamard
 try:
     from benchmarks.bench_compile import MOSAIC, compile_seconds
     from benchmarks.bench_training import Stack
-    from benchmarks.tpu_quantize_check import Report
+    from benchmarks.tpu_quantize_check import Report, same_bits, test_array, timed
 except ImportError:  # run as a script from inside benchmarks/
     from bench_compile import MOSAIC, compile_seconds
     from bench_training import Stack
-    from tpu_quantize_check import Report
+    from tpu_quantize_check import Report, same_bits, test_array, timed
 
 SEED = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
 #: The kernels of section 1: name -> a call on one `N x N` float32 array.
@@ -135,6 +144,21 @@ def replaced(module, name: str, by: str):
         jax.clear_caches()
 
 
+@contextlib.contextmanager
+def looped_tilings():
+    """Every `_tpu_quantize.TILINGS` entry with its chunks looped inside the block (JAX's
+    caches cleared on the way in and out)."""
+    before = dict(_tpu_quantize.TILINGS)
+    _tpu_quantize.TILINGS.update({k: t._replace(looped=True) for k, t in before.items()})
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _tpu_quantize.TILINGS.clear()
+        _tpu_quantize.TILINGS.update(before)
+        jax.clear_caches()
+
+
 def steps(report: Report, a, on_tpu: bool) -> None:
     shape = f"{a.blocks} blocks d={a.d} hidden={a.hidden}, {a.tokens} tokens, adam"
     report.line(f"## The training step's compile ({shape})")
@@ -170,6 +194,8 @@ def steps(report: Report, a, on_tpu: bool) -> None:
         "diagnostic: nvfp4 default, no near-max recomputation": ("_accurate", "_as_is"),
     }
     variants |= {name: default for name in diagnostics}
+    looped = "nvfp4 default, the quantiser's chunks looped"
+    variants[looped] = default
     base = None
     for name, (m, picks) in variants.items():
         try:
@@ -178,6 +204,8 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(_kernels.use(op, impl))
                 if name in diagnostics:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
+                if name == looped:
+                    stack.enter_context(looped_tilings())
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")
@@ -195,6 +223,67 @@ def steps(report: Report, a, on_tpu: bool) -> None:
     report.line("")
 
 
+#: The quantiser cases of section 3: `(label, block, dtype, rounding, output)`.
+TILING_CASES = (
+    ("1x16 values SR (fprop x, dgrad dy)", (1, 16), jnp.float32, "stochastic", "values"),
+    ("1x16 values SR", (1, 16), jnp.bfloat16, "stochastic", "values"),
+    ("1x16 values", (1, 16), jnp.float32, "nearest", "values"),
+    ("16x16 values (weights)", (16, 16), jnp.float32, "nearest", "values"),
+    ("1x16 codes (to_nvfp4)", (1, 16), jnp.float32, "nearest", "codes"),
+)
+#: Section 3's tilings besides each case's `TILINGS` entry (and it looped).
+TILING_CANDIDATES = (
+    _tpu_quantize.Tiling(2048, 512, 512),
+    _tpu_quantize.Tiling(4096, 512, 512),
+    _tpu_quantize.Tiling(1024, 512, 512),
+    _tpu_quantize.Tiling(2048, 1024, 512, looped=True),
+    _tpu_quantize.Tiling(512, 1024, 256, looped=True),
+)
+
+
+def _tiled_call(x, *, seed, kw):
+    """`quantize_2d(x, None, seed, **kw)`'s output and scale bits."""
+    return _tpu_quantize.quantize_2d(x, None, seed, **kw)[:2]
+
+
+def tilings(report: Report, n: int, repeats: int, on_tpu: bool) -> None:
+    report.line(f"## The quantiser's tilings ({n}x{2 * n}, a fresh function each)")
+    report.line("")
+    report.line("| case | tiling | lower s | compile s | ms | same bits as the table's |")
+    report.line("|---|---|---|---|---|---|")
+    for label, block, dtype, rounding, output in TILING_CASES:
+        x = test_array((n, 2 * n), dtype)
+        seed = SEED if rounding == "stochastic" else None
+        table = _tpu_quantize.tiling_for(block, dtype)
+        want = None
+        for t in (table, table._replace(looped=True), *TILING_CANDIDATES):
+            if t == table._replace(looped=True) and t.cols == t.chunk:
+                continue  # (one chunk a row: nothing to loop)
+
+            kw = dict(block=block, rounding=rounding, output=output, tiling=t)
+            f = functools.partial(_tiled_call, seed=seed, kw=kw)
+
+            name = f"{tuple(t)}" + (" (table)" if t == table else "")
+            try:
+                low, comp, _, _ = lower_compile(f, x, on_tpu=on_tpu)
+                if not on_tpu:
+                    report.line(f"| {label} {jnp.dtype(dtype).name} | {name} | {low:.2f} | | | |")
+                    continue
+                g = jax.jit(f)
+                got = g(x)
+                want = got if want is None else want
+                ms = timed({"k": functools.partial(g, x)}, repeats)["k"] * 1e3
+                same = same_bits(got, want)
+                report.line(
+                    f"| {label} {jnp.dtype(dtype).name} | {name} | {low:.2f} | {comp:.2f} "
+                    f"| {ms:.3f} | {same} |"
+                )
+            except Exception as e:  # noqa: BLE001
+                report.line(f"| {label} | {name} | error: {type(e).__name__} | | | |")
+                traceback.print_exc()
+    report.line("")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
@@ -204,7 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--blocks", type=int, default=2)
-    p.add_argument("--only", choices=("sites", "steps"), nargs="+", default=["sites", "steps"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--only",
+        choices=("sites", "steps", "tilings"),
+        nargs="+",
+        default=["sites", "steps", "tilings"],
+    )
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     if a.smoke:
@@ -217,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         call_sites(report, a.size, a.sites, on_tpu)
     if "steps" in a.only:
         steps(report, a, on_tpu)
+    if "tilings" in a.only:
+        tilings(report, a.size, a.repeats, on_tpu)
     return 0
 
 

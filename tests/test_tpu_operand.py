@@ -392,7 +392,9 @@ def test_the_quantiser_gives_the_rht_statistics_of_its_read():
     wgrad's RHT statistics from its read) equals `tiled`'s results (SR codes and scales)
     and `rht_stats` of the rows padded to whole chunks, bit for bit, in the TPU
     interpreter: tiles overhanging the rows (a chunk cut short: its garbage rows taken as
-    zeros) and the lanes, a column the transform scales in the cut chunk."""
+    zeros) and the lanes, a column the transform scales in the cut chunk; the two chunks
+    along a tile's rows in the kernel's loop (`Tiling.looped`: dynamic column offsets)
+    against unrolled."""
     x = np.random.default_rng(6).standard_normal((520, 528)).astype(F32)
     x *= np.exp2(np.random.default_rng(7).integers(-20, 20, 528)).astype(F32)
     x[512:520, 7] = F32(1e-35)  # (a tiny column in the cut chunk)
@@ -400,7 +402,8 @@ def test_the_quantiser_gives_the_rht_statistics_of_its_read():
     seed = seed_words(jax.random.key(4))
     kw = dict(block=(1, 16), rounding="stochastic", output="codes", interpret=not ON_TPU)
     tiling = _tpu_quantize.Tiling(512, 512, 256)
-    *got, (flag, amax) = _tpu_quantize.tiled(a, None, seed, tiling=tiling, stats=True, **kw)
+    looped = tiling._replace(looped=True)
+    *got, (flag, amax) = _tpu_quantize.tiled(a, None, seed, tiling=looped, stats=True, **kw)
     want = _tpu_quantize.tiled(a, None, seed, tiling=tiling, **kw)
     for g, w in zip(got, want, strict=True):
         if w is not None:

@@ -98,11 +98,14 @@ class Tiling(NamedTuple):
     """How the kernel tiles an array: tiles of `rows x cols` (the pipeline's blocks in
     VMEM), worked on in chunks of `CHUNK_ROWS x chunk` (`chunk` a multiple of 256).
     `rows` a multiple of 512 and `cols` of 512 (the int8 scale blocks' tiles), `cols`
-    a multiple of `chunk`; an array smaller than a tile gets one tile of its size."""
+    a multiple of `chunk`; an array smaller than a tile gets one tile of its size.
+    `looped`: every chunk of a tile in one loop (its column offset dynamic: one chunk's
+    code for Mosaic to compile) instead of the chunks along a row unrolled."""
 
     rows: int = 512
     cols: int = 1024
     chunk: int = 256
+    looped: bool = False
 
 
 #: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
@@ -205,6 +208,18 @@ def rht_chunk_stats(x: Array) -> tuple[Array, Array]:
             b = jnp.where(low, b + pltpu.roll(b, 8 - h, 0), pltpu.roll(b, h, 0) - b)
         top = jnp.maximum(top, jnp.maximum(abs_bits(a + b), abs_bits(a - b)))
     return flag, top
+
+
+def _aligned(offset, multiple: int):
+    """A static offset as it is; a dynamic one marked a multiple of `multiple` (so that
+    Mosaic takes it as an aligned start)."""
+    return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
+def _over(offset, d: int):
+    """`offset // d` of a static or a dynamic (non-negative) offset (`lax.div`: `//`
+    would lower a sign fix-up, which Mosaic lowers by asking for the device)."""
+    return offset // d if isinstance(offset, int) else jax.lax.div(offset, d)
 
 
 def _lookup(index: Array, table) -> Array:
@@ -349,6 +364,7 @@ def _kernel(
     chunk: int,
     stats: bool = False,
     bounds: tuple[int, int] | None = None,
+    looped: bool = False,
 ):
     """One tile: a loop down its rows, `CHUNK_ROWS` at a time, over its chunks of
     `chunk` columns; the tile's scale bits are gathered in an int32 scratch and written
@@ -366,50 +382,69 @@ def _kernel(
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
     consts = (params_ref, seed_ref, table_ref, pair_ref)
 
-    def body(k, carry):
-        r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
-        for c0 in range(0, tc, chunk):
-            x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
-            if stats:
-                lanes, inside = pl.ds(c0, chunk), x
-                if bounds is not None:
-                    at = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + r_tile + r0
-                    on = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) + c_tile + c0
-                    keep = (at < bounds[0]) & (on < bounds[1])
-                    inside = jnp.where(keep, x, np.float32(0.0))
-                for i, part in enumerate(rht_chunk_stats(inside)):
-                    stats_ref[i, :, lanes] = jnp.maximum(stats_ref[i, :, lanes], part)
-            shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
-            ri, ci = (1, 0) if transposed else (0, 1)
-            row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
-            col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, ci)
-            codes, bits, q = _chunk(
-                x.T if transposed else x,
-                row,
-                col,
-                consts,
-                block=block,
-                rounding=rounding,
-                output=output,
-                cols=cols,
-            )
-            rows = pl.ds(r0, CHUNK_ROWS)
-            if codes is not None:
-                if transposed:
-                    scratch[k, pl.ds(c0 // BLOCK, chunk // BLOCK), :] = bits
-                else:
-                    r16 = pl.multiple_of(k * (CHUNK_ROWS // BLOCK), CHUNK_ROWS // BLOCK)
-                    scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, chunk)] = bits
-                for g, b in enumerate(_pairs(codes, pair_ref, transposed)):
-                    cb = pl.ds(c0 // 2 + g * (PAIR_GROUP // 2), PAIR_GROUP // 2)
-                    outs[0][rows, cb] = b.astype(jnp.int8)
+    def one(k, r0, c0):
+        """The chunk of rows from `r0 = k * CHUNK_ROWS` and columns from `c0` (static, or
+        dynamic in the looped form)."""
+        x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
+        if stats:
+            lanes, inside = pl.ds(c0, chunk), x
+            if bounds is not None:
+                at = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + r_tile + r0
+                on = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) + c_tile + c0
+                keep = (at < bounds[0]) & (on < bounds[1])
+                inside = jnp.where(keep, x, np.float32(0.0))
+            for i, part in enumerate(rht_chunk_stats(inside)):
+                stats_ref[i, :, lanes] = jnp.maximum(stats_ref[i, :, lanes], part)
+        shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
+        ri, ci = (1, 0) if transposed else (0, 1)
+        row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
+        col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, ci)
+        codes, bits, q = _chunk(
+            x.T if transposed else x,
+            row,
+            col,
+            consts,
+            block=block,
+            rounding=rounding,
+            output=output,
+            cols=cols,
+        )
+        rows = pl.ds(r0, CHUNK_ROWS)
+        if codes is not None:
+            if transposed:
+                c16 = _aligned(_over(c0, BLOCK), chunk // BLOCK)
+                scratch[k, pl.ds(c16, chunk // BLOCK), :] = bits
             else:
-                assert q is not None
-                out = outs[0]
-                out[rows, pl.ds(c0, chunk)] = (q.T if transposed else q).astype(out.dtype)
-        return carry
+                r16 = pl.multiple_of(k * (CHUNK_ROWS // BLOCK), CHUNK_ROWS // BLOCK)
+                scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, chunk)] = bits
+            for g, b in enumerate(_pairs(codes, pair_ref, transposed)):
+                c2 = _aligned(_over(c0, 2) + g * (PAIR_GROUP // 2), PAIR_GROUP // 2)
+                outs[0][rows, pl.ds(c2, PAIR_GROUP // 2)] = b.astype(jnp.int8)
+        else:
+            assert q is not None
+            out = outs[0]
+            out[rows, pl.ds(c0, chunk)] = (q.T if transposed else q).astype(out.dtype)
 
-    jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
+    per_row = tc // chunk
+    if looped and per_row > 1:  # one chunk's code, its row and column offsets dynamic
+
+        def body(i, carry):
+            # (`lax.div` and `rem`: `i >= 0`; `//` and `%` would lower a sign fix-up)
+            k, c = jax.lax.div(i, per_row), jax.lax.rem(i, per_row)
+            r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+            one(k, r0, pl.multiple_of(c * chunk, chunk))
+            return carry
+
+        jax.lax.fori_loop(0, (tr // CHUNK_ROWS) * per_row, body, 0)
+    else:  # a loop down the rows, the chunks along them unrolled (static column offsets)
+
+        def body(k, carry):
+            r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+            for c0 in range(0, tc, chunk):
+                one(k, r0, c0)
+            return carry
+
+        jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
     if output == "codes":
         scales = outs[1]
         if transposed:
@@ -552,7 +587,14 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling, 
     overhang = rp % tr or cp % tc
     kw = dict(stats=True, bounds=(rows, cols) if overhang else None) if stats else {}
     kernel = functools.partial(
-        _kernel, block=block, rounding=rounding, output=output, cols=cols, chunk=chunk, **kw
+        _kernel,
+        block=block,
+        rounding=rounding,
+        output=output,
+        cols=cols,
+        chunk=chunk,
+        looped=tiling.looped,
+        **kw,
     )
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     outs = pl.pallas_call(
