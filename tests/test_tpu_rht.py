@@ -1,4 +1,5 @@
-"""The Mosaic (Pallas TPU) Hadamard transform equals the library's defined order bit for bit.
+"""The Mosaic (Pallas TPU) Hadamard transforms equal the library's defined order bit for bit:
+the product alone (`_tpu_rht.transform`) and the scaled one (`transform_scaled`).
 
 On a CPU the kernel runs in the TPU interpreter (`pltpu.InterpretParams()`); on a TPU the
 same tests run it compiled. The kernel is picked explicitly (`use("rht", "mosaic")`), so
@@ -20,6 +21,7 @@ import nvfp4x
 from nvfp4x import _kernels
 from nvfp4x._kernels import _tpu_rht
 from nvfp4x._numerics import _hadamard
+from nvfp4x._numerics._ieee import INF_BITS, abs_bits
 
 
 def data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -108,16 +110,20 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
         # Lowered after the block: the GEMM primitives run the picks of their binding.
         return traced.lower(lowering_platforms=("tpu",)).as_text()
 
-    def kernels_in(implementation: str | None) -> int:
+    def kernels_in(implementation: str | None) -> tuple[int, int]:
         picks = [("rht_operand", "xla")] + ([("rht", implementation)] if implementation else [])
-        return lowered(*picks).count('"nvfp4x_rht_tpu"')
+        text = lowered(*picks)
+        return text.count('"nvfp4x_rht_tpu"'), text.count('"nvfp4x_rht_scaled_tpu"')
 
     # XLA's transform between two kernel steps: no lowering of the GEMMs is reused
-    # across picks. A TPU's default is the kernel.
-    assert [kernels_in(i) for i in ("mosaic", "xla", "mosaic", None)] == [2, 0, 2, 2]
-    # With a TPU's defaults, the fused operand kernels (their own transform) instead.
+    # across picks. A TPU's default is the kernel, for the scaled path too.
+    found = [kernels_in(i) for i in ("mosaic", "xla", "mosaic", None)]
+    assert found == [(2, 2), (0, 0), (2, 2), (2, 2)]
+    # With a TPU's defaults, the fused operand kernels (their own transform) instead, and
+    # the scaled path's kernel in the branch for columns that need it.
     text = lowered()
     assert text.count('"nvfp4x_rht_tpu"') == 0 and text.count('"nvfp4x_rht_stats_tpu"') == 2
+    assert text.count('"nvfp4x_rht_scaled_tpu"') == 2
 
 
 def test_the_kernel_lowers_for_a_tpu():
@@ -129,19 +135,115 @@ def test_the_kernel_lowers_for_a_tpu():
         assert "nvfp4x_rht_tpu" in lowered.as_text()
 
 
+def special_data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """`data` with chunk columns that need `_guarded`'s scaling among the ordinary ones,
+    every 9th column from the 10th and the last two (so in both lane tiles): big ones up
+    to float32's maximum (transforms near it and past it), with +inf, -inf, both, NaN,
+    tiny ones (1e-35, subnormals around 1e-40 and 1e-45, both signs; zero columns from
+    `data`), one whose chunks are big, tiny and ordinary in turn, and one of subnormals
+    that the last 8 rows of each chunk make ordinary."""
+    rng = np.random.default_rng(seed)
+    x = data(rows, cols, seed)
+
+    def signs():
+        return rng.choice(np.asarray([-1.0, 1.0], F32), rows)
+
+    def normal_with(*at):  # (row, value) pairs
+        col = rng.standard_normal(rows).astype(F32)
+        for r, v in at:
+            col[r] = v
+        return col
+
+    per_chunk = (np.arange(rows) // 16) % 3
+    columns = [
+        F32(3e38) * signs(),
+        rng.uniform(2.5e38, 3.4e38, rows),
+        rng.uniform(-1.0, 1.0, rows) * F32(3.4e38),
+        np.full(rows, 2.0**124) * signs(),  # (exactly `_BIG_BITS`)
+        normal_with((5, np.inf)),
+        normal_with((40, -np.inf)),
+        normal_with((3, np.inf), (4, -np.inf)),
+        normal_with((70, np.nan)),
+        F32(1e-35) * signs(),
+        rng.standard_normal(rows) * F32(1e-40),
+        np.where(rng.random(rows) < 0.5, F32(1e-45), F32(0.0)) * signs(),
+        np.select([per_chunk == 0, per_chunk == 1], [signs() * F32(3e38), F32(1e-40)], 1.5),
+        # Not tiny by the last 8 rows of each chunk alone (2^-100, exactly `_TINY_BITS`):
+        # most results are their subnormals' sums, which read as zero (not scaled).
+        np.where(np.arange(rows) % 16 < 8, rng.standard_normal(rows) * 1e-40, 2.0**-100),
+    ]
+    targets = [*range(10, cols - 2, 9), cols - 2, cols - 1]
+    for i, c in enumerate(targets):
+        x[:, c] = np.asarray(columns[i % len(columns)], F32)
+    return x
+
+
+def _near_max_recomputed(x: np.ndarray) -> tuple[int, int]:
+    """How many of `_guarded`'s scaled results of `x` are near float32's maximum, and at
+    how many of them `_accurate` changes `_plain`'s bits (the XLA code's steps)."""
+    chunks, amax_bits = _hadamard._chunk_columns(jnp.asarray(x))
+    scaled, (big, _) = _hadamard._scaled_into_range(chunks, amax_bits)
+    y = _hadamard._plain(scaled)
+    near_max = big & (abs_bits(y) >= _hadamard._NEAR_MAX_BITS) & (abs_bits(y) < INF_BITS)
+    accurate = _hadamard._accurate(scaled, y, near_max)
+    changed = np.asarray(accurate).view(np.uint32) != np.asarray(y).view(np.uint32)
+    return int(jnp.sum(near_max)), int(changed.sum())
+
+
+@pytest.mark.parametrize(
+    "shape, mode",
+    [((144, 200), "eager"), ((2064, 130), "jit")],
+    ids=["one tile, rows padded, lanes overhang", "two row tiles, two lane tiles"],
+)
+def test_the_scaled_kernel_is_rht_scaled(shape, mode):
+    """`transform_scaled` equals `_hadamard.rht_scaled` (XLA's `_guarded`) bit for bit,
+    NaNs aside, on big, non-finite, tiny, zero and ordinary chunk columns: results that
+    overflow, near float32's maximum (recomputed by `_accurate`, which changes some of
+    them here), subnormal, signed zeros; called eagerly (it is jitted) or inside a jit."""
+    x = special_data(*shape)
+    want = np.asarray(jax.jit(_hadamard.rht_scaled)(jnp.asarray(x)))
+    near_max, changed = _near_max_recomputed(x)
+    assert near_max > 0 and changed > 0  # (the data reach `_accurate`'s path)
+    tiny = (want != 0) & (np.abs(want) < F32(2.0**-126))
+    zeros = want == 0
+    assert np.isinf(want).any() and np.isnan(want).any() and tiny.any()
+    assert (zeros & np.signbit(want)).any() and (zeros & ~np.signbit(want)).any()
+
+    def call(a):
+        return _tpu_rht.transform_scaled(a, interpret=_kernels.backend() != "tpu")
+
+    got = (call if mode == "eager" else jax.jit(call))(jnp.asarray(x))
+    assert_bits(np.asarray(got), want, f"{mode} {shape}")
+
+
+def test_the_scaled_kernel_lowers_for_a_tpu():
+    """The scaled kernel lowers for a TPU, under its own name."""
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    traced = jax.jit(lambda a: _tpu_rht.transform_scaled(a)).trace(x)
+    text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert '"nvfp4x_rht_scaled_tpu"' in text and '"nvfp4x_rht_tpu"' not in text
+
+
+_KERNELS = pytest.mark.parametrize(
+    "kernel", [_tpu_rht.transform, _tpu_rht.transform_scaled], ids=["product", "scaled"]
+)
+
+
+@_KERNELS
 @pytest.mark.parametrize(
     "shape, dtype",
     [((100, 128), jnp.float32), ((128, 64), jnp.float32), ((128, 128), jnp.bfloat16)],
     ids=["rows not whole chunks", "too narrow", "bfloat16"],
 )
-def test_the_kernel_refuses_what_it_does_not_take(shape, dtype):
+def test_the_kernel_refuses_what_it_does_not_take(kernel, shape, dtype):
     with pytest.raises(ValueError, match="TPU Hadamard kernel takes float32"):
-        _tpu_rht.transform(jnp.zeros(shape, dtype))
+        kernel(jnp.zeros(shape, dtype))
 
 
-def test_the_kernel_refuses_tiles_of_partial_groups():
+@_KERNELS
+def test_the_kernel_refuses_tiles_of_partial_groups(kernel):
     with pytest.raises(ValueError, match="`rows` must be a positive multiple of 128"):
-        _tpu_rht.transform(jnp.zeros((256, 128), jnp.float32), rows=100)
+        kernel(jnp.zeros((256, 128), jnp.float32), rows=100)
 
 
 def _grouped_and_scanned():

@@ -45,9 +45,11 @@ Operations:
 
 - `"rht"`: the product of the random Hadamard transform (`_numerics._hadamard`'s
   16-point fast Walsh-Hadamard butterflies, in its defined order) where no chunk column
-  needs scaling (the checks and the scaled path stay XLA's): `"xla"` (`_plain`,
-  elementwise operations) or `"mosaic"` (`_tpu_rht`, Pallas TPU: row `j` of 8 chunks
-  one vector register by strided loads; the same bits). Callers ask `rht(...)`
+  needs scaling (the check stays XLA's): `"xla"` (`_plain`, elementwise operations) or
+  `"mosaic"` (`_tpu_rht`, Pallas TPU: row `j` of 8 chunks one vector register by
+  strided loads; the same bits), whose pick also runs the scaled path (`_guarded`) by
+  its kernel (`_tpu_rht.transform_scaled`, the same bits: a kernel is far less for XLA
+  to compile at every call site than `_guarded`'s XLA code). Callers ask `rht(...)`
   (`nvfp4x.rht`, wgrad's operands). `"mosaic"` is the default on TPUs: on a TPU v5e
   (2026-12-06) it equalled XLA's transform bit for bit (`tests/test_tpu_rht.py`, a
   layer's gradients included; `bench_accel.py`'s quantize rows) and took 3.1 ms on an
@@ -61,8 +63,9 @@ Operations:
   the operand once for `_hadamard.rht`'s special-column check and the transform's
   tensor amax (`rht_stats`), then transforms and quantises each tile in one kernel
   (`operand(..., rht=True)`), so the transformed operand is never written; where a
-  column needs the transform's scaled path, that path (`_hadamard.rht_scaled`, XLA's)
-  then the quantiser run instead (`lax.cond`; the branch holds no transform kernel).
+  column needs the transform's scaled path, that path (`_hadamard.rht_scaled`'s bits, by
+  its kernel `_tpu_rht.transform_scaled` where it takes the rows) then the quantiser
+  run instead (`lax.cond`; the branch holds no transform kernel).
   The same bits (`tests/test_tpu_operand.py`, whole on a TPU v5e, 2026-12-06: the
   kernels' reference cases and a layer's gradients with the fused operands bit for bit
   those with the transform and quantiser apart). `"mosaic"` is the default on TPUs:
@@ -442,7 +445,9 @@ def rht(x: Array, axis: int = 0) -> Array:
     no chunk column needs scaling and the array is one the kernel takes, else XLA's
     `_plain`; the same bits either way."""
     if pick("rht") == "mosaic":
-        return _hadamard.rht(x, axis, unguarded=_MOSAIC_RHT_BRANCHES[backend() == "tpu"])
+        compiled = backend() == "tpu"
+        branches = dict(unguarded=_MOSAIC_RHT_BRANCHES[compiled], guarded=_MOSAIC_GUARDED[compiled])
+        return _hadamard.rht(x, axis, **branches)
     return _hadamard.rht(x, axis)
 
 
@@ -522,7 +527,7 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
         top, out, s_dec = carry
         second = k >= n
         i = jnp.where(second, k - n, k)
-        y = _hadamard.rht_scaled(jax.lax.dynamic_index_in_dim(batches, i, keepdims=False))
+        y = _rht_scaled(jax.lax.dynamic_index_in_dim(batches, i, keepdims=False))
         # (the running amax as bits: a subnormal one is not read through float arithmetic)
         top = jnp.where(second, top, jnp.maximum(top, abs_bits(amax_of_bits(y))))
         old = jax.lax.dynamic_index_in_dim(out, i, keepdims=False)
@@ -539,6 +544,18 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
     init = (jnp.int32(0), jnp.zeros((n, per, m), jnp.bfloat16), jnp.float32(0))
     (_, out, s_dec), _ = jax.lax.scan(step, init, jnp.arange(2 * n))
     return out.reshape(r, m), s_dec
+
+
+def _rht_scaled(x: Array) -> Array:
+    """`_hadamard.rht_scaled(x)` of the float32 `(rows, columns)` `x` (whole chunks of rows)
+    by the TPU kernel (`_tpu_rht.transform_scaled`) where it takes `x`, else XLA's: the
+    same bits. (Inlined in XLA at every call site of a step, the scaled path took ~11 s of
+    a TPU's compile: `benchmarks/tpu_compile_check.py`.)"""
+    from . import _tpu_rht
+
+    if not _tpu_rht.applies(x.shape):
+        return _hadamard.rht_scaled(x)
+    return _tpu_rht.transform_scaled(x, interpret=_in_primitive_interpret())
 
 
 def _quantised_piece(piece, y, amax, offset, old, s_dec):
@@ -562,6 +579,24 @@ def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -
     flat = _tpu_rht.transform(chunks.reshape(c * rows, m), interpret=interpret)
     return flat.reshape(chunks.shape)
 
+
+def _mosaic_guarded_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:
+    """`_hadamard._guarded(chunks, amax_bits)` by the TPU kernel
+    (`_tpu_rht.transform_scaled`), where it takes the `(chunks * 16, columns)` array."""
+    from . import _tpu_rht
+
+    c, rows, m = chunks.shape
+    if not _tpu_rht.applies((c * rows, m)):
+        return _hadamard._guarded(chunks, amax_bits)
+    flat = _tpu_rht.transform_scaled(chunks.reshape(c * rows, m), interpret=interpret)
+    return flat.reshape(chunks.shape)
+
+
+#: `_mosaic_guarded_branch` as `_MOSAIC_RHT_BRANCHES` holds the other branch.
+_MOSAIC_GUARDED = {
+    True: functools.partial(_mosaic_guarded_branch, interpret=False),
+    False: functools.partial(_mosaic_guarded_branch, interpret="plain"),
+}
 
 #: `_mosaic_rht_branch` compiled (on a TPU: `True`) or, off a TPU, in Pallas's generic
 #: interpreter, which runs inside the layers' primitives (the tests run the TPU

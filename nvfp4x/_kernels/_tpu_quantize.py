@@ -111,14 +111,17 @@ class Tiling(NamedTuple):
 #: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
 #: table to edit after a sweep on a TPU (`benchmarks/tpu_quantize_check.py --sweep`).
 TILINGS: dict[tuple[Block, str], Tiling] = {
-    # The sweep on a TPU v5e, 2026-12-05 (8192x16384; medians of 10, run to run noise
-    # ~10%): the best of `CANDIDATES` where measured, else the default.
-    (ROW_BLOCK, "float32"): Tiling(1024, 2048, 512),  # 4.20 ms, 3.2x the floor
-    (ROW_BLOCK, "bfloat16"): Tiling(1024, 2048, 512),  # 4.00 ms
-    (TILE, "float32"): Tiling(),
-    (TILE, "bfloat16"): Tiling(1024, 2048, 512),  # 4.46 ms
+    # Tiles one chunk wide (2048 x 512, chunks of 128 x 512: no chunks unrolled along a
+    # row): on a TPU v5e (2026-12-07, 4096x8192, `benchmarks/tpu_compile_check.py --only
+    # tilings`) each kernel compiled in 0.8-1.2 s and lowered in ~0.6 s, against 1.4-3.4 s
+    # and 2.0-2.4 s for the 4-chunk-wide tiles of the sweep before, at 0.99-1.08x their
+    # time (16x16 float32: 0.90x).
+    (ROW_BLOCK, "float32"): Tiling(2048, 512, 512),
+    (ROW_BLOCK, "bfloat16"): Tiling(2048, 512, 512),
+    (TILE, "float32"): Tiling(2048, 512, 512),
+    (TILE, "bfloat16"): Tiling(2048, 512, 512),
     ((BLOCK, 1), "float32"): Tiling(),
-    ((BLOCK, 1), "bfloat16"): Tiling(1024, 1024, 256),  # 4.24 ms
+    ((BLOCK, 1), "bfloat16"): Tiling(1024, 1024, 256),  # 4.24 ms (2026-12-05)
 }
 
 #: The tilings a sweep on a TPU tries (each lowers for TPU in `tests/test_tpu_kernels.py`).

@@ -19,10 +19,26 @@ stored back the same way. The same float32 operations in the same order as `_pla
 dimension is 128 lanes because Mosaic's strided loads and stores take only memrefs of
 that width.
 
-Only the product: the caller (`_hadamard.rht`) keeps its checks for big, tiny and
-non-finite chunk columns and its scaled path for them (`_guarded`, in XLA), and uses this
-where no column needs them. Tested bit for bit against `_plain` in the TPU interpreter
-(`pltpu.InterpretParams()`) on the CPU, and lowered for a TPU there
+`transform` is the product only: the caller (`_hadamard.rht`) keeps its checks for big,
+tiny and non-finite chunk columns, and uses it where no column needs them.
+`transform_scaled` is the other branch, `_hadamard.rht_scaled` (`_guarded`: every chunk
+column scaled into range by its largest magnitude and back, results near float32's
+maximum computed again): in XLA that branch is inlined at every call site of a training
+step and took ~11 s of a TPU's compile time. Same tiles and the same 16 registers of a
+group of 8 chunks, and on them `_guarded`'s operations (`scaled_butterflies`): the chunk
+columns' largest `abs_bits` (the elementwise maximum of the 16 registers), the scalings
+of `_scaled_into_range` and `_scaled_back` (whose `tiny_up` and `tiny_down` read and
+build subnormals from bits, so a TPU's flushing of subnormals does not touch them),
+`butterflies` between, and `_accurate_chunk`'s TwoSum butterflies (`_sum_of_sums`, in
+its order) computed for every group and selected where a result is near the maximum
+(`_accurate` computes them only there: the same bits). Its groups run in a `fori_loop`
+(one group's code, compiled much faster than unrolled; speed matters little on this
+rarely taken path). On a TPU v5e (2026-12-07, alone in a jit, compiled) it compiled in
+0.2-0.8 s against 1.5-2.9 s for XLA's `rht_scaled`, gave its bits (on these tests' data
+up to 8192x8192) and took 1.2 ms against 11.4 ms on 8192x8192.
+
+Both are tested bit for bit against the XLA code (`_plain`, `rht_scaled`) in the TPU
+interpreter (`pltpu.InterpretParams()`) on the CPU, and lowered for a TPU there
 (`tests/test_tpu_rht.py`).
 """
 
@@ -36,6 +52,15 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK, RHT_SIGNS
+from .._numerics._hadamard import (
+    _BIG_BITS,
+    _NEAR_MAX_BITS,
+    _RANGE_SHIFT,
+    _TINY_BITS,
+    _sum_of_sums,
+)
+from .._numerics._ieee import INF_BITS, abs_bits
+from .._numerics._subnormal import tiny_down, tiny_up
 from ._batching import each_problem
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -82,6 +107,73 @@ def _kernel(x_ref, o_ref):
             o_ref[pl.ds(base + j, 8, stride=BLOCK), :] = rows[j]
 
 
+def _scaled_kernel(x_ref, o_ref):
+    """One tile, `GROUP_ROWS` rows at a time in a `fori_loop` (dynamic row offsets, one
+    group's code), row `j` of 8 chunks one `(8, 128)` value, transformed by
+    `scaled_butterflies`."""
+
+    def one(g, carry):
+        base = pl.multiple_of(g * GROUP_ROWS, GROUP_ROWS)
+        rows = [x_ref[pl.ds(base + j, 8, stride=BLOCK), :] for j in range(BLOCK)]
+        for j, r in enumerate(scaled_butterflies(rows)):
+            o_ref[pl.ds(base + j, 8, stride=BLOCK), :] = r
+        return carry
+
+    jax.lax.fori_loop(0, x_ref.shape[0] // GROUP_ROWS, one, 0)
+
+
+def scaled_butterflies(rows: list[Array]) -> list[Array]:
+    """`_hadamard._guarded`'s operations on the 16 rows of a group of chunks (`rows[j]`:
+    row `j` of each chunk, any shape; the chunk columns are the elements): each column
+    scaled into range by its largest `abs_bits` (`_scaled_into_range`: big ones, from
+    2^124 or non-finite, down by 2^-4; tiny ones, below 2^-100 or zero, up by 2^64),
+    `butterflies`, the results of big columns near float32's maximum taken from
+    `accurate_butterflies` instead, and scaled back (`_scaled_back`). Those two are
+    written out here in their operations (on one row: their annotations name chunks
+    `(c, 16, m)`, which the tests' jaxtyping checks hold them to)."""
+    amax_bits = functools.reduce(jnp.maximum, [abs_bits(r) for r in rows])
+    big, tiny = amax_bits >= _BIG_BITS, amax_bits < _TINY_BITS
+    chunk = [jnp.where(tiny, tiny_up(r), jnp.where(big, r * _RANGE_SHIFT, r)) for r in rows]
+    out = []
+    for y, exact in zip(butterflies(chunk), accurate_butterflies(chunk), strict=True):
+        y_bits = abs_bits(y)  # `_guarded_chunks`' test, elementwise
+        near_max = big & (y_bits >= _NEAR_MAX_BITS) & (y_bits < INF_BITS)
+        y = jnp.where(near_max, exact, y)
+        out.append(jnp.where(tiny, tiny_down(y), jnp.where(big, y * (1.0 / _RANGE_SHIFT), y)))
+    return out
+
+
+def accurate_butterflies(rows: list[Array]) -> list[Array]:
+    """`_hadamard._accurate_chunk`'s transform of the 16 rows of a group of chunks (as
+    `butterflies`' `rows`; scaled into range already), everywhere: each butterfly stage's
+    `a + b` and `a - b` (rows `j` and `j + h`, `h = 1, 2, 4, 8`) as unevaluated sums
+    `hi + lo` by `_sum_of_sums`, in its order, then `hi` times the signs over 4."""
+    hi, lo = list(rows), [jnp.zeros_like(r) for r in rows]
+    half = 1
+    while half < BLOCK:
+        hi2, lo2 = list(hi), list(lo)
+        for j in range(BLOCK):
+            if not j & half:
+                k = j + half
+                hi2[j], lo2[j] = _sum_of_sums(hi[j], lo[j], hi[k], lo[k])
+                hi2[k], lo2[k] = _sum_of_sums(hi[j], lo[j], -hi[k], -lo[k])
+        hi, lo, half = hi2, lo2, 2 * half
+    signs = np.asarray(RHT_SIGNS, np.float32) / 4
+    return [h * s for h, s in zip(hi, signs, strict=True)]
+
+
+def _check(x: Array, rows: int) -> None:
+    """The `ValueError`s of `transform` and `transform_scaled` for what they do not take."""
+    if rows % GROUP_ROWS or rows <= 0:
+        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
+    if x.dtype != jnp.float32 or not applies(x.shape):
+        raise ValueError(
+            f"the TPU Hadamard kernel takes float32 (rows, columns) arrays with rows a "
+            f"multiple of {BLOCK} and at least {GROUP_ROWS}, and at least {LANES} columns; "
+            f"got {x.dtype} {x.shape} (callers check `applies` first)."
+        )
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "rows"))
 def transform(
     x: Float[Array, "n m"], *, interpret: bool | str = False, rows: int = ROWS
@@ -92,20 +184,31 @@ def transform(
     interpreter, which also runs inside nvfp4x's primitives (their lowering has no token
     for the TPU interpreter's ordered callbacks). `rows`: a tile's rows at most (a
     multiple of `GROUP_ROWS`; `benchmarks/bench_accel.py` times a few on a TPU)."""
-    if rows % GROUP_ROWS or rows <= 0:
-        raise ValueError(f"`rows` must be a positive multiple of {GROUP_ROWS}, got {rows}.")
-    if x.dtype != jnp.float32 or not applies(x.shape):
-        raise ValueError(
-            f"the TPU Hadamard kernel takes float32 (rows, columns) arrays with rows a "
-            f"multiple of {BLOCK} and at least {GROUP_ROWS}, and at least {LANES} columns; "
-            f"got {x.dtype} {x.shape} (callers check `applies` first)."
-        )
-    call = functools.partial(_transform, interpret=interpret, rows=rows)
+    _check(x, rows)
+    call = functools.partial(_tiled, _kernel, "nvfp4x_rht_tpu", interpret=interpret, rows=rows)
     return each_problem(call, x)  # (vmapped: one array after another)
 
 
-def _transform(x, *, interpret, rows):
-    """`transform` of one 2-D `x`, its arguments checked."""
+@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
+def transform_scaled(
+    x: Float[Array, "n m"], *, interpret: bool | str = False, rows: int = ROWS
+) -> Float[Array, "n m"]:
+    """`_hadamard.rht_scaled(x)` bit for bit, for a float32 `x` that `applies(x.shape)`:
+    `H` times each chunk of 16 rows, every chunk column scaled into range and back
+    (`_guarded`: big, non-finite and tiny columns too, subnormal results included;
+    the other columns as `transform` gives them). The kernel `scaled_butterflies` of
+    each group of 8 chunks, its groups in a loop. `interpret` and `rows` as
+    `transform`'s."""
+    _check(x, rows)
+    call = functools.partial(
+        _tiled, _scaled_kernel, "nvfp4x_rht_scaled_tpu", interpret=interpret, rows=rows
+    )
+    return each_problem(call, x)  # (vmapped: one array after another)
+
+
+def _tiled(kernel, name, x, *, interpret, rows):
+    """The `pallas_call` of `kernel` (`name`) on one 2-D `x` in tiles of `rows x 128`,
+    its arguments checked."""
     n, m = x.shape
     # An array shorter than a tile is padded to whole groups (zero chunks, cut off again);
     # a longer one is not copied: its last tile may overhang it (by whole chunks, as the
@@ -116,13 +219,13 @@ def _transform(x, *, interpret, rows):
     rows = min(rows, n + pad)
     spec = pl.BlockSpec((rows, LANES), lambda i, j: (i, j))
     y = pl.pallas_call(
-        _kernel,
+        kernel,
         out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.float32),
         grid=(pl.cdiv(n + pad, rows), pl.cdiv(m, LANES)),
         in_specs=[spec],
         out_specs=spec,
         interpret=_INTERPRETERS[interpret],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        name="nvfp4x_rht_tpu",
+        name=name,
     )(xp)
     return y[:n] if pad else y

@@ -60,13 +60,15 @@ def rht(
     x: Float[Array, "..."],
     axis: int = 0,
     unguarded: Callable[[Array, Array], Array] | None = None,
+    guarded: Callable[[Array, Array], Array] | None = None,
 ) -> Float[Array, "..."]:
     """`nvfp4x.rht` on a float array and a valid axis, without input checks (its callers:
     `nvfp4x.rht`, which checks them, and the GEMMs, whose operands are checked already);
     see `nvfp4x.rht` (`_rht.py`) for what it computes. `unguarded`: the branch where no
     chunk column needs scaling, `(chunks, amax_bits) -> _plain(chunks)` bit for bit (a
-    kernel's, picked in `nvfp4x._kernels`); default `_unguarded`. A module-level
-    function, so that `lax.cond` reuses its traced branch."""
+    kernel's, picked in `nvfp4x._kernels`); default `_unguarded`. `guarded`: the other
+    branch, `_guarded` bit for bit (default `_guarded`). Module-level functions, so that
+    `lax.cond` reuses their traced branches."""
     x = padded_rows(jnp.moveaxis(x, axis % x.ndim, 0))
     chunks, amax_bits = _chunk_columns(x)
     # Where no chunk column is big (or non-finite) or tiny but not zero, the scalings
@@ -74,7 +76,8 @@ def rht(
     # `cond` on that path, as the other has one for `near_max`).
     special = special_columns(amax_bits)
     unguarded = _unguarded if unguarded is None else unguarded
-    y = jax.lax.cond(jnp.any(special), _guarded, unguarded, chunks, amax_bits)
+    guarded = _guarded if guarded is None else guarded
+    y = jax.lax.cond(jnp.any(special), guarded, unguarded, chunks, amax_bits)
     y = y.reshape(x.shape)
     return jnp.moveaxis(y, 0, axis)
 
