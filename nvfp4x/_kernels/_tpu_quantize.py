@@ -133,6 +133,9 @@ CANDIDATES: tuple[Tiling, ...] = (
     Tiling(512, 1024, 512),
     Tiling(1024, 2048, 512),
     Tiling(512, 512),
+    Tiling(2048, 512, 512),
+    Tiling(4096, 512, 512),
+    Tiling(1024, 512, 512),
 )
 
 
