@@ -435,14 +435,14 @@ def _kernel(
     per_row = tc // chunk
     if looped and per_row > 1:  # one chunk's code, its row and column offsets dynamic
 
-        def body(i, carry):
+        def each_chunk(i, carry):
             # (`lax.div` and `rem`: `i >= 0`; `//` and `%` would lower a sign fix-up)
             k, c = jax.lax.div(i, per_row), jax.lax.rem(i, per_row)
             r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
             one(k, r0, pl.multiple_of(c * chunk, chunk))
             return carry
 
-        jax.lax.fori_loop(0, (tr // CHUNK_ROWS) * per_row, body, 0)
+        jax.lax.fori_loop(0, (tr // CHUNK_ROWS) * per_row, each_chunk, 0)
     else:  # a loop down the rows, the chunks along them unrolled (static column offsets)
 
         def body(k, carry):
