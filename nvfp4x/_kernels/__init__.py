@@ -592,7 +592,8 @@ def _mosaic_guarded_branch(chunks: Array, amax_bits: Array, interpret: bool | st
     return flat.reshape(chunks.shape)
 
 
-#: `_mosaic_guarded_branch` as `_MOSAIC_RHT_BRANCHES` holds the other branch.
+#: `_mosaic_guarded_branch` compiled (on a TPU: `True`) or interpreted, as
+#: `_MOSAIC_RHT_BRANCHES` holds the other branch.
 _MOSAIC_GUARDED = {
     True: functools.partial(_mosaic_guarded_branch, interpret=False),
     False: functools.partial(_mosaic_guarded_branch, interpret="plain"),

@@ -11,7 +11,9 @@ How it fits a TPU's (8, 128) vector tiles, with no 16-wide trailing axis anywher
 
 - A tile of `Tiling.rows x Tiling.cols` is DMA'd into VMEM by the grid's pipeline and
   worked on in chunks of `128 x Tiling.chunk` (a `fori_loop` down the rows, the chunks
-  along the columns unrolled), so that the element steps' temporaries stay small.
+  along the columns unrolled, or with `Tiling.looped` in the loop too), so that the
+  element steps' temporaries stay small. The tiles of `TILINGS` are one chunk wide:
+  Mosaic compiles one chunk's code (its compile grew with the chunks unrolled).
 - Blocks lie along the sublanes: 16 consecutive rows of a chunk reduce with a sublane
   reduction (`(n/16, 16, m)`, max over the 16). 16x1 blocks are already so; a 1x16
   chunk is transposed first (the XLU's work), so its blocks of 16 columns become 16
