@@ -548,14 +548,17 @@ def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
 
 def _rht_scaled(x: Array) -> Array:
     """`_hadamard.rht_scaled(x)` of the float32 `(rows, columns)` `x` (whole chunks of rows)
-    by the TPU kernel (`_tpu_rht.transform_scaled`) where it takes `x`, else XLA's: the
-    same bits. (Inlined in XLA at every call site of a step, the scaled path took ~11 s of
-    a TPU's compile: `benchmarks/tpu_compile_check.py`.)"""
+    on a TPU by its kernel (`_tpu_rht.transform_scaled`) where it takes `x`, else XLA's:
+    the same bits. (Inlined in XLA at every call site of a step, the scaled path took
+    ~11 s of a TPU's compile: `benchmarks/tpu_compile_check.py`. Off a TPU the kernel
+    would run interpreted inside this rarely taken branch for nothing: its bits are
+    tested directly, `tests/test_tpu_rht.py`, and this branch's kernel in a step lowered
+    for a TPU.)"""
     from . import _tpu_rht
 
-    if not _tpu_rht.applies(x.shape):
+    if backend() != "tpu" or not _tpu_rht.applies(x.shape):
         return _hadamard.rht_scaled(x)
-    return _tpu_rht.transform_scaled(x, interpret=_in_primitive_interpret())
+    return _tpu_rht.transform_scaled(x)
 
 
 def _quantised_piece(piece, y, amax, offset, old, s_dec):
