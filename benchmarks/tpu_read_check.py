@@ -36,28 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.tpu_quantize_check import square_check, timed
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize
-from nvfp4x._kernels._tpu_rht import _INTERPRETERS
 from nvfp4x._numerics._constants import BLOCK
 from nvfp4x._numerics._ieee import abs_bits, from_bits
-
-
-def _grid_call(kernel, x, tile, interpret):
-    n, m = x.shape
-    tr, tw = tile
-    grid = (pl.cdiv(n, tr), pl.cdiv(m, tw))
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((2, grid[0] * 8, grid[1] * tw), jnp.int32),
-        grid=grid,
-        in_specs=[pl.BlockSpec((tr, tw), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((2, 8, tw), lambda i, j: (0, i, j)),
-        interpret=_INTERPRETERS[interpret],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-    )(x)
 
 
 def max_contiguous(x, *, tile, interpret):
@@ -72,7 +55,7 @@ def max_contiguous(x, *, tile, interpret):
         top = jax.lax.fori_loop(0, tr // 8, body, jnp.zeros((8, tw), jnp.int32), unroll=8)
         o_ref[0], o_ref[1] = top, top
 
-    return jnp.max(_grid_call(kernel, x, tile, interpret))
+    return jnp.max(_tpu_operand.stats_call(kernel, x, tile, interpret, "read_check"))
 
 
 def max_strided(x, *, interpret):
@@ -89,7 +72,7 @@ def max_strided(x, *, interpret):
         top = jax.lax.fori_loop(0, tr // 128, body, jnp.zeros((8, 128), jnp.int32))
         o_ref[0], o_ref[1] = top, top
 
-    return jnp.max(_grid_call(kernel, x, (2048, 128), interpret))
+    return jnp.max(_tpu_operand.stats_call(kernel, x, (2048, 128), interpret, "read_check"))
 
 
 def stats_contiguous(x, *, tile, interpret, unroll=4):
@@ -113,7 +96,7 @@ def stats_contiguous(x, *, tile, interpret, unroll=4):
         flag, top = jax.lax.fori_loop(0, tr // BLOCK, body, (zeros, zeros), unroll=unroll)
         o_ref[0], o_ref[1] = flag, top
 
-    stats = _grid_call(kernel, x, tile, interpret)
+    stats = _tpu_operand.stats_call(kernel, x, tile, interpret, "read_check")
     return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))
 
 

@@ -554,11 +554,9 @@ def _rht_scaled(x: Array) -> Array:
     would run interpreted inside this rarely taken branch for nothing: its bits are
     tested directly, `tests/test_tpu_rht.py`, and this branch's kernel in a step lowered
     for a TPU.)"""
-    from . import _tpu_rht
-
-    if backend() != "tpu" or not _tpu_rht.applies(x.shape):
+    if backend() != "tpu":
         return _hadamard.rht_scaled(x)
-    return _tpu_rht.transform_scaled(x)
+    return _MOSAIC_GUARDED[True](*_hadamard._chunk_columns(x)).reshape(x.shape)
 
 
 def _quantised_piece(piece, y, amax, offset, old, s_dec):

@@ -343,15 +343,25 @@ def _rht_stats(x, *, interpret, rows, looped):
     """`rht_stats` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
     tr = min(rows, -(-n // GROUP_ROWS) * GROUP_ROWS)
-    grid = (pl.cdiv(n, tr), pl.cdiv(m, LANES))
-    stats = pl.pallas_call(
-        functools.partial(_stats_kernel, n=n, m=m, looped=looped),
-        out_shape=jax.ShapeDtypeStruct((2, grid[0] * 8, grid[1] * LANES), jnp.int32),
+    kernel = functools.partial(_stats_kernel, n=n, m=m, looped=looped)
+    stats = stats_call(kernel, x, (tr, LANES), interpret, "nvfp4x_rht_stats_tpu")
+    return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))
+
+
+def stats_call(kernel, x: Array, tile: tuple[int, int], interpret, name: str) -> Array:
+    """The `pallas_call` of a statistics kernel over `x` in `tile`s: each tile writes two
+    `(8, tile width)` int32 results (`rht_stats`' flag and amax bits), gathered as `(2,
+    8 * row tiles, width of the tiles)` (also `benchmarks/tpu_read_check.py`'s variants)."""
+    n, m = x.shape
+    tr, tw = tile
+    grid = (pl.cdiv(n, tr), pl.cdiv(m, tw))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((2, grid[0] * 8, grid[1] * tw), jnp.int32),
         grid=grid,
-        in_specs=[pl.BlockSpec((tr, LANES), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((2, 8, LANES), lambda i, j: (0, i, j)),
+        in_specs=[pl.BlockSpec((tr, tw), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((2, 8, tw), lambda i, j: (0, i, j)),
         interpret=_INTERPRETERS[interpret],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        name="nvfp4x_rht_stats_tpu",
+        name=name,
     )(x)
-    return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))

@@ -27,7 +27,7 @@ maximum computed again): in XLA that branch is inlined at every call site of a t
 step and took ~11 s of a TPU's compile time. Same tiles and the same 16 registers of a
 group of 8 chunks, and on them `_guarded`'s operations (`scaled_butterflies`): the chunk
 columns' largest `abs_bits` (the elementwise maximum of the 16 registers), the scalings
-of `_scaled_into_range` and `_scaled_back` (whose `tiny_up` and `tiny_down` read and
+of `_hadamard.scaled_into_range` and `scaled_back` (whose `tiny_up` and `tiny_down` read and
 build subnormals from bits, so a TPU's flushing of subnormals does not touch them),
 `butterflies` between, and `_accurate_chunk`'s TwoSum butterflies (`_sum_of_sums`, in
 its order) computed for every group and selected where a result is near the maximum
@@ -53,14 +53,13 @@ from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK, RHT_SIGNS
 from .._numerics._hadamard import (
-    _BIG_BITS,
-    _NEAR_MAX_BITS,
-    _RANGE_SHIFT,
-    _TINY_BITS,
     _sum_of_sums,
+    near_maximum,
+    range_masks,
+    scaled_back,
+    scaled_into_range,
 )
-from .._numerics._ieee import INF_BITS, abs_bits
-from .._numerics._subnormal import tiny_down, tiny_up
+from .._numerics._ieee import abs_bits
 from ._batching import each_problem
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -125,21 +124,16 @@ def _scaled_kernel(x_ref, o_ref):
 def scaled_butterflies(rows: list[Array]) -> list[Array]:
     """`_hadamard._guarded`'s operations on the 16 rows of a group of chunks (`rows[j]`:
     row `j` of each chunk, any shape; the chunk columns are the elements): each column
-    scaled into range by its largest `abs_bits` (`_scaled_into_range`: big ones, from
-    2^124 or non-finite, down by 2^-4; tiny ones, below 2^-100 or zero, up by 2^64),
-    `butterflies`, the results of big columns near float32's maximum taken from
-    `accurate_butterflies` instead, and scaled back (`_scaled_back`). Those two are
-    written out here in their operations (on one row: their annotations name chunks
-    `(c, 16, m)`, which the tests' jaxtyping checks hold them to)."""
-    amax_bits = functools.reduce(jnp.maximum, [abs_bits(r) for r in rows])
-    big, tiny = amax_bits >= _BIG_BITS, amax_bits < _TINY_BITS
-    chunk = [jnp.where(tiny, tiny_up(r), jnp.where(big, r * _RANGE_SHIFT, r)) for r in rows]
+    scaled into range by its largest `abs_bits` (`_hadamard.range_masks` and
+    `scaled_into_range`: big ones, from 2^124 or non-finite, down by 2^-4; tiny ones,
+    below 2^-100 or zero, up by 2^64), `butterflies`, the results of big columns near
+    float32's maximum (`near_maximum`) taken from `accurate_butterflies` instead, and
+    scaled back (`scaled_back`): `_hadamard`'s own steps, row by row."""
+    masks = range_masks(functools.reduce(jnp.maximum, [abs_bits(r) for r in rows]))
+    chunk = [scaled_into_range(r, masks) for r in rows]
     out = []
     for y, exact in zip(butterflies(chunk), accurate_butterflies(chunk), strict=True):
-        y_bits = abs_bits(y)  # `_guarded_chunks`' test, elementwise
-        near_max = big & (y_bits >= _NEAR_MAX_BITS) & (y_bits < INF_BITS)
-        y = jnp.where(near_max, exact, y)
-        out.append(jnp.where(tiny, tiny_down(y), jnp.where(big, y * (1.0 / _RANGE_SHIFT), y)))
+        out.append(scaled_back(jnp.where(near_maximum(y, masks), exact, y), masks))
     return out
 
 

@@ -195,9 +195,16 @@ def _guarded_chunks(args: tuple[Array, Array]) -> Array:
     # result whose exact value is 2^127 or more) of finite big columns: there the
     # transform's summation error could decide whether scaling back overflows; they are
     # computed again, to float32's nearest (`_accurate`).
-    near_max = masks[0] & (abs_bits(y) >= _NEAR_MAX_BITS) & (abs_bits(y) < INF_BITS)
+    near_max = near_maximum(y, masks)
     y = jax.lax.cond(jnp.any(near_max), _accurate, _as_is, chunks, y, near_max)
-    return _scaled_back(y, masks)
+    return scaled_back(y, masks)
+
+
+def near_maximum(y: Float[Array, "*s"], masks: tuple[Array, Array]) -> Array:
+    """Where a scaled result `y` of a big finite column (`masks`: `range_masks`') lies in
+    the top binades (`_NEAR_MAX_BITS`), so that `_accurate` computes it again."""
+    bits = abs_bits(y)
+    return masks[0] & (bits >= _NEAR_MAX_BITS) & (bits < INF_BITS)
 
 
 def _as_is(chunks: Array, y: Array, near_max: Array) -> Array:
@@ -263,12 +270,24 @@ def _scaled_into_range(
     each column's largest `abs_bits` `(c, 1, m)`, as `rht` computes it.
     **Returns:** `(chunks, (big, tiny))`, the masks of scaled columns `(c, 1, m)` for
     `_scaled_back`. Inf and NaN count as big: scaling keeps them as they are."""
-    big, tiny = amax_bits >= _BIG_BITS, amax_bits < _TINY_BITS
-    scaled = jnp.where(big, chunks * _RANGE_SHIFT, chunks)
-    return jnp.where(tiny, tiny_up(chunks), scaled), (big, tiny)
+    masks = range_masks(amax_bits)
+    return scaled_into_range(chunks, masks), masks
 
 
-def _scaled_back(y: Float[Array, "c 16 m"], masks: tuple[Array, Array]) -> Float[Array, "c 16 m"]:
+def range_masks(amax_bits: Array) -> tuple[Array, Array]:
+    """`(big, tiny)`: the columns (by their largest `abs_bits`) that `_scaled_into_range`
+    scales down (from 2^124, inf and NaN included) and up (below 2^-100, zero included)."""
+    return amax_bits >= _BIG_BITS, amax_bits < _TINY_BITS
+
+
+def scaled_into_range(x: Float[Array, "*s"], masks: tuple[Array, Array]) -> Float[Array, "*s"]:
+    """`_scaled_into_range`'s scaling of `x` by its columns' `range_masks` (any shapes that
+    broadcast: chunks here, one row of a group of chunks in `_tpu_rht`'s kernel)."""
+    big, tiny = masks
+    return jnp.where(tiny, tiny_up(x), jnp.where(big, x * _RANGE_SHIFT, x))
+
+
+def scaled_back(y: Float[Array, "*s"], masks: tuple[Array, Array]) -> Float[Array, "*s"]:
     """Undo `_scaled_into_range` on the transformed columns: big ones exactly (a power of
     two on values of at least 2^-10 times the column's amax), or ±inf where the result
     exceeds float32's range; tiny ones rounded once to float32, subnormals included."""
