@@ -28,7 +28,13 @@ compiles each Mosaic kernel call) timed apart:
    near-maximum recomputation, to weigh that rarely taken XLA code in the compile and
    the temporaries (a `cond`'s branch buffers are allocated whether or not it runs).
 
-3. **The quantiser's tilings** (`--only tilings`): the 1x16 and 16x16 quantiser kernel
+3. **Where the step's lowering goes** (`--only lowering`): the default NVFP4 step traced,
+   then lowered for a TPU under `cProfile` (on a CPU too: Pallas lowers a TPU kernel
+   without the chip, the picks made as a TPU's), the lowering's seconds, the Mosaic
+   kernel calls in its StableHLO (all and distinct) and the functions with the most
+   cumulative time among nvfp4x's and Pallas's.
+
+4. **The quantiser's tilings** (`--only tilings`): the 1x16 and 16x16 quantiser kernel
    (`_tpu_quantize.tiled`: the GEMM operand's values, float32 and bfloat16, SR and to
    nearest; `to_nvfp4`'s codes) in each of `TILING_CANDIDATES` (the table's, its chunks
    looped, tiles one chunk wide): lower and compile seconds of a fresh function, the
@@ -36,19 +42,26 @@ compiles each Mosaic kernel call) timed apart:
    compile dominated a step's (5 s for the 1x16 SR values kernel, 2026-12-07), its
    chunks along a row unrolled.
 
-On a CPU (`--smoke`) sections 1 and 3 lower the kernels for a TPU (no compile: Mosaic's
+On a CPU (`--smoke`) sections 1 and 4 lower the kernels for a TPU (no compile: Mosaic's
 runs on the chip only) and section 2 runs the XLA variants.
 """
 
 import argparse
+import collections
 import contextlib
+import cProfile
 import functools
+import pstats
+import re
 import sys
 import time
 import traceback
+import unittest.mock
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 
 import nvfp4x
 from nvfp4x import _kernels
@@ -56,11 +69,11 @@ from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._numerics import _hadamard
 
 try:
-    from benchmarks.bench_compile import MOSAIC, compile_seconds
+    from benchmarks.bench_compile import MOSAIC, compile_seconds, make_step, mse
     from benchmarks.bench_training import Stack
     from benchmarks.tpu_quantize_check import Report, same_bits, test_array, timed
 except ImportError:  # run as a script from inside benchmarks/
-    from bench_compile import MOSAIC, compile_seconds
+    from bench_compile import MOSAIC, compile_seconds, make_step, mse
     from bench_training import Stack
     from tpu_quantize_check import Report, same_bits, test_array, timed
 
@@ -241,6 +254,51 @@ TILING_CANDIDATES = (
 )
 
 
+def lowering(report: Report, a, on_tpu: bool, rows: int = 30) -> None:
+    """Section 3: the default step's lowering for a TPU, profiled."""
+    report.line(
+        f"## Where the default step's lowering goes ({a.blocks} blocks d={a.d} "
+        f"hidden={a.hidden}, {a.tokens} tokens, adam)"
+    )
+    report.line("")
+    model = nvfp4x.quantize(
+        Stack(a.d, a.hidden, a.blocks, jax.random.key(0)), nvfp4x.recipes.nvfp4_training()
+    )
+    arrays, static = eqx.partition(model, eqx.is_array)
+    optimizer = optax.adam(1e-4)
+    step = make_step(optimizer, static, mse)
+    x = jax.ShapeDtypeStruct((a.tokens, a.d), jnp.float32)
+    with contextlib.ExitStack() as stack:
+        if not on_tpu:  # the picks a TPU makes (Pallas lowers the kernels without one)
+            stack.enter_context(unittest.mock.patch.object(_kernels, "backend", lambda: "tpu"))
+        t0 = time.perf_counter()
+        traced = jax.jit(step).trace(arrays, optimizer.init(arrays), x, x)
+        t1 = time.perf_counter()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        text = traced.lower(lowering_platforms=("tpu",)).as_text()
+        profiler.disable()
+        t2 = time.perf_counter()
+    configs = re.findall(r'tpu_custom_call.*?backend_config = "([^"]*)"', text)
+    names = collections.Counter(re.findall(r'kernel_name = "([^"]*)"', text))
+    report.line(
+        f"trace {t1 - t0:.2f} s, lower {t2 - t1:.2f} s; Mosaic calls {len(configs)} "
+        f"({len(set(configs))} distinct): {dict(names)}"
+    )
+    report.line("")
+    report.line("| cumulative s | own s | calls | function |")
+    report.line("|---|---|---|---|")
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    keep = [
+        (ct, tt, nc, f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line} {name}")
+        for (file, line, name), (_, nc, tt, ct, _) in stats.items()
+        if "nvfp4x" in file or "pallas" in file
+    ]
+    for ct, tt, nc, where in sorted(keep, reverse=True)[:rows]:
+        report.line(f"| {ct:.2f} | {tt:.2f} | {nc} | `{where}` |")
+    report.line("")
+
+
 def _tiled_call(x, *, seed, kw):
     """`quantize_2d(x, None, seed, **kw)`'s output and scale bits."""
     return _tpu_quantize.quantize_2d(x, None, seed, **kw)[:2]
@@ -296,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
         "--only",
-        choices=("sites", "steps", "tilings"),
+        choices=("sites", "steps", "lowering", "tilings"),
         nargs="+",
-        default=["sites", "steps", "tilings"],
+        default=["sites", "steps", "lowering", "tilings"],
     )
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
@@ -312,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         call_sites(report, a.size, a.sites, on_tpu)
     if "steps" in a.only:
         steps(report, a, on_tpu)
+    if "lowering" in a.only:
+        lowering(report, a, on_tpu)
     if "tilings" in a.only:
         tilings(report, a.size, a.repeats, on_tpu)
     return 0
