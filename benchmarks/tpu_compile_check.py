@@ -290,13 +290,28 @@ def lowering(report: Report, a, on_tpu: bool, rows: int = 30) -> None:
     report.line("|---|---|---|---|")
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     keep = [
-        (ct, tt, nc, f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line} {name}")
-        for (file, line, name), (_, nc, tt, ct, _) in stats.items()
-        if "nvfp4x" in file or "pallas" in file
+        (ct, tt, nc, _where(key))
+        for key, (_, nc, tt, ct, _) in stats.items()
+        if "nvfp4x" in key[0] or "pallas" in key[0]
     ]
     for ct, tt, nc, where in sorted(keep, reverse=True)[:rows]:
         report.line(f"| {ct:.2f} | {tt:.2f} | {nc} | `{where}` |")
     report.line("")
+    report.line("The functions with the most time of their own (any module):")
+    report.line("")
+    report.line("| own s | cumulative s | calls | function |")
+    report.line("|---|---|---|---|")
+    own = sorted(
+        ((tt, ct, nc, _where(key)) for key, (_, nc, tt, ct, _) in stats.items()), reverse=True
+    )
+    for tt, ct, nc, where in own[: rows // 2]:
+        report.line(f"| {tt:.2f} | {ct:.2f} | {nc} | `{where}` |")
+    report.line("")
+
+
+def _where(key: tuple) -> str:
+    file, line, name = key
+    return f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line} {name}"
 
 
 def _tiled_call(x, *, seed, kw):
