@@ -6,8 +6,6 @@ nvfp4x's primitives, in Pallas's generic interpreter; on a TPU compiled. Every c
 lowers for a TPU here (Mosaic's own compile runs on the device).
 """
 
-import functools
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -138,6 +136,36 @@ def test_rht_stats_finds_the_columns_the_transform_scales(where, value, special)
     assert bool(got) == special
 
 
+def test_the_scaled_kernels_are_the_scaled_transform_then_the_reference():
+    """`rht="scaled"` and `rht_stats(..., scaled=True)` (the fused operand's rarely taken
+    branch): the scaled transform in the kernel, then the quantiser, give the bits of
+    `_hadamard.rht_scaled` then the XLA quantiser with its `amax_of_bits` (NaN results
+    ignored): big columns whose results overflow to inf or stay near float32's maximum,
+    a NaN, tiny columns with subnormals, zeros; tiles overhanging rows and lanes."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((400, 200)).astype(F32) * np.exp2(rng.integers(-30, 30, 200))
+    x[:, 5] = 0.0
+    x[3, 4], x[80, 7] = F32(2.0**126), np.nan
+    x[40:56, 9] = F32(1e-38)
+    x[41, 9], x[42, 9] = F32(2.0**-140), F32(-(2.0**-130))
+    x[:16, 11] = np.repeat(np.asarray([1.9, -1.9], F32) * F32(2.0**127), 8)  # (finite)
+    x[16:32, 199] = F32(3e38)  # (in the overhanging lanes: its results overflow)
+    x = jnp.asarray(x)
+    key, rounding = jax.random.key(8), "stochastic"  # (the nearest rounding: the same kernel)
+    y = _hadamard.rht_scaled(x)
+    want_v, want_s = reference(y, rounding, key)
+    interpret = not ON_TPU
+    kw = dict(interpret=interpret, rows=256)
+    special, amax = _tpu_operand.rht_stats(x, scaled=True, **kw)
+    assert bool(special)
+    assert_bits(np.asarray(amax), np.asarray(amax_of_bits(y)), "amax")
+    got_v, got_s = _tpu_operand.operand(
+        x, amax, seed_words(key), rounding=rounding, rht="scaled", **kw
+    )
+    assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
+    assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
+
+
 @pytest.mark.parametrize("special", [False, True])
 def test_the_scaled_path_alone_is_the_transform(special):
     """`_hadamard.rht_scaled` (the fused operand's other branch: the scaled path on every
@@ -163,11 +191,11 @@ def test_the_scaled_path_alone_is_the_transform(special):
 
 def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeypatch):
     """`quantize_rht_operand` with `"rht_operand"` picked equals the transform then the
-    quantiser, for operands with and without special columns (the scaled path then runs
-    apart, in row batches: here three of two chunks each, their SR samples the whole
-    operand's), eagerly, under `jit` and vmapped (rows padded to whole chunks, lanes
-    overhanging a tile); traced for a TPU it holds both kernels (and the batches'
-    quantiser the Mosaic one: `test_offset_seed_draws_the_whole_arrays_samples`)."""
+    quantiser, for operands with and without special columns (big, NaN, tiny: the
+    `cond`'s other branch, the same kernels with the scaled transform), eagerly, under
+    `jit` and vmapped (rows padded to whole chunks, lanes overhanging a tile); traced for
+    a TPU it holds both branches' kernels and no XLA loop (the scaled branch is kernels
+    only: no float32 transform held by a branch that rarely runs)."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((94, 144)).astype(F32)
     big = x.copy()
@@ -175,8 +203,6 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     big[40:56, 9] = F32(1e-38)  # (a tiny column, subnormals among it)
     fmt = Format("nvfp4", rounding="stochastic")
     key = jax.random.key(9)
-    monkeypatch.setattr(_kernels, "SCALED_BATCH_ELEMENTS", 2 * 16 * 144)
-    jax.clear_caches()
     for a in (x, big):
         with _kernels.use("rht_operand", "xla"):  # (the reference, jitted: one compile)
             want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
@@ -202,20 +228,22 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
         fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
         text = fn.trace(jnp.asarray(x), key).lower(lowering_platforms=("tpu",)).as_text()
     assert '"nvfp4x_rht_stats_tpu"' in text and '"nvfp4x_operand_tpu"' in text
-    # The other branch is the scaled path then the quantiser: no transform kernel, which
-    # would be compiled for nothing (only inputs that need the scaling take that branch).
-    assert '"nvfp4x_rht_tpu"' not in text
+    assert '"nvfp4x_rht_scaled_stats_tpu"' in text and '"nvfp4x_operand_scaled_tpu"' in text
+    # No other transform kernel (compiled for nothing), and no XLA loop: the scaled
+    # branch is its two kernels alone.
+    assert '"nvfp4x_rht_tpu"' not in text and '"nvfp4x_rht_scaled_tpu"' not in text
+    assert "stablehlo.while" not in text
 
 
 def test_offset_seed_draws_the_whole_arrays_samples():
     """The TPU quantiser on rows of an array, given the array's amax and its seed moved
     along by the rows' flat offset (`_kernels.offset_seed`), writes those rows of the
-    whole array's stochastically rounded values (how the fused operand's batched branch
-    quantises a batch)."""
+    whole array's stochastically rounded values (how a piece of an operand is quantised:
+    a ragged GEMM's rows and chunks, `FormatSpec.quantize_piece`)."""
     x = jnp.asarray(data(96, 128, seed=5))
     seed = seed_words(jax.random.key(7))
     amax = amax_of_bits(x)
-    # (compiled on a TPU: the Mosaic quantiser the batched branch runs there)
+    # (compiled on a TPU: the Mosaic quantiser)
     kw = dict(block=(16, 1), rounding="stochastic", output="values", interpret=not ON_TPU)
     whole = _tpu_quantize.quantize_2d(x, amax, seed, **kw)[0]
     rows = _tpu_quantize.quantize_2d(x[32:80], amax, _kernels.offset_seed(seed, 32 * 128), **kw)
@@ -223,28 +251,6 @@ def test_offset_seed_draws_the_whole_arrays_samples():
     # (and not by chance: unmoved, the samples differ)
     plain = _tpu_quantize.quantize_2d(x[32:80], amax, seed, **kw)[0]
     assert not np.array_equal(np.asarray(plain), np.asarray(whole[32:80]))
-
-
-def test_the_scaled_branch_holds_a_batch_not_the_operand(monkeypatch):
-    """The fused operand's rarely taken branch (a column needs the transform's scaling)
-    works through the operand in row batches: a `cond`'s branch buffers are allocated
-    whether or not it runs, and with the whole operand at once they would hold its
-    float32 transform (compiled here: `memory_analysis`'s temporaries)."""
-    fmt = Format("nvfp4", rounding="stochastic")
-    x = jax.ShapeDtypeStruct((2048, 1024), jnp.float32)
-    temps = {}
-    for elements in (2**30, 2**16):  # (the whole operand in one batch; 4 chunks a batch)
-        monkeypatch.setattr(_kernels, "SCALED_BATCH_ELEMENTS", elements)
-        jax.clear_caches()
-        with _kernels.use("rht_operand", "mosaic"):
-            fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
-            compiled = fn.lower(x, jax.random.key(0)).compile()
-        temps[elements] = compiled.memory_analysis().temp_size_in_bytes
-    jax.clear_caches()
-    # Batches save at least half the operand's float32 bytes (8 MiB) on either backend:
-    # measured 26.7 -> 11.3 MB on the CPU, 7.1 -> 1.5 MB compiled on a TPU v5e (whose
-    # compiler holds less of the whole-operand branch than XLA:CPU does).
-    assert temps[2**16] <= temps[2**30] - 0.5 * 2048 * 1024 * 4, temps
 
 
 def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
@@ -276,8 +282,9 @@ def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
             assert_bits(np.asarray(g), np.asarray(w), "gradient")
     # The fused kernels were traced in wgrad, for dy and x (once: the second input runs
     # the same lowered GEMMs, its special column taking the `cond`'s other branch; on a
-    # TPU the kernel also quantises other 16x1 operands, without the transform).
-    assert traced.count(True) == 2
+    # TPU the kernel also quantises other 16x1 operands, without the transform), and
+    # the scaled branch's kernel for both.
+    assert traced.count(True) == 2 and traced.count("scaled") == 2
 
 
 def test_vmapped_kernels_run_one_problem_at_a_time():
@@ -317,6 +324,7 @@ def test_vmapped_kernels_run_one_problem_at_a_time():
         ((16, 1), jnp.bfloat16, "stochastic", False, True),
         ((16, 1), jnp.float32, "stochastic", True, False),
         ((16, 1), jnp.float32, "nearest", True, True),
+        ((16, 1), jnp.float32, "stochastic", "scaled", True),
         ((1, 16), jnp.float32, "nearest", False, True),
         ((1, 16), jnp.bfloat16, "stochastic", False, False),
     ],
@@ -331,12 +339,15 @@ def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
         if block == (16, 1) and not looped:  # (unrolled: fewer groups a tile, less to lower)
             kw["rows"] = 512
         out = _tpu_operand.operand(x, amax, seed, **kw)
-        return (out, _tpu_operand.rht_stats(x)) if rht else out
+        return (out, _tpu_operand.rht_stats(x, scaled=rht == "scaled")) if rht else out
 
     x = jax.ShapeDtypeStruct((4112, 1008) if block == (1, 16) else (4112, 1000), dtype)
     text = jax.jit(fn).trace(x).lower(lowering_platforms=("tpu",)).as_text()
-    assert '"nvfp4x_operand_tpu"' in text
-    assert ('"nvfp4x_rht_stats_tpu"' in text) == rht
+    scaled = rht == "scaled"
+    assert ('"nvfp4x_operand_tpu"' in text) != scaled
+    assert ('"nvfp4x_operand_scaled_tpu"' in text) == scaled
+    assert ('"nvfp4x_rht_stats_tpu"' in text) == (rht is True)
+    assert ('"nvfp4x_rht_scaled_stats_tpu"' in text) == scaled
 
 
 @pytest.mark.parametrize(
@@ -361,6 +372,7 @@ def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
             "seed exactly when stochastic",
         ),
         (lambda: _tpu_operand.operand(jnp.zeros((32, 128)), 1.0, rows=100), "multiple of 128"),
+        (lambda: _tpu_operand.operand(jnp.zeros((32, 128)), 1.0, rht="plain"), "'scaled'"),
         (lambda: _tpu_operand.rht_stats(jnp.zeros((32, 128), jnp.bfloat16)), "float32"),
     ],
 )
@@ -372,19 +384,14 @@ def test_the_kernels_refuse_what_they_do_not_take(call, match):
 def test_shapes_the_kernels_do_not_take_run_apart():
     """`rht_operand` returns `None` (the caller runs the transform and the quantiser
     apart) for an operand narrower than a lane tile, 16x16 tiles and `scale_rounding="up"`."""
-    apart = functools.partial(pytest.fail, "not called")  # (the caller's quantiser)
     with _kernels.use("rht_operand", "mosaic"):
         assert (
-            _kernels.rht_operand(jnp.ones((64, 100)), (1, 16), "nearest", "nearest", None, apart)
-            is None
+            _kernels.rht_operand(jnp.ones((64, 100)), (1, 16), "nearest", "nearest", None) is None
         )
         assert (
-            _kernels.rht_operand(jnp.ones((64, 128)), (16, 16), "nearest", "nearest", None, apart)
-            is None
+            _kernels.rht_operand(jnp.ones((64, 128)), (16, 16), "nearest", "nearest", None) is None
         )
-        assert (
-            _kernels.rht_operand(jnp.ones((64, 128)), (1, 16), "nearest", "up", None, apart) is None
-        )
+        assert _kernels.rht_operand(jnp.ones((64, 128)), (1, 16), "nearest", "up", None) is None
 
 
 def test_the_quantiser_gives_the_rht_statistics_of_its_read():

@@ -119,11 +119,12 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
     # across picks. A TPU's default is the kernel, for the scaled path too.
     found = [kernels_in(i) for i in ("mosaic", "xla", "mosaic", None)]
     assert found == [(2, 2), (0, 0), (2, 2), (2, 2)]
-    # With a TPU's defaults, the fused operand kernels (their own transform) instead, and
-    # the scaled path's kernel in the branch for columns that need it.
+    # With a TPU's defaults, the fused operand kernels (their own transform) instead, the
+    # scaled path in them too (the branch for columns that need it).
     text = lowered()
     assert text.count('"nvfp4x_rht_tpu"') == 0 and text.count('"nvfp4x_rht_stats_tpu"') == 2
-    assert text.count('"nvfp4x_rht_scaled_tpu"') == 2
+    assert text.count('"nvfp4x_rht_scaled_tpu"') == 0
+    assert text.count('"nvfp4x_operand_scaled_tpu"') == 2
 
 
 def test_the_kernel_lowers_for_a_tpu():

@@ -88,17 +88,7 @@ class NVFP4Spec(FormatSpec):
     def quantize_rht(
         self, a: Float[Array, "t n"], fmt: Format, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        _, rounding, scale_rounding = _layout(fmt)
-        down = (BLOCK, 1)  # (16 rows of a column: `quantize` along axis 0 of a 2-D array)
-
-        def piece(y, amax, offset):  # rows of the transform, its amax, from flat `offset`
-            run = _kernels.nvfp4_quantizer(y, down, rounding, scale_rounding, amax, key, offset)
-            if run is None:
-                return self.quantize_piece(y, fmt, amax, key, offset, down)
-            q = run("values")
-            return q.values, jnp.asarray(q.tensor_scale, jnp.float32)
-
-        if (fast := _kernels.rht_operand(a, *_layout(fmt), key, piece)) is not None:
+        if (fast := _kernels.rht_operand(a, *_layout(fmt), key)) is not None:
             return fast  # the backend's fused kernel, where `_kernels` picks one
         # the transform, then the quantiser
         values, s_dec = self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)

@@ -63,9 +63,9 @@ Operations:
   the operand once for `_hadamard.rht`'s special-column check and the transform's
   tensor amax (`rht_stats`), then transforms and quantises each tile in one kernel
   (`operand(..., rht=True)`), so the transformed operand is never written; where a
-  column needs the transform's scaled path, that path (`_hadamard.rht_scaled`'s bits, by
-  its kernel `_tpu_rht.transform_scaled` where it takes the rows) then the quantiser
-  run instead (`lax.cond`; the branch holds no transform kernel).
+  column needs the transform's scaled path, the same two kernels with that path
+  (`_hadamard.rht_scaled`'s bits) instead of the plain transform (`lax.cond`: the
+  rarely taken branch is two kernels, no XLA code and no float32 transform).
   The same bits (`tests/test_tpu_operand.py`, whole on a TPU v5e, 2026-12-06: the
   kernels' reference cases and a layer's gradients with the fused operands bit for bit
   those with the transform and quantiser apart). `"mosaic"` is the default on TPUs:
@@ -135,8 +135,7 @@ from jaxtyping import Array
 
 from .._numerics import _hadamard
 from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, ROW_BLOCK, TILE
-from .._numerics._ieee import abs_bits, from_bits
-from .._numerics._nvfp4 import amax_of_bits, pad_to_blocks
+from .._numerics._nvfp4 import pad_to_blocks
 from .._numerics._threefry import seed_words
 from ._native import NativeOperand, block_scaled_dot, fp8_dot
 
@@ -465,19 +464,16 @@ def rht_operand(
     rounding: str,
     scale_rounding: str,
     key,
-    piece: Callable,
 ) -> tuple[Array, Array] | None:
     """`NVFP4Spec.quantize(_hadamard.rht(a, axis=0), ..., axis=0, key)` of a 2-D operand
     (`(bfloat16 block values, s_dec)`, rows padded to a multiple of 16) by the fused
     TPU kernels where `"rht_operand"` picks `"mosaic"` (`_tpu_operand`: one read for
     the special-column check and the transform's amax, then the transform and the
-    quantiser in one pass; where a column needs the transform's scaled path, that path
-    (`_hadamard.rht_scaled`) then the quantiser run instead, in row batches
-    (`_scaled_in_batches`): `piece(y, amax, offset)`, the caller's quantiser of rows `y`
-    of the transformed operand with the tensor amax `amax` and the flat index `offset`
-    of `y`'s first element), or `None` where the caller runs the transform and its
-    quantiser itself (the reference, 16x16 tiles, `scale_rounding="up"`, a shape the
-    kernels do not take)."""
+    quantiser in one pass; where a column needs the transform's scaled path
+    (`_hadamard.rht_scaled`), the same two kernels with the scaled transform instead:
+    its amax, then it and the quantiser in one pass), or `None` where the caller runs
+    the transform and its quantiser itself (the reference, 16x16 tiles,
+    `scale_rounding="up"`, a shape the kernels do not take)."""
     if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
         return None
     if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
@@ -492,81 +488,19 @@ def rht_operand(
     interpret = _in_primitive_interpret()
     seed = None if key is None else seed_words(key)
     special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
+    kw = dict(rounding=rounding, interpret=interpret)
 
     def fused(x):
-        kw = dict(rounding=rounding, rht=True, interpret=interpret)
-        return _tpu_operand.operand(x, amax, seed, **kw)
+        return _tpu_operand.operand(x, amax, seed, rht=True, **kw)
 
-    # (The other branch is the scaled path alone, not `rht(...)`: its `cond` and the
-    # transform's kernel would be compiled for a branch that only runs for inputs that
-    # take the scaled path.)
-    return jax.lax.cond(special, functools.partial(_scaled_in_batches, piece=piece), fused, x)
+    def scaled(x):
+        # (Kernels, not XLA's scaled transform: this rarely taken branch is compiled at
+        # every call site, and a `cond`'s branch buffers are allocated whether or not it
+        # runs; here it holds no float32 transform, only the kernels' output.)
+        _, scaled_amax = _tpu_operand.rht_stats(x, interpret=interpret, scaled=True)
+        return _tpu_operand.operand(x, scaled_amax, seed, rht="scaled", **kw)
 
-
-#: Values of a batch of `_scaled_in_batches` (float32: 16 MiB).
-SCALED_BATCH_ELEMENTS = 2**22
-
-
-def _scaled_in_batches(x: Array, piece: Callable) -> tuple[Array, Array]:
-    """`piece(_hadamard.rht_scaled(x), amax, 0)` with `amax` the transform's own, bit for
-    bit, a batch of whole chunks of rows at a time (about `SCALED_BATCH_ELEMENTS` values,
-    `_hadamard.chunk_batch`): one loop over the batches twice,
-    the transform traced once in its body (its XLA code is large to compile). The first
-    pass takes the tensor amax of the transform (`amax_of_bits`'s, batch by batch); the
-    second quantises each batch with it by `piece(y, amax, offset)`, its stochastic
-    rounding drawing the whole operand's samples at its rows (`offset`: the flat index of
-    its first element), into the output in place. A `cond`'s branch buffers are allocated
-    whether or not it runs, so this rarely taken branch holds a batch's transform, not
-    the whole operand's float32 copy (256 MiB for an 8192 x 8192 wgrad operand)."""
-    r, m = x.shape
-    per = _hadamard.chunk_batch(r // BLOCK, m, SCALED_BATCH_ELEMENTS) * BLOCK
-    n = r // per
-    batches = x.reshape(n, per, m)
-
-    def step(carry, k):
-        top, out, s_dec = carry
-        second = k >= n
-        i = jnp.where(second, k - n, k)
-        y = _rht_scaled(jax.lax.dynamic_index_in_dim(batches, i, keepdims=False))
-        # (the running amax as bits: a subnormal one is not read through float arithmetic)
-        top = jnp.where(second, top, jnp.maximum(top, abs_bits(amax_of_bits(y))))
-        old = jax.lax.dynamic_index_in_dim(out, i, keepdims=False)
-        offset = i.astype(jnp.uint32) * jnp.uint32(per * m)
-        # (the quantiser in the second pass only: the loop's index is never batched, so
-        # this `cond` stays one under `vmap`, where the `cond` choosing this branch runs
-        # both of its sides)
-        quantise = functools.partial(_quantised_piece, piece)
-        values, s_dec = jax.lax.cond(
-            second, quantise, _kept_piece, y, from_bits(top), offset, old, s_dec
-        )
-        return (top, jax.lax.dynamic_update_index_in_dim(out, values, i, 0), s_dec), None
-
-    init = (jnp.int32(0), jnp.zeros((n, per, m), jnp.bfloat16), jnp.float32(0))
-    (_, out, s_dec), _ = jax.lax.scan(step, init, jnp.arange(2 * n))
-    return out.reshape(r, m), s_dec
-
-
-def _rht_scaled(x: Array) -> Array:
-    """`_hadamard.rht_scaled(x)` of the float32 `(rows, columns)` `x` (whole chunks of rows)
-    on a TPU by its kernel (`_tpu_rht.transform_scaled`) where it takes `x`, else XLA's:
-    the same bits. (Inlined in XLA at every call site of a step, the scaled path took
-    ~11 s of a TPU's compile: `benchmarks/tpu_compile_check.py`. Off a TPU the kernel
-    would run interpreted inside this rarely taken branch for nothing: its bits are
-    tested directly, `tests/test_tpu_rht.py`, and this branch's kernel in a step lowered
-    for a TPU.)"""
-    if backend() != "tpu":
-        return _hadamard.rht_scaled(x)
-    return _MOSAIC_GUARDED[True](*_hadamard._chunk_columns(x)).reshape(x.shape)
-
-
-def _quantised_piece(piece, y, amax, offset, old, s_dec):
-    values, scale = piece(y, amax, offset)
-    return values, jnp.asarray(scale, jnp.float32)
-
-
-def _kept_piece(y, amax, offset, old, s_dec):
-    del y, amax, offset
-    return old, s_dec
+    return jax.lax.cond(special, scaled, fused, x)
 
 
 def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:

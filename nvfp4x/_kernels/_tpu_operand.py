@@ -48,7 +48,7 @@ from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
 from ._batching import each_problem
 from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
-from ._tpu_rht import _INTERPRETERS, butterflies
+from ._tpu_rht import _INTERPRETERS, butterflies, scaled_butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
 LANES = 128
@@ -188,7 +188,9 @@ def _kernel(
                 return r_tile + base + lane, c_tile + sublane * BLOCK + j
             return r_tile + base + sublane * BLOCK + j, c_tile + lane
 
-        if rht:
+        if rht == "scaled":
+            rows = scaled_butterflies(rows)
+        elif rht:
             rows = butterflies(rows)
         values = _group(rows, index, refs, rounding=rounding, cols=cols)
         for j, v in enumerate(values):
@@ -210,7 +212,7 @@ def operand(
     *,
     block: tuple[int, int] = (BLOCK, 1),
     rounding: str = "nearest",
-    rht: bool = False,
+    rht: bool | str = False,
     interpret: bool | str = False,
     rows: int | None = None,
     looped: bool | None = None,
@@ -221,16 +223,21 @@ def operand(
     `rht=True`; `None`: `x`'s own), and `s_dec`: the results of `_tpu_quantize.tiled(x,
     amax, seed, block=block, output="values")`, bit for bit, after the product of
     `_hadamard.rht(x, axis=0)` with `rht=True` (16x1 blocks of a float32 `x` only; the
-    caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`).
-    `seed`: two uint32 words for `rounding="stochastic"`. `interpret` as
-    `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of `GROUP_ROWS`);
-    `looped`: the kernel's groups in a loop rather than unrolled (`_kernel`); `None`:
-    `ROWS` and `LOOPED` for 16x1 blocks, `ACROSS_DEFAULTS` for 1x16."""
+    caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`), or
+    with `rht="scaled"` after `_hadamard.rht_scaled(x)` (every chunk column scaled into
+    range and back, `_tpu_rht.scaled_butterflies`: the path for columns that need it,
+    `amax` then `rht_stats(x, scaled=True)`'s). `seed`: two uint32 words for
+    `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's
+    rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
+    rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
+    `ACROSS_DEFAULTS` for 1x16."""
     across = tuple(block) == (1, BLOCK)
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
     looped = default_looped if looped is None else looped
     _check_rows(rows)
+    if rht not in (False, True, "scaled"):
+        raise ValueError(f"`rht` must be False, True or 'scaled', got {rht!r}.")
     # (`rht=True` takes float32 only: `_kernels.rht_operand` widens a bfloat16 operand
     # first, `_hadamard.padded_rows`. Read as it is by the kernels instead, on a TPU v5e
     # (2026-12-07), the mixed-bf16 training step gained 1.25 ms of 40 but its temporaries
@@ -282,16 +289,18 @@ def _operand(x, amax, seed, *, block, across, rounding, rht, interpret, rows, lo
         scratch_shapes=scratch,
         interpret=_INTERPRETERS[interpret],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        name="nvfp4x_operand_tpu",
+        name="nvfp4x_operand_scaled_tpu" if rht == "scaled" else "nvfp4x_operand_tpu",
     )(params, seeds, table, xp)
     return (y[:n] if pad else y), s_dec
 
 
-def _stats_kernel(x_ref, o_ref, *, n, m, looped):
+def _stats_kernel(x_ref, o_ref, *, n, m, looped, scaled=False):
     """One tile `rows x 128` of `rht_stats`: `o_ref` `(2, 8, 128)` int32, the largest
     `_hadamard.special_columns` flag of the tile's chunk columns and the largest
     absolute-value bits of their transform (rows and lanes beyond the array, which an
-    overhanging tile holds as garbage, masked); its groups by `_each_group`."""
+    overhanging tile holds as garbage, masked); its groups by `_each_group`. With
+    `scaled`, of the scaled transform (`_tpu_rht.scaled_butterflies`), NaN results
+    taken as zero (`amax_of_bits`'s rule: they may occur there)."""
     tr = x_ref.shape[0]
     r_tile = pl.program_id(0) * tr
     col = pl.program_id(1) * LANES + jax.lax.broadcasted_iota(jnp.int32, (8, LANES), 1)
@@ -303,7 +312,12 @@ def _stats_kernel(x_ref, o_ref, *, n, m, looped):
         inside = (r_tile + base + sub_row < n) & (col < m)
         xmax = _max_abs_bits(rows)
         flag = jnp.maximum(flag, (inside & special_columns(xmax)).astype(jnp.int32))
-        top = jnp.maximum(top, jnp.where(inside, _max_abs_bits(butterflies(rows)), 0))
+        if scaled:
+            bits = [abs_bits(r) for r in scaled_butterflies(rows)]
+            most = functools.reduce(jnp.maximum, [jnp.where(b > INF_BITS, 0, b) for b in bits])
+        else:
+            most = _max_abs_bits(butterflies(rows))
+        top = jnp.maximum(top, jnp.where(inside, most, 0))
         return flag, top
 
     o_ref[0], o_ref[1] = _each_group(tr, looped, one, (jnp.zeros((8, LANES), jnp.int32),) * 2)
@@ -314,37 +328,42 @@ def _max_abs_bits(rows: list[Array]) -> Array:
     return functools.reduce(jnp.maximum, [abs_bits(r) for r in rows])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows", "looped"))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "looped", "scaled"))
 def rht_stats(
     x: Float[Array, "n m"],
     *,
     interpret: bool | str = False,
     rows: int = ROWS,
     looped: bool = LOOPED,
+    scaled: bool = False,
 ) -> tuple[Array, Float[Array, ""]]:
     """`(special, amax)` of the float32 `x` (`applies(x.shape, x.dtype)`) in one read:
     whether any chunk column of 16 rows needs `_hadamard.rht`'s scaled path
     (`_hadamard.special_columns`: big, non-finite, or tiny but nonzero), and the tensor
     amax of `_hadamard.rht(x, axis=0)` (`amax_of_bits` of it), valid where `special` is
     false (then every result is finite and the transform is `_plain`'s, whose bits the
-    kernel computes). `operand(x, amax, ..., rht=True)` then quantises it. `rows` and
-    `looped` as `operand`'s."""
+    kernel computes). `operand(x, amax, ..., rht=True)` then quantises it. With
+    `scaled`, the amax is `amax_of_bits(_hadamard.rht_scaled(x))`'s (any columns, NaN
+    results ignored), for `operand(..., rht="scaled")`. `rows` and `looped` as
+    `operand`'s."""
     _check_rows(rows)
     if x.dtype != jnp.float32 or not applies(x.shape, x.dtype):
         raise ValueError(
             f"`rht_stats` takes float32 (rows, columns) arrays with rows a multiple of "
             f"{BLOCK} and at least {LANES} columns; got {x.dtype} {x.shape}."
         )
-    call = functools.partial(_rht_stats, interpret=interpret, rows=rows, looped=looped)
+    kw = dict(interpret=interpret, rows=rows, looped=looped, scaled=scaled)
+    call = functools.partial(_rht_stats, **kw)
     return each_problem(call, x)  # (vmapped: one array after another)
 
 
-def _rht_stats(x, *, interpret, rows, looped):
+def _rht_stats(x, *, interpret, rows, looped, scaled):
     """`rht_stats` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
     tr = min(rows, -(-n // GROUP_ROWS) * GROUP_ROWS)
-    kernel = functools.partial(_stats_kernel, n=n, m=m, looped=looped)
-    stats = stats_call(kernel, x, (tr, LANES), interpret, "nvfp4x_rht_stats_tpu")
+    kernel = functools.partial(_stats_kernel, n=n, m=m, looped=looped, scaled=scaled)
+    name = "nvfp4x_rht_scaled_stats_tpu" if scaled else "nvfp4x_rht_stats_tpu"
+    stats = stats_call(kernel, x, (tr, LANES), interpret, name)
     return jnp.max(stats[0]) > 0, from_bits(jnp.max(stats[1]))
 
 
