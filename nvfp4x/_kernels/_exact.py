@@ -149,10 +149,10 @@ OUTPUTS = ("codes", "values", "dequantized")
 
 def tensor_parameters(x: Array, amax: Array | None, block, output: str):
     """The quantiser kernels' shared prologue: checks a padded 2-D `x`'s `block` and
-    `output`, and gives `(s_dec, head)`: the tensor decode scale and the four float32
+    `output`, and gives `(s_dec, head, table)`: the tensor decode scale, the four float32
     parameters every block step reads, `[s_enc / 6, that / 2^149, s_dec, tiny]`
-    (`tiny`: 1.0 where `s_dec` needs the exact tiny-scale path). `amax` None: the
-    tensor's own (`amax_of_bits`)."""
+    (`tiny`: 1.0 where `s_dec` needs the exact tiny-scale path), and the inverse table
+    (`inverse_table(s_dec)`). `amax` None: the tensor's own (`amax_of_bits`)."""
     rows, cols = x.shape
     br, bc = block
     if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
@@ -162,7 +162,21 @@ def tensor_parameters(x: Array, amax: Array | None, block, output: str):
         )
     if amax is None:
         amax = amax_of_bits(x)
+    return scale_parameters(jnp.asarray(amax, jnp.float32))
+
+
+@jax.jit
+def scale_parameters(amax: Float[Array, ""]) -> tuple[Array, Array, Array]:
+    """`tensor_parameters`' scalars from the tensor amax: `(s_dec, head, table)`.
+
+    Jitted, so traced once per process and lowered once per program however many
+    tensors a program quantises (XLA inlines the call: the same program as the
+    operations written out). The exact scalar arithmetic here is long to trace: in a
+    2-block training step lowered for a TPU v5e (profiled, 2026-12-07) the dozen
+    quantisations' prologues took ~5.8 of 15.3 s (`benchmarks/tpu_compile_check.py
+    --only lowering`). Nothing in it depends on the backend or on `nvfp4x._kernels`'
+    picks."""
     s_enc, s_dec = tensor_scales(amax)
     c = s_enc * INV_E2M1_MAX
     tiny = is_tiny_scale(s_dec).astype(jnp.float32)
-    return s_dec, jnp.stack([c, scale_down_149(c), s_dec, tiny])
+    return s_dec, jnp.stack([c, scale_down_149(c), s_dec, tiny]), inverse_table(s_dec)

@@ -255,12 +255,11 @@ def _quantize_2d(x, amax, seed, *, block, rounding, output, interpret, tiling: T
     """`quantize_2d` with its tiling given (jitted: one trace per case)."""
     rows, cols = x.shape
     br, bc = block
-    s_dec, head = _exact.tensor_parameters(x, amax, block, output)
+    s_dec, head, inverses = _exact.tensor_parameters(x, amax, block, output)
     params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
     if seed is None:
         seed = jnp.zeros((2,), jnp.uint32)
     seeds = jnp.zeros((_NPARAMS,), jnp.uint32).at[:2].set(seed)
-    inverses = _exact.inverse_table(s_dec)
     tr, tc = _tile(rows, cols, block, tiling)
     grid = (pl.cdiv(rows, tr), pl.cdiv(cols, tc))
     whole = pl.BlockSpec((_NPARAMS,), lambda i, j: (0,))

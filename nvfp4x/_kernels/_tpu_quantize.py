@@ -503,8 +503,7 @@ def kernel_parameters(x, amax, seed, block, output: str):
     padded 2-D `x` (`_exact.tensor_parameters`'s checks): the float32 parameter vector
     (`_NPARAMS` slots, see `_block_steps`), the seed words as int32 (zeros without a
     seed), and the inverse table (`_exact.inverse_table`). Shared with `_tpu_operand`."""
-    s_dec, head = _exact.tensor_parameters(x, amax, block, output)
-    table = _exact.inverse_table(s_dec)
+    s_dec, head, table = _exact.tensor_parameters(x, amax, block, output)
     params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
     params = params.at[4:12].set(table[_ONE : _ONE + 8])
     seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
