@@ -203,11 +203,14 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     big[40:56, 9] = F32(1e-38)  # (a tiny column, subnormals among it)
     fmt = Format("nvfp4", rounding="stochastic")
     key = jax.random.key(9)
+    # (One jitted function per pick, for both inputs: compiled once each.)
+    reference_fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
+    fused_fn = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))
     for a in (x, big):
-        with _kernels.use("rht_operand", "xla"):  # (the reference, jitted: one compile)
-            want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)
+        with _kernels.use("rht_operand", "xla"):
+            want = reference_fn(jnp.asarray(a), key)
         with _kernels.use("rht_operand", "mosaic"):
-            results = [jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(jnp.asarray(a), key)]
+            results = [fused_fn(jnp.asarray(a), key)]
             if a is x:  # (eagerly once)
                 results.append(quantize_rht_operand(jnp.asarray(a), fmt, key))
         for got in results:
@@ -271,11 +274,13 @@ def test_a_training_step_with_the_fused_operands_is_the_same(monkeypatch):
     monkeypatch.setattr(
         _tpu_operand, "operand", lambda *a, **k: traced.append(k.get("rht")) or kernel(*a, **k)
     )
+    # (One jitted step per pick, for both inputs: compiled once each.)
+    steps = {i: jax.jit(lambda m, a: jax.grad(loss)(m, a)) for i in ("xla", "mosaic")}
     for a in (x, x.at[3, 5].set(1e30)):
         grads = {}
         for implementation in ("xla", "mosaic"):
             with _kernels.use("rht_operand", implementation):
-                grads[implementation] = jax.jit(lambda m, a: jax.grad(loss)(m, a))(layer, a)
+                grads[implementation] = steps[implementation](layer, a)
         for g, w in zip(
             jax.tree.leaves(grads["mosaic"]), jax.tree.leaves(grads["xla"]), strict=True
         ):
