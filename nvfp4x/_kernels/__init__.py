@@ -493,19 +493,39 @@ def rht_operand(
     interpret = _in_primitive_interpret()
     seed = None if key is None else seed_words(key)
     special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
-    kw = dict(rounding=rounding, interpret=interpret)
+    # The rarely taken way (a column needs the scaled transform) is kernels, not XLA's
+    # scaled transform: it is compiled at every call site, and a `cond`'s branch buffers
+    # are allocated whether or not it runs (here only the kernels' output). The scaled
+    # transform's amax is chosen first, so that the kernel's parameters (exact scalar
+    # arithmetic: most of the XLA code of a step's quantisations) are made once, not
+    # once in each branch.
+    scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
+    amax = jax.lax.cond(special, scaled_amax, _kept_amax, x, amax)
+    parameters = _tpu_operand.parameters(x, amax, seed)
+    kw = dict(seed=seed, rounding=rounding, interpret=interpret)
+    fused = functools.partial(_rht_operand_branch, rht=True, **kw)
+    scaled = functools.partial(_rht_operand_branch, rht="scaled", **kw)
+    return jax.lax.cond(special, scaled, fused, x, *parameters)
 
-    def fused(x):
-        return _tpu_operand.operand(x, amax, seed, rht=True, **kw)
 
-    def scaled(x):
-        # (Kernels, not XLA's scaled transform: this rarely taken branch is compiled at
-        # every call site, and a `cond`'s branch buffers are allocated whether or not it
-        # runs; here it holds no float32 transform, only the kernels' output.)
-        _, scaled_amax = _tpu_operand.rht_stats(x, interpret=interpret, scaled=True)
-        return _tpu_operand.operand(x, scaled_amax, seed, rht="scaled", **kw)
+def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:
+    """The tensor amax of `_hadamard.rht_scaled(x)` (`rht_operand`'s rarely taken way)."""
+    from . import _tpu_operand
 
-    return jax.lax.cond(special, scaled, fused, x)
+    return _tpu_operand.rht_stats(x, interpret=interpret, scaled=True)[1]
+
+
+def _kept_amax(x: Array, amax: Array) -> Array:
+    return amax
+
+
+def _rht_operand_branch(x: Array, *parameters: Array, seed, rounding, interpret, rht):
+    """`_tpu_operand.operand` with the transform `rht` and its parameters made."""
+    from . import _tpu_operand
+
+    return _tpu_operand.operand(
+        x, None, seed, rounding=rounding, interpret=interpret, rht=rht, parameters=parameters
+    )
 
 
 def _mosaic_rht_branch(chunks: Array, amax_bits: Array, interpret: bool | str) -> Array:

@@ -216,6 +216,7 @@ def operand(
     interpret: bool | str = False,
     rows: int | None = None,
     looped: bool | None = None,
+    parameters: tuple[Array, Array, Array, Array] | None = None,
 ) -> tuple[Array, Float[Array, ""]]:
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
@@ -230,7 +231,9 @@ def operand(
     `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's
     rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
     rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
-    `ACROSS_DEFAULTS` for 1x16."""
+    `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
+    already (`parameters(x, amax, seed, block)`: a `cond` whose branches run this
+    kernel in two ways makes them once), in place of `amax` (then `None`)."""
     across = tuple(block) == (1, BLOCK)
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
@@ -254,16 +257,36 @@ def operand(
         seed is not None
     ):
         raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
+    if parameters is not None and amax is not None:
+        raise ValueError("`operand` takes `amax` or `parameters`, not both.")
     kw = dict(across=across, rounding=rounding, rht=rht, rows=rows, looped=looped)
     call = functools.partial(_operand, block=tuple(block), interpret=interpret, **kw)
     # vmapped (grouped or stacked problems): one array after another, as the quantiser
-    return each_problem(call, x, amax, seed)
+    if parameters is None:
+        return each_problem(call, x, amax, seed)
+    return each_problem(lambda x, *p: call(x, None, None, parameters=p), x, *parameters)
 
 
-def _operand(x, amax, seed, *, block, across, rounding, rht, interpret, rows, looped):
+def parameters(
+    x: Float[Array, "n m"],
+    amax: Float[Array, ""] | None,
+    seed: Array | None,
+    block: tuple[int, int] = (BLOCK, 1),
+) -> tuple[Array, Array, Array, Array]:
+    """What `operand`'s kernel reads from SMEM for `x` in `block`s with the tensor amax
+    `amax` and `seed` (`_tpu_quantize.kernel_parameters`): `(s_dec, params, seeds,
+    table)`, to give `operand(..., parameters=...)`."""
+    return kernel_parameters(x, amax, seed, tuple(block), "values")
+
+
+def _operand(
+    x, amax, seed, *, block, across, rounding, rht, interpret, rows, looped, parameters=None
+):
     """`operand` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
-    s_dec, params, seeds, table = kernel_parameters(x, amax, seed, block, "values")
+    if parameters is None:
+        parameters = kernel_parameters(x, amax, seed, block, "values")
+    s_dec, params, seeds, table = parameters
     # An array shorter than a tile is padded to whole groups (zero blocks, cut off
     # again); a longer one is not copied: its last tile may overhang it by whole blocks
     # or by rows and lanes of blocks that are all beyond it, whose results are dropped.
