@@ -285,6 +285,13 @@ def lowering(report: Report, a, on_tpu: bool, rows: int = 30) -> None:
         f"trace {t1 - t0:.2f} s, lower {t2 - t1:.2f} s; Mosaic calls {len(configs)} "
         f"({len(set(configs))} distinct): {dict(names)}"
     )
+    total, by_function = inlined_operations(text)
+    top = ", ".join(f"{name} {n:,}" for name, n in by_function.most_common(6))
+    report.line("")
+    report.line(
+        f"StableHLO operations once XLA inlines the program's functions (constants aside): "
+        f"{total:,}; by function: {top}"
+    )
     report.line("")
     report.line("| cumulative s | own s | calls | function |")
     report.line("|---|---|---|---|")
@@ -307,6 +314,35 @@ def lowering(report: Report, a, on_tpu: bool, rows: int = 30) -> None:
     for tt, ct, nc, where in own[: rows // 2]:
         report.line(f"| {tt:.2f} | {ct:.2f} | {nc} | `{where}` |")
     report.line("")
+
+
+def inlined_operations(text: str) -> tuple[int, collections.Counter]:
+    """The operations of a StableHLO module's `main` with every `func.call` inlined (as
+    XLA inlines them before it compiles; constants, returns and calls not counted), and
+    their count by the function they are written in (its name less JAX's `_<n>`
+    suffix): what a function jitted once and called at many sites still costs XLA."""
+    bodies = {}
+    for chunk in re.split(r"\n\s*func\.func ", text)[1:]:
+        name = re.match(r"(?:\w+\s+)?@([\w.$-]+)", chunk)
+        if name:
+            bodies[name.group(1)] = chunk
+    by_function: collections.Counter = collections.Counter()
+
+    def walk(name: str) -> None:
+        body = bodies[name]
+        own = sum(
+            1
+            for line in body.splitlines()
+            if re.search(r"= \"?[a-z_]+\.", line)
+            and not re.search(r"stablehlo\.constant|func\.call|\bcall @", line)
+        )
+        by_function[re.sub(r"_\d+$", "", name)] += own
+        for callee in re.findall(r"call @([\w.$-]+)", body):
+            if callee in bodies:
+                walk(callee)
+
+    walk("main")
+    return sum(by_function.values()), by_function
 
 
 def _where(key: tuple) -> str:
