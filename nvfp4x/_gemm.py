@@ -51,7 +51,7 @@ from ._formats import (
     batched_gemm_dtype,
     gemm_dtype,
     quantize_operand,
-    quantize_rht_operand,
+    quantize_rht_operands,
     scaled_dot,
 )
 from ._formats._dot import apply_scales
@@ -206,8 +206,7 @@ def wgrad_quantised(
     key = grad_key(seed, 2) if needs_key(recipe) else None
     if recipe.rht:
         g, a = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        gv, gs = quantize_rht_operand(g, recipe.grad, key=key)
-        xv, xs = quantize_rht_operand(a, recipe.input)
+        (gv, gs), (xv, xs) = quantize_rht_operands([(g, recipe.grad, key), (a, recipe.input, None)])
         return gv, gs, xv, xs
     g, a = wgrad_operands(dy, x, recipe)
     gv, gs = quantize_operand(g, recipe.grad, axis=0, key=key)

@@ -6,13 +6,12 @@ nvfp4x's primitives, in Pallas's generic interpreter; on a TPU compiled. Every c
 lowers for a TPU here (Mosaic's own compile runs on the device).
 """
 
-import re
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import inlined_calls
 from reference import F32, assert_bits
 
 import nvfp4x
@@ -240,7 +239,7 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     assert "stablehlo.while" not in text
     # The kernel's parameters (exact scalar arithmetic, long for XLA to compile) are
     # made once for both branches, not in each.
-    assert len(re.findall(r"call @scale_parameters\b", text)) == 1
+    assert inlined_calls(text, "scale_parameters") == 1
 
 
 def test_offset_seed_draws_the_whole_arrays_samples():

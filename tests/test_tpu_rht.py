@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import inlined_calls
 from jax import lax
 from reference import F32, assert_bits, ref_rht_float32
 
@@ -125,6 +126,10 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
     assert text.count('"nvfp4x_rht_tpu"') == 0 and text.count('"nvfp4x_rht_stats_tpu"') == 2
     assert text.count('"nvfp4x_rht_scaled_tpu"') == 0
     assert text.count('"nvfp4x_operand_scaled_tpu"') == 2
+    # The kernels' exact scalar prologue (long for XLA to compile) three times: for x in
+    # fprop, the weight, and once for both of wgrad's operands (the fused operand's two
+    # branches share theirs; no dgrad: the loss is differentiated in the weights only).
+    assert inlined_calls(text, "scale_parameters") == 3
 
 
 def test_the_kernel_lowers_for_a_tpu():

@@ -31,6 +31,7 @@ from ._spec import (
     FormatSpec as FormatSpec,
     quantize_operand as quantize_operand,
     quantize_rht_operand as quantize_rht_operand,
+    quantize_rht_operands as quantize_rht_operands,
     register as register,
 )
 

@@ -94,6 +94,11 @@ class NVFP4Spec(FormatSpec):
         values, s_dec = self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)
         return values, jnp.asarray(s_dec, jnp.float32)
 
+    def rht_kernel_request(
+        self, a: Float[Array, "t n"], fmt: Format, key: jax.Array | None
+    ) -> tuple | None:
+        return (a, *_layout(fmt), key)
+
     def _blocks(self, a: Float[Array, "..."], fmt: Format, axis: int, key: jax.Array | None):
         """The quantiser's work in its block view: `(q, scale_b, s_dec, block, padded,
         unblock)`, `unblock` taking an array of the block view back to `a`'s layout.

@@ -3,7 +3,7 @@ means: each format is one `FormatSpec` object, in a module of its own, registere
 name. Nothing else in nvfp4x branches on format names or packed array types."""
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -95,6 +95,14 @@ class FormatSpec:
         """`quantize_rht_operand` for this format (see there): the transform, then
         `quantize` along the rows; formats with a fused kernel override it."""
         return self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)
+
+    def rht_kernel_request(
+        self, a: Float[Array, "t n"], fmt: "Format", key: jax.Array | None
+    ) -> tuple | None:
+        """The arguments of `_kernels.rht_operand` for `quantize_rht(a, fmt, key)`
+        where this format's fused kernels may take it (`quantize_rht_operands` makes
+        their parameters once for several operands), else `None`."""
+        return None
 
     def pack(self, w: Float[Array, "n k"], fmt: "Format", amax: Array | None = None) -> Any:
         """A 2-D weight in its storage form: a packed array, or a plain array for
@@ -322,3 +330,17 @@ def quantize_rht_operand(
     if fmt is None:
         return _kernels.rht(a, axis=0), None
     return fmt.spec.quantize_rht(a, fmt, key)
+
+
+def quantize_rht_operands(
+    requests: list[tuple[Array, Format | None, jax.Array | None]],
+) -> Sequence[tuple[Array, Float[Array, ""] | None]]:
+    """`[quantize_rht_operand(a, fmt, key) for a, fmt, key in requests]`, bit for bit;
+    where the fused kernels take every operand (`FormatSpec.rht_kernel_request`), their
+    parameters are made once for all (`_kernels.rht_operands`: wgrad's two operands
+    then cost XLA one exact scalar prologue to compile instead of two)."""
+    kernel = [None if f is None else f.spec.rht_kernel_request(a, f, k) for a, f, k in requests]
+    ready = len(requests) > 1 and all(r is not None for r in kernel)
+    if ready and (fast := _kernels.rht_operands(kernel)) is not None:
+        return list(fast)
+    return [quantize_rht_operand(a, fmt, key) for a, fmt, key in requests]

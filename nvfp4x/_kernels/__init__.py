@@ -475,10 +475,47 @@ def rht_operand(
     TPU kernels where `"rht_operand"` picks `"mosaic"` (`_tpu_operand`: one read for
     the special-column check and the transform's amax, then the transform and the
     quantiser in one pass; where a column needs the transform's scaled path
-    (`_hadamard.rht_scaled`), the same two kernels with the scaled transform instead:
+    (`_hadamard.rht_scaled`), the same two kernels with that path instead:
     its amax, then it and the quantiser in one pass), or `None` where the caller runs
     the transform and its quantiser itself (the reference, 16x16 tiles,
-    `scale_rounding="up"`, a shape the kernels do not take)."""
+    `scale_rounding="nearest"`, a shape the kernels do not take)."""
+    out = rht_operands([(a, block, rounding, scale_rounding, key)])
+    return None if out is None else out[0]
+
+
+def rht_operands(requests) -> list[tuple[Array, Array]] | None:
+    """`[rht_operand(*request) for request in requests]`, the same bits, or `None`
+    where any of them would be `None` (the caller then quantises each its own way):
+    the kernels' parameters (exact scalar arithmetic, most of the XLA code of a step's
+    quantisations) made once for all of them (wgrad's two operands)."""
+    maybe = [_rht_prepared(*request) for request in requests]
+    prepared = [p for p in maybe if p is not None]
+    if len(prepared) < len(maybe):
+        return None
+    from . import _tpu_operand
+
+    parameters = _tpu_operand.parameters_many(
+        [p.x for p in prepared], [p.amax for p in prepared], [p.seed for p in prepared]
+    )
+    return [
+        jax.lax.cond(p.special, p.scaled, p.fused, p.x, *params)
+        for p, params in zip(prepared, parameters, strict=True)
+    ]
+
+
+class _RhtPrepared(NamedTuple):
+    x: Array  # the operand, rows padded to whole chunks
+    special: Array  # whether a column needs the scaled transform
+    amax: Array  # the tensor amax of the transform that runs
+    seed: Array | None
+    fused: Callable  # the operand kernel with the plain transform, `(x, *parameters)`
+    scaled: Callable  # ... with the scaled transform
+
+
+def _rht_prepared(a: Array, block, rounding: str, scale_rounding: str, key) -> _RhtPrepared | None:
+    """`rht_operand`'s checks and its first pass (`rht_stats`): `None` where the fused
+    kernels do not take the operand, else what its kernel call needs but its
+    parameters."""
     if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
         return None
     if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
@@ -496,16 +533,14 @@ def rht_operand(
     # The rarely taken way (a column needs the scaled transform) is kernels, not XLA's
     # scaled transform: it is compiled at every call site, and a `cond`'s branch buffers
     # are allocated whether or not it runs (here only the kernels' output). The scaled
-    # transform's amax is chosen first, so that the kernel's parameters (exact scalar
-    # arithmetic: most of the XLA code of a step's quantisations) are made once, not
-    # once in each branch.
+    # transform's amax is chosen first, so that the kernel's parameters are made once,
+    # not once in each branch.
     scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
     amax = jax.lax.cond(special, scaled_amax, _kept_amax, x, amax)
-    parameters = _tpu_operand.parameters(x, amax, seed)
     kw = dict(seed=seed, rounding=rounding, interpret=interpret)
     fused = functools.partial(_rht_operand_branch, rht=True, **kw)
     scaled = functools.partial(_rht_operand_branch, rht="scaled", **kw)
-    return jax.lax.cond(special, scaled, fused, x, *parameters)
+    return _RhtPrepared(x, special, amax, seed, fused, scaled)
 
 
 def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:

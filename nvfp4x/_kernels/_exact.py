@@ -153,16 +153,28 @@ def tensor_parameters(x: Array, amax: Array | None, block, output: str):
     parameters every block step reads, `[s_enc / 6, that / 2^149, s_dec, tiny]`
     (`tiny`: 1.0 where `s_dec` needs the exact tiny-scale path), and the inverse table
     (`inverse_table(s_dec)`). `amax` None: the tensor's own (`amax_of_bits`)."""
-    rows, cols = x.shape
-    br, bc = block
-    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
-        raise ValueError(
-            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
-            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
-        )
-    if amax is None:
-        amax = amax_of_bits(x)
-    return scale_parameters(jnp.asarray(amax, jnp.float32))
+    return tensor_parameters_many([x], [amax], block, output)[0]
+
+
+def tensor_parameters_many(xs, amaxes, block, output: str) -> list[tuple[Array, Array, Array]]:
+    """`[tensor_parameters(x, amax, block, output) for x, amax in zip(xs, amaxes)]`, the
+    same bits, with one `scale_parameters` for all (vmapped over the stacked amaxes):
+    for several tensors quantised side by side (wgrad's two operands), XLA compiles the
+    exact scalar prologue once instead of once each."""
+    stacked = []
+    for x, amax in zip(xs, amaxes, strict=True):
+        rows, cols = x.shape
+        br, bc = block
+        if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
+            raise ValueError(
+                f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
+                f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
+            )
+        stacked.append(jnp.asarray(amax_of_bits(x) if amax is None else amax, jnp.float32))
+    if len(stacked) == 1:
+        return [scale_parameters(stacked[0])]
+    s_dec, head, table = jax.vmap(scale_parameters)(jnp.stack(stacked))
+    return [(s_dec[i], head[i], table[i]) for i in range(len(stacked))]
 
 
 @jax.jit

@@ -47,7 +47,7 @@ from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
 from ._batching import each_problem
-from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
+from ._tpu_quantize import _block_steps, _uniform, kernel_parameters, kernel_parameters_many
 from ._tpu_rht import _INTERPRETERS, butterflies, scaled_butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -277,6 +277,12 @@ def parameters(
     `amax` and `seed` (`_tpu_quantize.kernel_parameters`): `(s_dec, params, seeds,
     table)`, to give `operand(..., parameters=...)`."""
     return kernel_parameters(x, amax, seed, tuple(block), "values")
+
+
+def parameters_many(xs, amaxes, seeds, block: tuple[int, int] = (BLOCK, 1)) -> list[tuple]:
+    """`[parameters(x, amax, seed, block) for ...]`, the same bits, the exact scalar
+    prologue made once for all (`_tpu_quantize.kernel_parameters_many`)."""
+    return kernel_parameters_many(xs, amaxes, seeds, tuple(block), "values")
 
 
 def _operand(

@@ -503,12 +503,21 @@ def kernel_parameters(x, amax, seed, block, output: str):
     padded 2-D `x` (`_exact.tensor_parameters`'s checks): the float32 parameter vector
     (`_NPARAMS` slots, see `_block_steps`), the seed words as int32 (zeros without a
     seed), and the inverse table (`_exact.inverse_table`). Shared with `_tpu_operand`."""
-    s_dec, head, table = _exact.tensor_parameters(x, amax, block, output)
-    params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
-    params = params.at[4:12].set(table[_ONE : _ONE + 8])
-    seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-    seeds = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
-    return s_dec, params, seeds, table
+    return kernel_parameters_many([x], [amax], [seed], block, output)[0]
+
+
+def kernel_parameters_many(xs, amaxes, seeds, block, output: str) -> list[tuple]:
+    """`[kernel_parameters(x, amax, seed, block, output) for ...]`, the same bits, the
+    exact scalar prologue made once for all (`_exact.tensor_parameters_many`)."""
+    out = []
+    scalars = _exact.tensor_parameters_many(xs, amaxes, block, output)
+    for (s_dec, head, table), seed in zip(scalars, seeds, strict=True):
+        params = jnp.zeros((_NPARAMS,), jnp.float32).at[:4].set(head)
+        params = params.at[4:12].set(table[_ONE : _ONE + 8])
+        seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+        words = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+        out.append((s_dec, params, words, table))
+    return out
 
 
 #: The blocks whose GEMM operand path (`output="values"`) runs `_tpu_operand`'s kernel
