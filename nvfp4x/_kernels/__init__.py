@@ -478,7 +478,7 @@ def rht_operand(
     (`_hadamard.rht_scaled`), the same two kernels with that path instead:
     its amax, then it and the quantiser in one pass), or `None` where the caller runs
     the transform and its quantiser itself (the reference, 16x16 tiles,
-    `scale_rounding="nearest"`, a shape the kernels do not take)."""
+    `scale_rounding="up"`, a shape the kernels do not take)."""
     out = rht_operands([(a, block, rounding, scale_rounding, key)])
     return None if out is None else out[0]
 
