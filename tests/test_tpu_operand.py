@@ -16,7 +16,7 @@ from reference import F32, assert_bits
 
 import nvfp4x
 from nvfp4x import _kernels
-from nvfp4x._formats import Format, quantize_operand, quantize_rht_operand
+from nvfp4x._formats import Format, quantize_operand, quantize_rht_operand, quantize_rht_operands
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize, _tpu_rht
 from nvfp4x._numerics import _hadamard
 from nvfp4x._numerics._nvfp4 import amax_of_bits
@@ -240,6 +240,39 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     # The kernel's parameters (exact scalar arithmetic, long for XLA to compile) are
     # made once for both branches, not in each.
     assert inlined_calls(text, "scale_parameters") == 1
+
+
+def test_operands_quantised_together_share_one_prologue(monkeypatch):
+    """`quantize_rht_operands` (wgrad's two operands) makes both operands' kernel
+    parameters in one prologue where the fused kernels take both, and quantises each
+    its own way where one request is not the kernels' (no format, or 16x16 blocks), the
+    kernels then traced only for the operand that runs them (the choice is made before
+    any work). (Traced and lowered only: the pair's bits are those of the transform and
+    the quantiser apart in `test_a_training_step_with_the_fused_operands_is_the_same`.)"""
+    g = jax.ShapeDtypeStruct((40, 144), jnp.float32)
+    a = jax.ShapeDtypeStruct((40, 160), jnp.float32)
+    sr, plain = Format("nvfp4", rounding="stochastic"), Format("nvfp4")
+    tiles = Format("nvfp4", block=(16, 16))
+    key = jax.random.key(3)
+
+    def together(second):
+        return lambda g, a: quantize_rht_operands([(g, sr, key), (a, second, None)])
+
+    def stats_kernels(fn, *args) -> int:
+        return str(jax.make_jaxpr(fn)(*args)).count("nvfp4x_rht_stats_tpu")
+
+    monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+    with _kernels.use("rht_operand", "mosaic"):
+        one = stats_kernels(lambda g: quantize_rht_operand(g, sr, key), g)
+        assert one > 0
+        for second in (plain, None, tiles):
+            # the first operand's statistics kernel, and the second's where it runs them
+            assert stats_kernels(together(second), g, a) == one * (2 if second is plain else 1)
+            text = jax.jit(together(second)).trace(g, a).lower(lowering_platforms=("tpu",))
+            # one prologue for the pair; apart, the first's (and the quantiser's of the
+            # transformed 16x16 operand, a Mosaic kernel on a TPU, its own)
+            want = 2 if second is tiles else 1
+            assert inlined_calls(text.as_text(), "scale_parameters") == want
 
 
 def test_offset_seed_draws_the_whole_arrays_samples():

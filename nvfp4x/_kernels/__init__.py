@@ -488,10 +488,9 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     where any of them would be `None` (the caller then quantises each its own way):
     the kernels' parameters (exact scalar arithmetic, most of the XLA code of a step's
     quantisations) made once for all of them (wgrad's two operands)."""
-    maybe = [_rht_prepared(*request) for request in requests]
-    prepared = [p for p in maybe if p is not None]
-    if len(prepared) < len(maybe):
-        return None
+    if not all(_rht_applies(*request) for request in requests):
+        return None  # (decided before any work: an eager call runs what it traces)
+    prepared = [_rht_prepared(*request) for request in requests]
     from . import _tpu_operand
 
     parameters = _tpu_operand.parameters_many(
@@ -512,21 +511,27 @@ class _RhtPrepared(NamedTuple):
     scaled: Callable  # ... with the scaled transform
 
 
-def _rht_prepared(a: Array, block, rounding: str, scale_rounding: str, key) -> _RhtPrepared | None:
-    """`rht_operand`'s checks and its first pass (`rht_stats`): `None` where the fused
-    kernels do not take the operand, else what its kernel call needs but its
-    parameters."""
+def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bool:
+    """Whether the fused kernels take `rht_operand`'s request (the picks, the layout, the
+    operand's shape once its rows are padded to whole chunks and it is widened to
+    float32, `_hadamard.padded_rows`)."""
     if pick("rht_operand") != "mosaic" or a.ndim != 2 or a.size == 0:
-        return None
+        return False
     if tuple(block) == TILE or scale_rounding != "nearest" or a.dtype not in PALLAS_DTYPES:
-        return None
+        return False
     if rounding == "stochastic" and key is None:
-        return None  # (the reference raises)
+        return False  # (the reference raises)
+    from . import _tpu_operand
+
+    return _tpu_operand.applies((-(-a.shape[0] // BLOCK) * BLOCK, a.shape[1]), jnp.float32)
+
+
+def _rht_prepared(a: Array, block, rounding: str, scale_rounding: str, key) -> _RhtPrepared:
+    """`rht_operand`'s first pass (`rht_stats`) for a request the kernels take
+    (`_rht_applies`): what its kernel call needs but its parameters."""
     from . import _tpu_operand
 
     x = _hadamard.padded_rows(a)
-    if not _tpu_operand.applies(x.shape, x.dtype):
-        return None
     interpret = _in_primitive_interpret()
     seed = None if key is None else seed_words(key)
     special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
