@@ -285,7 +285,8 @@ def lowering(report: Report, a, on_tpu: bool, rows: int = 30) -> None:
         f"trace {t1 - t0:.2f} s, lower {t2 - t1:.2f} s; Mosaic calls {len(configs)} "
         f"({len(set(configs))} distinct): {dict(names)}"
     )
-    total, by_function = inlined_operations(text)
+    by_function, _ = inlined(text)
+    total = sum(by_function.values())
     top = ", ".join(f"{name} {n:,}" for name, n in by_function.most_common(6))
     report.line("")
     report.line(
@@ -316,17 +317,20 @@ def lowering(report: Report, a, on_tpu: bool, rows: int = 30) -> None:
     report.line("")
 
 
-def inlined_operations(text: str) -> tuple[int, collections.Counter]:
-    """The operations of a StableHLO module's `main` with every `func.call` inlined (as
-    XLA inlines them before it compiles; constants, returns and calls not counted), and
-    their count by the function they are written in (its name less JAX's `_<n>`
-    suffix): what a function jitted once and called at many sites still costs XLA."""
+def inlined(text: str) -> tuple[collections.Counter, collections.Counter]:
+    """A StableHLO module's `main` with every `func.call` inlined (as XLA inlines them
+    before it compiles), by function (its name less JAX's `_<n>` suffix): `(operations,
+    runs)`, the operations written in each function (constants, returns and calls not
+    counted) times the times it runs, and those times (what a function jitted once and
+    called at many sites still costs XLA). Also the tests' count of a function's copies
+    (`tests/test_tpu_rht.py`, `tests/test_tpu_operand.py`)."""
     bodies = {}
     for chunk in re.split(r"\n\s*func\.func ", text)[1:]:
         name = re.match(r"(?:\w+\s+)?@([\w.$-]+)", chunk)
         if name:
             bodies[name.group(1)] = chunk
-    by_function: collections.Counter = collections.Counter()
+    operations: collections.Counter = collections.Counter()
+    runs: collections.Counter = collections.Counter()
 
     def walk(name: str) -> None:
         body = bodies[name]
@@ -336,13 +340,15 @@ def inlined_operations(text: str) -> tuple[int, collections.Counter]:
             if re.search(r"= \"?[a-z_]+\.", line)
             and not re.search(r"stablehlo\.constant|func\.call|\bcall @", line)
         )
-        by_function[re.sub(r"_\d+$", "", name)] += own
+        short = re.sub(r"_\d+$", "", name)
+        operations[short] += own
+        runs[short] += 1
         for callee in re.findall(r"call @([\w.$-]+)", body):
             if callee in bodies:
                 walk(callee)
 
     walk("main")
-    return sum(by_function.values()), by_function
+    return operations, runs
 
 
 def _where(key: tuple) -> str:

@@ -406,23 +406,3 @@ def dead_pid() -> int:
         check=True,
     )
     return int(done.stdout)
-
-
-def inlined_calls(text: str, name: str) -> int:
-    """How many times a StableHLO module (`text`) runs the function `name` (any of
-    JAX's `name_<n>` copies) once XLA inlines its calls: each call counted as often as
-    the function holding it runs, starting from `main`."""
-    import re
-
-    bodies = {}
-    for chunk in re.split(r"\n\s*func\.func ", text)[1:]:
-        if found := re.match(r"(?:\w+\s+)?@([\w.$-]+)", chunk):
-            bodies[found.group(1)] = chunk
-
-    @functools.cache
-    def runs(fn: str) -> int:
-        own = int(re.fullmatch(rf"{re.escape(name)}(_\d+)?", fn) is not None)
-        callees = re.findall(r"call @([\w.$-]+)", bodies[fn])
-        return own + sum(runs(c) for c in callees if c in bodies)
-
-    return runs("main")

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import inlined_calls
 from reference import F32, assert_bits
 
 import nvfp4x
+from benchmarks.tpu_compile_check import inlined
 from nvfp4x import _kernels
 from nvfp4x._formats import Format, quantize_operand, quantize_rht_operand, quantize_rht_operands
 from nvfp4x._kernels import _tpu_operand, _tpu_quantize, _tpu_rht
@@ -239,7 +239,7 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     assert "stablehlo.while" not in text
     # The kernel's parameters (exact scalar arithmetic, long for XLA to compile) are
     # made once for both branches, not in each.
-    assert inlined_calls(text, "scale_parameters") == 1
+    assert inlined(text)[1]["scale_parameters"] == 1
 
 
 def test_operands_quantised_together_share_one_prologue(monkeypatch):
@@ -280,7 +280,7 @@ def test_operands_quantised_together_share_one_prologue(monkeypatch):
             # one prologue for the pair; apart, the first's (and the quantiser's of the
             # transformed 16x16 operand, a Mosaic kernel on a TPU, its own)
             want = 2 if second is tiles else 1
-            assert inlined_calls(text.as_text(), "scale_parameters") == want
+            assert inlined(text.as_text())[1]["scale_parameters"] == want
 
 
 def test_offset_seed_draws_the_whole_arrays_samples():

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import inlined_calls
 from jax import lax
 from reference import F32, assert_bits, ref_rht_float32
 
 import nvfp4x
+from benchmarks.tpu_compile_check import inlined
 from nvfp4x import _kernels
 from nvfp4x._kernels import _tpu_rht
 from nvfp4x._numerics import _hadamard
@@ -129,7 +129,7 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
     # The kernels' exact scalar prologue (long for XLA to compile) three times: for x in
     # fprop, the weight, and once for both of wgrad's operands (the fused operand's two
     # branches share theirs; no dgrad: the loss is differentiated in the weights only).
-    assert inlined_calls(text, "scale_parameters") == 3
+    assert inlined(text)[1]["scale_parameters"] == 3
 
 
 def test_the_kernel_lowers_for_a_tpu():

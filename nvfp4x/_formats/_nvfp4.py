@@ -88,10 +88,7 @@ class NVFP4Spec(FormatSpec):
     def quantize_rht(
         self, a: Float[Array, "t n"], fmt: Format, key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""]]:
-        if (fast := _kernels.rht_operand(a, *_layout(fmt), key)) is not None:
-            return fast  # the backend's fused kernel, where `_kernels` picks one
-        # the transform, then the quantiser
-        values, s_dec = self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)
+        values, s_dec = super().quantize_rht(a, fmt, key)
         return values, jnp.asarray(s_dec, jnp.float32)
 
     def rht_kernel_request(

@@ -92,16 +92,20 @@ class FormatSpec:
     def quantize_rht(
         self, a: Float[Array, "t n"], fmt: "Format", key: jax.Array | None
     ) -> tuple[Array, Float[Array, ""] | None]:
-        """`quantize_rht_operand` for this format (see there): the transform, then
-        `quantize` along the rows; formats with a fused kernel override it."""
+        """`quantize_rht_operand` for this format (see there): the fused kernels where
+        they take it (`rht_kernel_request`), else the transform, then `quantize` along
+        the rows."""
+        request = self.rht_kernel_request(a, fmt, key)
+        if request is not None and (fast := _kernels.rht_operand(*request)) is not None:
+            return fast
         return self.quantize(_kernels.rht(a, axis=0), fmt, 0, key)
 
     def rht_kernel_request(
         self, a: Float[Array, "t n"], fmt: "Format", key: jax.Array | None
     ) -> tuple | None:
         """The arguments of `_kernels.rht_operand` for `quantize_rht(a, fmt, key)`
-        where this format's fused kernels may take it (`quantize_rht_operands` makes
-        their parameters once for several operands), else `None`."""
+        where this format has fused kernels (`quantize_rht` and, for several operands
+        at once, `quantize_rht_operands` ask them), else `None`."""
         return None
 
     def pack(self, w: Float[Array, "n k"], fmt: "Format", amax: Array | None = None) -> Any:

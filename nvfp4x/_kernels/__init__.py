@@ -490,16 +490,18 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     quantisations) made once for all of them (wgrad's two operands)."""
     if not all(_rht_applies(*request) for request in requests):
         return None  # (decided before any work: an eager call runs what it traces)
-    prepared = [_rht_prepared(*request) for request in requests]
+    prepared = [_rht_prepared(a, rounding, key) for a, _, rounding, _, key in requests]
     from . import _tpu_operand
 
     parameters = _tpu_operand.parameters_many(
         [p.x for p in prepared], [p.amax for p in prepared], [p.seed for p in prepared]
     )
-    return [
-        jax.lax.cond(p.special, p.scaled, p.fused, p.x, *params)
-        for p, params in zip(prepared, parameters, strict=True)
-    ]
+    out = []
+    for p, params in zip(prepared, parameters, strict=True):
+        plain = functools.partial(p.kernel, rht=True)
+        scaled = functools.partial(p.kernel, rht="scaled")
+        out.append(jax.lax.cond(p.special, scaled, plain, p.x, *params))
+    return out
 
 
 class _RhtPrepared(NamedTuple):
@@ -507,8 +509,7 @@ class _RhtPrepared(NamedTuple):
     special: Array  # whether a column needs the scaled transform
     amax: Array  # the tensor amax of the transform that runs
     seed: Array | None
-    fused: Callable  # the operand kernel with the plain transform, `(x, *parameters)`
-    scaled: Callable  # ... with the scaled transform
+    kernel: Callable  # `_rht_operand_branch` for this request: `(x, *parameters, rht=)`
 
 
 def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bool:
@@ -526,7 +527,7 @@ def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bo
     return _tpu_operand.applies((-(-a.shape[0] // BLOCK) * BLOCK, a.shape[1]), jnp.float32)
 
 
-def _rht_prepared(a: Array, block, rounding: str, scale_rounding: str, key) -> _RhtPrepared:
+def _rht_prepared(a: Array, rounding: str, key) -> _RhtPrepared:
     """`rht_operand`'s first pass (`rht_stats`) for a request the kernels take
     (`_rht_applies`): what its kernel call needs but its parameters."""
     from . import _tpu_operand
@@ -542,14 +543,16 @@ def _rht_prepared(a: Array, block, rounding: str, scale_rounding: str, key) -> _
     # not once in each branch.
     scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
     amax = jax.lax.cond(special, scaled_amax, _kept_amax, x, amax)
-    kw = dict(seed=seed, rounding=rounding, interpret=interpret)
-    fused = functools.partial(_rht_operand_branch, rht=True, **kw)
-    scaled = functools.partial(_rht_operand_branch, rht="scaled", **kw)
-    return _RhtPrepared(x, special, amax, seed, fused, scaled)
+    kernel = functools.partial(
+        _rht_operand_branch, seed=seed, rounding=rounding, interpret=interpret
+    )
+    return _RhtPrepared(x, special, amax, seed, kernel)
 
 
 def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:
-    """The tensor amax of `_hadamard.rht_scaled(x)` (`rht_operand`'s rarely taken way)."""
+    """The tensor amax of `_hadamard.rht_scaled(x)` (`rht_operand`'s rarely taken way;
+    `amax`, the plain transform's, is the other branch's)."""
+    del amax
     from . import _tpu_operand
 
     return _tpu_operand.rht_stats(x, interpret=interpret, scaled=True)[1]

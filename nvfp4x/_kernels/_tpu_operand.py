@@ -232,8 +232,8 @@ def operand(
     rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
     rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
     `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
-    already (`parameters(x, amax, seed, block)`: a `cond` whose branches run this
-    kernel in two ways makes them once), in place of `amax` (then `None`)."""
+    already (one of `parameters_many`'s: a `cond` whose branches run this kernel in two
+    ways makes them once), in place of `amax` (then `None`)."""
     across = tuple(block) == (1, BLOCK)
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
@@ -267,21 +267,11 @@ def operand(
     return each_problem(lambda x, *p: call(x, None, None, parameters=p), x, *parameters)
 
 
-def parameters(
-    x: Float[Array, "n m"],
-    amax: Float[Array, ""] | None,
-    seed: Array | None,
-    block: tuple[int, int] = (BLOCK, 1),
-) -> tuple[Array, Array, Array, Array]:
-    """What `operand`'s kernel reads from SMEM for `x` in `block`s with the tensor amax
-    `amax` and `seed` (`_tpu_quantize.kernel_parameters`): `(s_dec, params, seeds,
-    table)`, to give `operand(..., parameters=...)`."""
-    return kernel_parameters(x, amax, seed, tuple(block), "values")
-
-
 def parameters_many(xs, amaxes, seeds, block: tuple[int, int] = (BLOCK, 1)) -> list[tuple]:
-    """`[parameters(x, amax, seed, block) for ...]`, the same bits, the exact scalar
-    prologue made once for all (`_tpu_quantize.kernel_parameters_many`)."""
+    """What `operand`'s kernel reads from SMEM, `(s_dec, params, seeds, table)`, for each
+    `x` in `block`s with its tensor amax and seed (`_tpu_quantize.kernel_parameters`),
+    the exact scalar prologue made once for all (`kernel_parameters_many`): to give
+    `operand(..., parameters=...)`."""
     return kernel_parameters_many(xs, amaxes, seeds, tuple(block), "values")
 
 
