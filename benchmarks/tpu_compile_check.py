@@ -26,7 +26,10 @@ compiles each Mosaic kernel call) timed apart:
    diagnostic variants (never results: wrong for columns the RHT must scale) compile the
    default with the transform's guarded branch as the plain one, and without its
    near-maximum recomputation, to weigh that rarely taken XLA code in the compile and
-   the temporaries (a `cond`'s branch buffers are allocated whether or not it runs).
+   the temporaries (a `cond`'s branch buffers are allocated whether or not it runs); a
+   third puts plain float32 divisions in the exact scalar prologue's place
+   (`_exact.scale_parameters`, inlined at every quantisation), to weigh it. `--steps
+   NAME ...` keeps the variants whose names hold one of those words (and float32).
 
 3. **Where the step's lowering goes** (`--only lowering`): the default NVFP4 step traced,
    then lowered for a TPU under `cProfile` (on a CPU too: Pallas lowers a TPU kernel
@@ -65,7 +68,7 @@ import optax
 
 import nvfp4x
 from nvfp4x import _kernels
-from nvfp4x._kernels import _tpu_operand, _tpu_quantize
+from nvfp4x._kernels import _exact, _tpu_operand, _tpu_quantize
 from nvfp4x._numerics import _hadamard
 
 try:
@@ -158,6 +161,34 @@ def replaced(module, name: str, by: str):
 
 
 @contextlib.contextmanager
+def replaced_by(module, name: str, by):
+    """`replaced`, with any function in `module.name`'s place."""
+    original = getattr(module, name)
+    setattr(module, name, by)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+        jax.clear_caches()
+
+
+@jax.jit
+def plain_prologue(amax):
+    """A diagnostic stand-in for `_exact.scale_parameters` (never a result: plain float32
+    divisions, wrong bits for tiny tensors): the same outputs in a few operations, to
+    weigh the exact scalar prologue's share of a step's compile."""
+    s_enc = jnp.where(amax > 0, 2688.0 / amax, 1.0)
+    s_dec = 1.0 / s_enc
+    c = s_enc / 6.0
+    bits = jnp.arange(_exact.E4M3_CODES, dtype=jnp.uint8)
+    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), jnp.finfo(jnp.float32).max)
+    table = jnp.concatenate([inv_b, inv_b * 2.0**-149])
+    return s_dec, jnp.stack([c, c * 2.0**-149, s_dec, jnp.float32(0.0)]), table
+
+
+@contextlib.contextmanager
 def looped_tilings():
     """Every `_tpu_quantize.TILINGS` entry with its chunks looped inside the block (JAX's
     caches cleared on the way in and out)."""
@@ -207,10 +238,14 @@ def steps(report: Report, a, on_tpu: bool) -> None:
         "diagnostic: nvfp4 default, no near-max recomputation": ("_accurate", "_as_is"),
     }
     variants |= {name: default for name in diagnostics}
+    plain = "diagnostic: nvfp4 default, scalar prologue plain"
+    variants[plain] = default
     looped = "nvfp4 default, the quantiser's chunks looped"
     variants[looped] = default
     base = None
     for name, (m, picks) in variants.items():
+        if a.steps and name != "float32" and not any(k in name for k in a.steps):
+            continue
         try:
             with contextlib.ExitStack() as stack:
                 for op, impl in picks.items():
@@ -219,6 +254,8 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 if name == looped:
                     stack.enter_context(looped_tilings())
+                if name == plain:
+                    stack.enter_context(replaced_by(_exact, "scale_parameters", plain_prologue))
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")
@@ -414,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("sites", "steps", "lowering", "tilings"),
         nargs="+",
         default=["sites", "steps", "lowering", "tilings"],
+    )
+    p.add_argument(
+        "--steps",
+        nargs="+",
+        default=[],
+        help="section 2: only the variants whose names hold one of these (and float32)",
     )
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
