@@ -29,7 +29,7 @@ compiles each Mosaic kernel call) timed apart:
    the temporaries (a `cond`'s branch buffers are allocated whether or not it runs); a
    third puts plain float32 divisions in the exact scalar prologue's place
    (`_exact.scale_parameters`, inlined at every quantisation), to weigh it. `--steps
-   NAME ...` keeps the variants whose names hold one of those words (and float32).
+   NAME ...` keeps the variants whose names end with one of those (and float32).
 
 3. **Where the step's lowering goes** (`--only lowering`): the default NVFP4 step traced,
    then lowered for a TPU under `cProfile` (on a CPU too: Pallas lowers a TPU kernel
@@ -244,7 +244,7 @@ def steps(report: Report, a, on_tpu: bool) -> None:
     variants[looped] = default
     base = None
     for name, (m, picks) in variants.items():
-        if a.steps and name != "float32" and not any(k in name for k in a.steps):
+        if a.steps and name != "float32" and not any(name.endswith(k) for k in a.steps):
             continue
         try:
             with contextlib.ExitStack() as stack:
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         nargs="+",
         default=[],
-        help="section 2: only the variants whose names hold one of these (and float32)",
+        help="section 2: only the variants whose names end with one of these (and float32)",
     )
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
