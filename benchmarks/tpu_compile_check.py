@@ -26,10 +26,11 @@ compiles each Mosaic kernel call) timed apart:
    diagnostic variants (never results: wrong for columns the RHT must scale) compile the
    default with the transform's guarded branch as the plain one, and without its
    near-maximum recomputation, to weigh that rarely taken XLA code in the compile and
-   the temporaries (a `cond`'s branch buffers are allocated whether or not it runs); a
-   third puts plain float32 divisions in the exact scalar prologue's place
-   (`_exact.scale_parameters`, inlined at every quantisation), to weigh it. `--steps
-   NAME ...` keeps the variants whose names end with one of those (and float32).
+   the temporaries (a `cond`'s branch buffers are allocated whether or not it runs).
+   `--steps NAME ...` keeps the variants whose names end with one of those (and
+   float32). (A third diagnostic, the exact scalar prologue in XLA replaced by plain
+   divisions, weighed it at ~7 of 16.5 s on a TPU v5e, 2026-12-07: it has been a kernel,
+   `_tpu_quantize.prologue`, since.)
 
 3. **Where the step's lowering goes** (`--only lowering`): the default NVFP4 step traced,
    then lowered for a TPU under `cProfile` (on a CPU too: Pallas lowers a TPU kernel
@@ -68,7 +69,7 @@ import optax
 
 import nvfp4x
 from nvfp4x import _kernels
-from nvfp4x._kernels import _exact, _tpu_operand, _tpu_quantize
+from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._numerics import _hadamard
 
 try:
@@ -161,34 +162,6 @@ def replaced(module, name: str, by: str):
 
 
 @contextlib.contextmanager
-def replaced_by(module, name: str, by):
-    """`replaced`, with any function in `module.name`'s place."""
-    original = getattr(module, name)
-    setattr(module, name, by)
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-        jax.clear_caches()
-
-
-@jax.jit
-def plain_prologue(amax):
-    """A diagnostic stand-in for `_exact.scale_parameters` (never a result: plain float32
-    divisions, wrong bits for tiny tensors): the same outputs in a few operations, to
-    weigh the exact scalar prologue's share of a step's compile."""
-    s_enc = jnp.where(amax > 0, 2688.0 / amax, 1.0)
-    s_dec = 1.0 / s_enc
-    c = s_enc / 6.0
-    bits = jnp.arange(_exact.E4M3_CODES, dtype=jnp.uint8)
-    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    inv_b = jnp.minimum(1.0 / (scale_b * s_dec), jnp.finfo(jnp.float32).max)
-    table = jnp.concatenate([inv_b, inv_b * 2.0**-149])
-    return s_dec, jnp.stack([c, c * 2.0**-149, s_dec, jnp.float32(0.0)]), table
-
-
-@contextlib.contextmanager
 def looped_tilings():
     """Every `_tpu_quantize.TILINGS` entry with its chunks looped inside the block (JAX's
     caches cleared on the way in and out)."""
@@ -238,8 +211,6 @@ def steps(report: Report, a, on_tpu: bool) -> None:
         "diagnostic: nvfp4 default, no near-max recomputation": ("_accurate", "_as_is"),
     }
     variants |= {name: default for name in diagnostics}
-    plain = "diagnostic: nvfp4 default, scalar prologue plain"
-    variants[plain] = default
     looped = "nvfp4 default, the quantiser's chunks looped"
     variants[looped] = default
     base = None
@@ -254,8 +225,6 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 if name == looped:
                     stack.enter_context(looped_tilings())
-                if name == plain:
-                    stack.enter_context(replaced_by(_exact, "scale_parameters", plain_prologue))
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")

@@ -237,14 +237,16 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     # branch is its two kernels alone.
     assert '"nvfp4x_rht_tpu"' not in text and '"nvfp4x_rht_scaled_tpu"' not in text
     assert "stablehlo.while" not in text
-    # The kernel's parameters (exact scalar arithmetic, long for XLA to compile) are
-    # made once for both branches, not in each.
-    assert inlined(text)[1]["scale_parameters"] == 1
+    # The kernel's parameters (exact scalar arithmetic) are made once for both branches,
+    # not in each, by the prologue kernel (no XLA copy of it: long for XLA to compile).
+    runs = inlined(text)[1]
+    assert runs["prologue"] == 1 and runs["scale_parameters"] == 0
+    assert text.count('"nvfp4x_prologue_tpu"') == 1
 
 
-def test_operands_quantised_together_share_one_prologue(monkeypatch):
-    """`quantize_rht_operands` (wgrad's two operands) makes both operands' kernel
-    parameters in one prologue where the fused kernels take both, and quantises each
+def test_operands_quantised_together_choose_before_any_work(monkeypatch):
+    """`quantize_rht_operands` (wgrad's two operands) runs the fused kernels for both
+    where they take both (each operand's prologue kernel its own), and quantises each
     its own way where one request is not the kernels' (no format, or 16x16 blocks), the
     kernels then traced only for the operand that runs them (the choice is made before
     any work). (Traced and lowered only: the pair's bits are those of the transform and
@@ -277,10 +279,11 @@ def test_operands_quantised_together_share_one_prologue(monkeypatch):
             # the first operand's statistics kernel, and the second's where it runs them
             assert stats_kernels(together(second), g, a) == one * (2 if second is plain else 1)
             text = jax.jit(together(second)).trace(g, a).lower(lowering_platforms=("tpu",))
-            # one prologue for the pair; apart, the first's (and the quantiser's of the
-            # transformed 16x16 operand, a Mosaic kernel on a TPU, its own)
-            want = 2 if second is tiles else 1
-            assert inlined(text.as_text())[1]["scale_parameters"] == want
+            # a prologue kernel for each quantised operand (the transformed 16x16 one's
+            # by the Mosaic quantiser on a TPU), and no XLA copy of its arithmetic
+            runs = inlined(text.as_text())[1]
+            assert runs["prologue"] == (1 if second is None else 2)
+            assert runs["scale_parameters"] == 0
 
 
 def test_offset_seed_draws_the_whole_arrays_samples():
@@ -357,7 +360,9 @@ def test_vmapped_kernels_run_one_problem_at_a_time():
     for name, fn in calls.items():
         lowered = jax.jit(jax.vmap(lambda x, f=fn: f(x, False))).trace(x)
         text = lowered.lower(lowering_platforms=("tpu",)).as_text()
-        assert text.count("tpu_custom_call") == 1, name
+        prologues = text.count('kernel_name = "nvfp4x_prologue_tpu"')
+        assert prologues == (name in ("operand", "across", "rht")), name
+        assert text.count("tpu_custom_call") == 1 + prologues, name
     interpret = not ON_TPU  # (on a TPU compiled: Mosaic's compile of the vmapped calls)
     for name in ("operand", "across"):
         got = jax.vmap(lambda x, f=calls[name]: f(x, interpret))(x)

@@ -485,19 +485,16 @@ def rht_operand(
 
 def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     """`[rht_operand(*request) for request in requests]`, the same bits, or `None`
-    where any of them would be `None` (the caller then quantises each its own way):
-    the kernels' parameters (exact scalar arithmetic, most of the XLA code of a step's
-    quantisations) made once for all of them (wgrad's two operands)."""
+    where any of them would be `None` (the caller then quantises each its own way:
+    wgrad's two operands), decided before any work."""
     if not all(_rht_applies(*request) for request in requests):
         return None  # (decided before any work: an eager call runs what it traces)
-    prepared = [_rht_prepared(a, rounding, key) for a, _, rounding, _, key in requests]
     from . import _tpu_operand
 
-    parameters = _tpu_operand.parameters_many(
-        [p.x for p in prepared], [p.amax for p in prepared], [p.seed for p in prepared]
-    )
     out = []
-    for p, params in zip(prepared, parameters, strict=True):
+    for a, _, rounding, _, key in requests:  # (one after the other: each float32 copy
+        p = _rht_prepared(a, rounding, key)  # of an operand lives through its own only)
+        params = _tpu_operand.parameters(p.x, p.amax, p.seed, interpret=p.interpret)
         plain = functools.partial(p.kernel, rht=True)
         scaled = functools.partial(p.kernel, rht="scaled")
         out.append(jax.lax.cond(p.special, scaled, plain, p.x, *params))
@@ -510,6 +507,7 @@ class _RhtPrepared(NamedTuple):
     amax: Array  # the tensor amax of the transform that runs
     seed: Array | None
     kernel: Callable  # `_rht_operand_branch` for this request: `(x, *parameters, rht=)`
+    interpret: bool | str  # the kernels' (`_in_primitive_interpret`)
 
 
 def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bool:
@@ -546,7 +544,7 @@ def _rht_prepared(a: Array, rounding: str, key) -> _RhtPrepared:
     kernel = functools.partial(
         _rht_operand_branch, seed=seed, rounding=rounding, interpret=interpret
     )
-    return _RhtPrepared(x, special, amax, seed, kernel)
+    return _RhtPrepared(x, special, amax, seed, kernel, interpret)
 
 
 def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:

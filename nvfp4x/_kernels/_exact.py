@@ -125,17 +125,41 @@ def block_scale(bamax: Float[Array, "*g"], c: Array, c_sub: Array) -> tuple[Arra
     return scale_b, e4m3_bits(scale_b)
 
 
+def e4m3_value(bits: Array) -> Float[Array, "*s"]:
+    """The float32 value of `float8_e4m3fn` bit patterns `0 <= bits < 128` (int32), by
+    integer steps (Mosaic has no float8 conversion on every TPU): `2^(e-7) (1 + m/8)`
+    built on its bits, `m 2^-9` for a subnormal code (a normal float32), NaN for 127."""
+    bits = bits.astype(jnp.int32)
+    e, m = bits >> 3, bits & 7
+    normal = from_bits(((e + 120) << 23) | (m << 20))
+    value = jnp.where(e == 0, m.astype(jnp.float32) * (1.0 / 512.0), normal)
+    return jnp.where(bits == E4M3_CODES - 1, jnp.nan, value)
+
+
+def inverse_entries(bits: Array, s_dec: Float[Array, "*s"]) -> tuple[Array, Array]:
+    """`inverse_table(s_dec)`'s entries at the E4M3 bit patterns `bits` (int32, below
+    128; `s_dec` broadcast against them): `(inv_b, inv_b * 2^-149)`."""
+    inv_b = _inverse_exact(e4m3_value(bits), s_dec)
+    return inv_b, scale_down_149(inv_b)
+
+
 def inverse_table(s_dec: Float[Array, ""]) -> Float[Array, "256"]:
     """The reference's `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` for every E4M3
     block scale `scale_b >= 0`, indexed by its bits (127: NaN), then `inv_b * 2^-149`
     (`scale_down_149`, for `mul_normal`): a block scale takes one of 128 values, so a
     kernel looks its inverse up instead of dividing (the reference's own
     `_inverse_exact`, in XLA once per call: the same bits by construction)."""
-    bits = jnp.arange(E4M3_CODES, dtype=jnp.uint8)
-    scale_b = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    scale_b = jnp.where(bits == E4M3_CODES - 1, jnp.nan, scale_b)  # (as the kernels')
-    inv_b = _inverse_exact(scale_b, s_dec)
-    return jnp.concatenate([inv_b, scale_down_149(inv_b)])
+    inv_b, inv_sub = inverse_entries(jnp.arange(E4M3_CODES, dtype=jnp.int32), s_dec)
+    return jnp.concatenate([inv_b, inv_sub])
+
+
+def head_values(s_enc: Array, s_dec: Array) -> list[Array]:
+    """The four float32 parameters every block step reads, from the tensor scales:
+    `[s_enc / 6, that * 2^-149, s_dec, tiny]` (`tiny`: 1.0 where `s_dec` needs the
+    exact tiny-scale path), each of `s_enc`'s shape."""
+    c = s_enc * INV_E2M1_MAX
+    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
+    return [c, scale_down_149(c), jnp.broadcast_to(s_dec, c.shape), tiny]
 
 
 #: The block layouts the quantiser kernels take: 1x16, 16x16 tiles, and 16x1 (down the
@@ -153,28 +177,20 @@ def tensor_parameters(x: Array, amax: Array | None, block, output: str):
     parameters every block step reads, `[s_enc / 6, that / 2^149, s_dec, tiny]`
     (`tiny`: 1.0 where `s_dec` needs the exact tiny-scale path), and the inverse table
     (`inverse_table(s_dec)`). `amax` None: the tensor's own (`amax_of_bits`)."""
-    return tensor_parameters_many([x], [amax], block, output)[0]
+    return scale_parameters(checked_amax(x, amax, block, output))
 
 
-def tensor_parameters_many(xs, amaxes, block, output: str) -> list[tuple[Array, Array, Array]]:
-    """`[tensor_parameters(x, amax, block, output) for x, amax in zip(xs, amaxes)]`, the
-    same bits, with one `scale_parameters` for all (vmapped over the stacked amaxes):
-    for several tensors quantised side by side (wgrad's two operands), XLA compiles the
-    exact scalar prologue once instead of once each."""
-    stacked = []
-    for x, amax in zip(xs, amaxes, strict=True):
-        rows, cols = x.shape
-        br, bc = block
-        if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
-            raise ValueError(
-                f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
-                f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
-            )
-        stacked.append(jnp.asarray(amax_of_bits(x) if amax is None else amax, jnp.float32))
-    if len(stacked) == 1:
-        return [scale_parameters(stacked[0])]
-    s_dec, head, table = jax.vmap(scale_parameters)(jnp.stack(stacked))
-    return [(s_dec[i], head[i], table[i]) for i in range(len(stacked))]
+def checked_amax(x: Array, amax: Array | None, block, output: str) -> Array:
+    """A quantiser kernel's tensor amax for the padded 2-D `x` (`amax`, or None: the
+    tensor's own, `amax_of_bits`), float32, once `x`'s `block` and `output` are checked."""
+    rows, cols = x.shape
+    br, bc = block
+    if block not in BLOCKS_2D or rows % br or cols % bc or cols % 2 or output not in OUTPUTS:
+        raise ValueError(
+            f"`quantize_2d` takes blocks {BLOCKS_2D} on padded shapes and an output in "
+            f"{OUTPUTS}, got {block} on {x.shape}, `output={output!r}`."
+        )
+    return jnp.asarray(amax_of_bits(x) if amax is None else amax, jnp.float32)
 
 
 @jax.jit
@@ -189,6 +205,4 @@ def scale_parameters(amax: Float[Array, ""]) -> tuple[Array, Array, Array]:
     --only lowering`). Nothing in it depends on the backend or on `nvfp4x._kernels`'
     picks."""
     s_enc, s_dec = tensor_scales(amax)
-    c = s_enc * INV_E2M1_MAX
-    tiny = is_tiny_scale(s_dec).astype(jnp.float32)
-    return s_dec, jnp.stack([c, scale_down_149(c), s_dec, tiny]), inverse_table(s_dec)
+    return s_dec, jnp.stack(head_values(s_enc, s_dec)), inverse_table(s_dec)

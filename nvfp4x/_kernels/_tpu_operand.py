@@ -47,7 +47,7 @@ from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
 from ._batching import each_problem
-from ._tpu_quantize import _block_steps, _uniform, kernel_parameters, kernel_parameters_many
+from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
 from ._tpu_rht import _INTERPRETERS, butterflies, scaled_butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -232,8 +232,8 @@ def operand(
     rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
     rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
     `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
-    already (one of `parameters_many`'s: a `cond` whose branches run this kernel in two
-    ways makes them once), in place of `amax` (then `None`)."""
+    already (`parameters`': a `cond` whose branches run this kernel in two ways makes
+    them once), in place of `amax` (then `None`)."""
     across = tuple(block) == (1, BLOCK)
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
@@ -267,12 +267,11 @@ def operand(
     return each_problem(lambda x, *p: call(x, None, None, parameters=p), x, *parameters)
 
 
-def parameters_many(xs, amaxes, seeds, block: tuple[int, int] = (BLOCK, 1)) -> list[tuple]:
-    """What `operand`'s kernel reads from SMEM, `(s_dec, params, seeds, table)`, for each
-    `x` in `block`s with its tensor amax and seed (`_tpu_quantize.kernel_parameters`),
-    the exact scalar prologue made once for all (`kernel_parameters_many`): to give
-    `operand(..., parameters=...)`."""
-    return kernel_parameters_many(xs, amaxes, seeds, tuple(block), "values")
+def parameters(x, amax, seed, *, block=(BLOCK, 1), interpret: bool | str = False) -> tuple:
+    """What `operand`'s kernel reads from SMEM, `(s_dec, params, seeds, table)`, for `x`
+    in `block`s with its tensor amax and seed (`_tpu_quantize.kernel_parameters`,
+    `interpret` as `operand`'s): to give `operand(..., parameters=...)`."""
+    return kernel_parameters(x, amax, seed, tuple(block), "values", interpret)
 
 
 def _operand(
@@ -281,7 +280,7 @@ def _operand(
     """`operand` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
     if parameters is None:
-        parameters = kernel_parameters(x, amax, seed, block, "values")
+        parameters = kernel_parameters(x, amax, seed, block, "values", interpret)
     s_dec, params, seeds, table = parameters
     # An array shorter than a tile is padded to whole groups (zero blocks, cut off
     # again); a longer one is not copied: its last tile may overhang it by whole blocks

@@ -85,7 +85,7 @@ def _second(x, m):
     return m
 
 
-def encode_scale(amax: Float[Array, ""]) -> Float[Array, ""]:
+def encode_scale(amax: Float[Array, "*s"]) -> Float[Array, "*s"]:
     """`S_enc = min(2688 / amax, FLT_MAX)`, and 1 for a zero or infinite `amax`; the
     division correctly rounded on every backend (`divide`'s bits, by `constant_over`).
 
@@ -114,12 +114,18 @@ def tensor_scales(amax: Float[Array, ""]) -> tuple[Float[Array, ""], Float[Array
     on XLA:CPU; a `lax.cond` to skip the exact path would cost two more computations for
     XLA to compile in every quantisation).
     """
-    s_enc = encode_scale(amax)
+    s_enc, s_dec = tensor_scale_values(amax)
     # Materialised as bits: a float max reads a subnormal `s_dec` as 0 on XLA:CPU.
-    s_dec = reciprocal_of_normal(s_enc)
     bits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in (s_enc, s_dec)]
     s_enc, s_dec = _materialize(*bits)
     return from_bits(s_enc), from_bits(s_dec)
+
+
+def tensor_scale_values(amax: Float[Array, "*s"]) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+    """`tensor_scales`' two quantities, elementwise and not materialised (a kernel's
+    prologue, `_kernels._tpu_quantize`, computes them on a vector of one amax)."""
+    s_enc = encode_scale(amax)
+    return s_enc, reciprocal_of_normal(s_enc)
 
 
 def _block_scales(
