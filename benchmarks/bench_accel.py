@@ -655,6 +655,19 @@ def _train_data(s: Sizes):
     return x, y, km
 
 
+def _ordered_the_other_way(make: Callable[[], Step]) -> Step:
+    """`make()` (a step traced and compiled) with `_kernels.RHT_OPERANDS_TOGETHER` the
+    other way round."""
+    before = _kernels.RHT_OPERANDS_TOGETHER
+    _kernels.RHT_OPERANDS_TOGETHER = not before
+    jax.clear_caches()
+    try:
+        return make()
+    finally:
+        _kernels.RHT_OPERANDS_TOGETHER = before
+        jax.clear_caches()
+
+
 def train(s: Sizes, table: Table, state: dict) -> None:
     x, y, km = _train_data(s)
     model = Stack(s.d, s.hidden, s.blocks, km)
@@ -695,6 +708,15 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         variants[f"nvfp4 ({best}, {op} {other})"] = lambda p=picks: model_step(
             q(model, nv()), x, y, picks=p
         )
+    if _kernels.pick("rht_operand") == "mosaic":
+        # wgrad's two transformed operands' work ordered the other way (the same bits;
+        # XLA schedules it differently: `_kernels.RHT_OPERANDS_TOGETHER`)
+        other_order = "together" if not _kernels.RHT_OPERANDS_TOGETHER else "in turn"
+        for cast in (False, True):
+            name = f"nvfp4{' in mixed bf16' if cast else ''} ({best}, wgrad operands {other_order})"
+            variants[name] = lambda c=cast: _ordered_the_other_way(
+                lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick)
+            )
     no_rht_sr = nv(rht=False, stochastic_rounding=False)
     variants |= {
         f"nvfp4 no RHT, no SR ({best})": lambda: model_step(q(model, no_rht_sr), x, y, picks=quick),

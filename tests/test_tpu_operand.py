@@ -246,11 +246,13 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
 
 def test_operands_quantised_together_choose_before_any_work(monkeypatch):
     """`quantize_rht_operands` (wgrad's two operands) runs the fused kernels for both
-    where they take both (each operand's prologue kernel its own), and quantises each
-    its own way where one request is not the kernels' (no format, or 16x16 blocks), the
-    kernels then traced only for the operand that runs them (the choice is made before
-    any work). (Traced and lowered only: the pair's bits are those of the transform and
-    the quantiser apart in `test_a_training_step_with_the_fused_operands_is_the_same`.)"""
+    where they take both, and quantises each its own way where one request is not the
+    kernels' (no format, or 16x16 blocks), the kernels then traced only for the operand
+    that runs them (the choice is made before any work). Their work in either order
+    (`_kernels.RHT_OPERANDS_TOGETHER`): each operand's prologue kernel its own, or one
+    call for both, whose parameters are each operand's own. (Traced and lowered: the
+    pair's bits are those of the transform and the quantiser apart in
+    `test_a_training_step_with_the_fused_operands_is_the_same`.)"""
     g = jax.ShapeDtypeStruct((40, 144), jnp.float32)
     a = jax.ShapeDtypeStruct((40, 160), jnp.float32)
     sr, plain = Format("nvfp4", rounding="stochastic"), Format("nvfp4")
@@ -271,19 +273,34 @@ def test_operands_quantised_together_choose_before_any_work(monkeypatch):
         jax.make_jaxpr(fn)(*args)
         return len(calls)
 
+    # One prologue call for several operands gives each its own parameters.
+    finite = np.random.default_rng(1).standard_normal((2, 64, 128)).astype(F32)
+    xs = [jnp.asarray(finite[0]), jnp.asarray(finite[1] * np.float32(1e-30))]  # (a tiny one)
+    seeds = [seed_words(key), None]
+    kw = dict(block=(16, 1), output="values", interpret=True)
+    both = _tpu_quantize.kernel_parameters_many(xs, [None, None], seeds, **kw)
+    for x, seed, got in zip(xs, seeds, both, strict=True):
+        want = _tpu_quantize.kernel_parameters(x, None, seed, **kw)
+        for w, o in zip(want, got, strict=True):
+            assert_bits(np.asarray(o), np.asarray(w), "parameters")
     monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
-    with _kernels.use("rht_operand", "mosaic"):
-        one = stats_kernels(lambda g: quantize_rht_operand(g, sr, key), g)
-        assert one > 0
-        for second in (plain, None, tiles):
-            # the first operand's statistics kernel, and the second's where it runs them
-            assert stats_kernels(together(second), g, a) == one * (2 if second is plain else 1)
-            text = jax.jit(together(second)).trace(g, a).lower(lowering_platforms=("tpu",))
-            # a prologue kernel for each quantised operand (the transformed 16x16 one's
-            # by the Mosaic quantiser on a TPU), and no XLA copy of its arithmetic
-            runs = inlined(text.as_text())[1]
-            assert runs["prologue"] == (1 if second is None else 2)
-            assert runs["scale_parameters"] == 0
+    for order in (False, True):
+        monkeypatch.setattr(_kernels, "RHT_OPERANDS_TOGETHER", order)
+        with _kernels.use("rht_operand", "mosaic"):
+            one = stats_kernels(lambda g: quantize_rht_operand(g, sr, key), g)
+            assert one > 0
+            for second in (plain, None, tiles):
+                # the first operand's statistics kernel, and the second's where it runs
+                n = stats_kernels(together(second), g, a)
+                assert n == one * (2 if second is plain else 1)
+                text = jax.jit(together(second)).trace(g, a).lower(lowering_platforms=("tpu",))
+                # a prologue kernel for each quantised operand (the transformed 16x16
+                # one's by the Mosaic quantiser on a TPU), or one call for the fused
+                # pair together; no XLA copy of its arithmetic
+                runs = inlined(text.as_text())[1]
+                pair = second is plain and order
+                assert runs["prologue"] == (1 if second is None or pair else 2)
+                assert runs["scale_parameters"] == 0
 
 
 def test_offset_seed_draws_the_whole_arrays_samples():

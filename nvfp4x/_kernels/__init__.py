@@ -489,16 +489,39 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     wgrad's two operands), decided before any work."""
     if not all(_rht_applies(*request) for request in requests):
         return None  # (decided before any work: an eager call runs what it traces)
-    from . import _tpu_operand
+    from . import _tpu_operand, _tpu_quantize
 
-    out = []
-    for a, _, rounding, _, key in requests:  # (one after the other: each float32 copy
-        p = _rht_prepared(a, rounding, key)  # of an operand lives through its own only)
-        params = _tpu_operand.parameters(p.x, p.amax, p.seed, interpret=p.interpret)
+    def finish(p: _RhtPrepared, params) -> tuple[Array, Array]:
         plain = functools.partial(p.kernel, rht=True)
         scaled = functools.partial(p.kernel, rht="scaled")
-        out.append(jax.lax.cond(p.special, scaled, plain, p.x, *params))
-    return out
+        return jax.lax.cond(p.special, scaled, plain, p.x, *params)
+
+    if not RHT_OPERANDS_TOGETHER:
+        out = []
+        for a, _, rounding, _, key in requests:
+            p = _rht_prepared(a, rounding, key)
+            params = _tpu_operand.parameters(p.x, p.amax, p.seed, interpret=p.interpret)
+            out.append(finish(p, params))
+        return out
+    prepared = [_rht_prepared(a, rounding, key) for a, _, rounding, _, key in requests]
+    parameters = _tpu_quantize.kernel_parameters_many(
+        [p.x for p in prepared],
+        [p.amax for p in prepared],
+        [p.seed for p in prepared],
+        (BLOCK, 1),
+        "values",
+        prepared[0].interpret,
+    )
+    return [finish(p, params) for p, params in zip(prepared, parameters, strict=True)]
+
+
+#: How `rht_operands` orders its operands' work (the same bits either way): `False`,
+#: each operand's statistics, parameters and kernel in turn; `True`, every operand's
+#: statistics first, then their parameters in one prologue call, then the kernels (so
+#: that no operand's chain can be scheduled apart from the others', e.g. into the
+#: forward pass). XLA's schedule, and with it a step's time and temporaries, differs:
+#: `benchmarks/bench_accel.py`'s train section times both.
+RHT_OPERANDS_TOGETHER = False
 
 
 class _RhtPrepared(NamedTuple):
