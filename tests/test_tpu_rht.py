@@ -126,12 +126,12 @@ def test_a_training_step_traced_for_a_tpu_runs_the_kernel_in_both_wgrad_transfor
     assert text.count('"nvfp4x_rht_tpu"') == 0 and text.count('"nvfp4x_rht_stats_tpu"') == 2
     assert text.count('"nvfp4x_rht_scaled_tpu"') == 0
     assert text.count('"nvfp4x_operand_scaled_tpu"') == 2
-    # The kernels' exact scalar prologue, as its kernel (in XLA, long to compile), four
-    # times: for x in fprop, the weight, and each of wgrad's operands (the fused
-    # operand's two branches share theirs; no dgrad: the loss is differentiated in the
-    # weights only).
+    # The kernels' exact scalar prologue, as its kernel (in XLA, long to compile), three
+    # times: for x in fprop, the weight, and one call for wgrad's two operands (the
+    # fused operand's two branches share theirs; no dgrad: the loss is differentiated
+    # in the weights only).
     runs = inlined(text)[1]
-    assert runs["prologue"] == 4 and runs["scale_parameters"] == 0
+    assert runs["prologue"] == 3 and runs["scale_parameters"] == 0
 
 
 def test_the_kernel_lowers_for_a_tpu():

@@ -496,7 +496,7 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
         scaled = functools.partial(p.kernel, rht="scaled")
         return jax.lax.cond(p.special, scaled, plain, p.x, *params)
 
-    if not RHT_OPERANDS_TOGETHER:
+    if not RHT_OPERANDS_TOGETHER:  # (each operand's work in turn)
         out = []
         for a, _, rounding, _, key in requests:
             p = _rht_prepared(a, rounding, key)
@@ -515,13 +515,14 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     return [finish(p, params) for p, params in zip(prepared, parameters, strict=True)]
 
 
-#: How `rht_operands` orders its operands' work (the same bits either way): `False`,
-#: each operand's statistics, parameters and kernel in turn; `True`, every operand's
-#: statistics first, then their parameters in one prologue call, then the kernels (so
-#: that no operand's chain can be scheduled apart from the others', e.g. into the
-#: forward pass). XLA's schedule, and with it a step's time and temporaries, differs:
-#: `benchmarks/bench_accel.py`'s train section times both.
-RHT_OPERANDS_TOGETHER = False
+#: How `rht_operands` orders its operands' work (the same bits either way): `True`,
+#: every operand's statistics first, then their parameters in one prologue call, then
+#: the kernels; `False`, each operand's statistics, parameters and kernel in turn. XLA
+#: schedules them differently: on a TPU v5e (2026-12-07, `benchmarks/bench_accel.py
+#: --lean --only train`, which times both) the 2-block step took 37.1 ms and 1,412 MiB
+#: of temporaries together against 39.0 ms and 1,667 MiB in turn (inside mixed bf16
+#: 37.4 against 37.9 ms, 645 MiB both).
+RHT_OPERANDS_TOGETHER = True
 
 
 class _RhtPrepared(NamedTuple):
