@@ -483,6 +483,16 @@ def rht_operand(
     return None if out is None else out[0]
 
 
+#: How `rht_operands` orders its operands' work (the same bits either way): `True`,
+#: every operand's statistics first, then their parameters in one prologue call, then
+#: the kernels; `False`, each operand's statistics, parameters and kernel in turn. XLA
+#: schedules them differently: on a TPU v5e (2026-12-07, `benchmarks/bench_accel.py
+#: --lean --only train`, which times both) the 2-block step took 37.1 ms and 1,412 MiB
+#: of temporaries together against 39.0 ms and 1,667 MiB in turn (inside mixed bf16
+#: 37.4 against 37.9 ms, 645 MiB both).
+RHT_OPERANDS_TOGETHER = True
+
+
 def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     """`[rht_operand(*request) for request in requests]`, the same bits, or `None`
     where any of them would be `None` (the caller then quantises each its own way:
@@ -513,16 +523,6 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
         prepared[0].interpret,
     )
     return [finish(p, params) for p, params in zip(prepared, parameters, strict=True)]
-
-
-#: How `rht_operands` orders its operands' work (the same bits either way): `True`,
-#: every operand's statistics first, then their parameters in one prologue call, then
-#: the kernels; `False`, each operand's statistics, parameters and kernel in turn. XLA
-#: schedules them differently: on a TPU v5e (2026-12-07, `benchmarks/bench_accel.py
-#: --lean --only train`, which times both) the 2-block step took 37.1 ms and 1,412 MiB
-#: of temporaries together against 39.0 ms and 1,667 MiB in turn (inside mixed bf16
-#: 37.4 against 37.9 ms, 645 MiB both).
-RHT_OPERANDS_TOGETHER = True
 
 
 class _RhtPrepared(NamedTuple):

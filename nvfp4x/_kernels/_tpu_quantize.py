@@ -23,8 +23,9 @@ How it fits a TPU's (8, 128) vector tiles, with no 16-wide trailing axis anywher
   reference's block scale and E4M3 bits (`_exact.block_scale`), and the inverse
   `inv_b = min(1 / (scale_b * s_dec), FLT_MAX)` without a division: where the tensor
   scale is not tiny (`s_dec >= 2^-64`), every product and quotient is normal, so
-  `inv_b` is the reference's inverse of `scale_b`'s significand (one of 8, made in XLA
-  by the reference's own function, `_exact.inverse_table`) shifted by its exponent;
+  `inv_b` is the reference's inverse of `scale_b`'s significand (one of 8, made once
+  per tensor by `prologue`, a kernel of the reference's own arithmetic,
+  `_exact.inverse_entries`) shifted by its exponent;
   for a tiny tensor the kernel takes another branch that selects among all 128
   entries of that table. The results are broadcast back down the sublanes.
 - Per element: the scaled magnitude (`mul_normal`'s two products, so a subnormal `x`
@@ -83,6 +84,7 @@ from .._numerics._ieee import (
 from .._numerics._nvfp4 import Block, Rounding, tensor_scale_values
 from . import _exact
 from ._batching import ONE_PASS as _ONE_PASS, each_problem
+from ._tpu_rht import _INTERPRETERS
 
 #: The block layouts the kernel takes and what a call writes (`_exact`'s).
 BLOCKS_2D, OUTPUTS = _exact.BLOCKS_2D, _exact.OUTPUTS
@@ -528,10 +530,6 @@ def kernel_parameters_many(
 #: The row of `prologue`'s result that holds the parameter vector (the rows above it:
 #: the inverse table's two halves).
 _PARAMS_ROW = 2
-#: The Pallas interpreter of each `interpret` value: compiled, the TPU interpreter
-#: (`pltpu.InterpretParams()`), or Pallas's generic one (`"plain"`: inside nvfp4x's
-#: primitives off a TPU, where the TPU interpreter's effects do not lower).
-_INTERPRETERS = {False: False, True: pltpu.InterpretParams(), "plain": True}
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -543,7 +541,7 @@ def prologue(amax: Float[Array, " k"], *, interpret: bool | str = False) -> Floa
     `_exact.scale_parameters` (in XLA, that exact arithmetic is most of a quantisation's
     code: ~400 operations that XLA compiled in ~0.45 s at each call site on a TPU v5e,
     against ~0.03 s for this kernel's, 2026-12-07). The amax enters as its bits, so that
-    a subnormal one is read exactly."""
+    a subnormal one is read exactly. `interpret` as `_tpu_rht.transform`'s."""
     k = amax.shape[0]
     bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
     spec = pl.BlockSpec((None, 8, LANES), lambda i: (i, 0, 0))
