@@ -278,44 +278,43 @@ def test_mosaic_reads_bfloat16_subnormals_exactly(block):
     same_nvfp4(got(x), expected)
 
 
-#: Tensor amaxes for the prologue kernel: zeros, subnormals (read on their bits), the
-#: tiny-scale threshold's neighbourhood (`s_dec` near 2^-64 and subnormal), ordinary and
-#: huge values, the largest finite, inf, NaN and negatives (which the reference maps).
-PROLOGUE_AMAXES = np.concatenate(
+#: Tensor amaxes for the prologue kernel (random ones join them in `PROLOGUE_AMAXES`):
+#: zeros, subnormals (read on their bits), the tiny-scale threshold's neighbourhood
+#: (`s_dec` near 2^-64 and subnormal), ordinary and huge values, the largest finite, inf,
+#: NaN and negatives (which the reference maps).
+PROLOGUE_EDGES = np.asarray(
     [
-        np.asarray(
-            [
-                0.0,
-                -0.0,
-                1e-45,
-                1e-40,
-                1.1754942e-38,
-                1.1754944e-38,
-                1e-35,
-                2.5e-35,
-                3.2e-35,
-                3.3e-35,
-                1e-30,
-                1.5e-16,
-                1.46e-16,
-                1.0,
-                3.0,
-                6.0,
-                2688.0,
-                448.0 * 6,
-                1e10,
-                3e38,
-                3.4028235e38,
-                np.inf,
-                -np.inf,
-                np.nan,
-                -1.0,
-                -1e-40,
-            ],
-            np.float32,
-        ),
-        np.exp(np.random.default_rng(0).uniform(-103, 88, 90)).astype(np.float32),
-    ]
+        0.0,
+        -0.0,
+        1e-45,
+        1e-40,
+        1.1754942e-38,
+        1.1754944e-38,
+        1e-35,
+        2.5e-35,
+        3.2e-35,
+        3.3e-35,
+        1e-30,
+        1.5e-16,
+        1.46e-16,
+        1.0,
+        3.0,
+        6.0,
+        2688.0,
+        448.0 * 6,
+        1e10,
+        3e38,
+        3.4028235e38,
+        np.inf,
+        -np.inf,
+        np.nan,
+        -1.0,
+        -1e-40,
+    ],
+    np.float32,
+)
+PROLOGUE_AMAXES = np.concatenate(
+    [PROLOGUE_EDGES, np.exp(np.random.default_rng(0).uniform(-103, 88, 90)).astype(np.float32)]
 )
 
 
@@ -323,8 +322,9 @@ def test_the_prologue_kernel_is_the_exact_prologue():
     """`_tpu_quantize.prologue` (the quantiser kernels' scalar prologue as one kernel, a
     grid step per tensor) gives `_exact.scale_parameters`' bits, computed by the reference
     on the CPU (where XLA keeps subnormals): the tensor scale, the parameter vector and
-    the inverse table, for every amax of `PROLOGUE_AMAXES` in one call, and one at a
-    time under `jit`; and lowers for a TPU. E4M3 codes decode as `float8_e4m3fn` does."""
+    the inverse table, for every amax of `PROLOGUE_AMAXES` in one call, and the edge
+    cases (`PROLOGUE_EDGES`) one at a time under `jit`; and lowers for a TPU. E4M3 codes
+    decode as `float8_e4m3fn` does."""
     from nvfp4x._kernels import _exact
 
     codes = np.arange(_exact.E4M3_CODES, dtype=np.uint8)
@@ -342,7 +342,8 @@ def test_the_prologue_kernel_is_the_exact_prologue():
         s_dec, head, table = (np.asarray(v) for v in reference(*on_cpu((jnp.float32(amax),))))
         params = np.zeros(16, np.float32)
         params[:4], params[4:12] = head, table[7 << 3 : (7 << 3) + 8]
-        for got in (made[i], np.asarray(one(jnp.float32(amax)))):
+        alone = [np.asarray(one(jnp.float32(amax)))] if i < len(PROLOGUE_EDGES) else []
+        for got in (made[i], *alone):
             for g, w in ((got[2, 2], s_dec), (got[2, :16], params), (got[:2].ravel(), table)):
                 g, w = np.atleast_1d(g), np.atleast_1d(w)  # (bits; NaN where NaN)
                 np.testing.assert_array_equal(np.isnan(g), np.isnan(w), f"amax {amax}")
