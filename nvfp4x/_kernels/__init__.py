@@ -499,30 +499,35 @@ def rht_operands(requests) -> list[tuple[Array, Array]] | None:
     wgrad's two operands), decided before any work."""
     if not all(_rht_applies(*request) for request in requests):
         return None  # (decided before any work: an eager call runs what it traces)
-    from . import _tpu_operand, _tpu_quantize
+    if not RHT_OPERANDS_TOGETHER:  # (each operand's work in turn: one request at a time)
+        return [out for request in requests for out in _rht_together([request])]
+    return _rht_together(requests)
 
-    def finish(p: _RhtPrepared, params) -> tuple[Array, Array]:
-        plain = functools.partial(p.kernel, rht=True)
-        scaled = functools.partial(p.kernel, rht="scaled")
-        return jax.lax.cond(p.special, scaled, plain, p.x, *params)
 
-    if not RHT_OPERANDS_TOGETHER:  # (each operand's work in turn)
-        out = []
-        for a, _, rounding, _, key in requests:
-            p = _rht_prepared(a, rounding, key)
-            params = _tpu_operand.parameters(p.x, p.amax, p.seed, interpret=p.interpret)
-            out.append(finish(p, params))
-        return out
-    prepared = [_rht_prepared(a, rounding, key) for a, _, rounding, _, key in requests]
+def _rht_together(requests) -> list[tuple[Array, Array]]:
+    """`rht_operands` of requests the kernels take: every operand's statistics, their
+    kernels' parameters in one prologue call, then each operand's kernel (the plain or
+    the scaled transform's, by a `cond` on its statistics)."""
+    from . import _tpu_quantize
+
+    interpret = _in_primitive_interpret()
+    prepared = [_rht_prepared(a, rounding, key, interpret) for a, _, rounding, _, key in requests]
     parameters = _tpu_quantize.kernel_parameters_many(
         [p.x for p in prepared],
         [p.amax for p in prepared],
         [p.seed for p in prepared],
         (BLOCK, 1),
         "values",
-        prepared[0].interpret,
+        interpret,
     )
-    return [finish(p, params) for p, params in zip(prepared, parameters, strict=True)]
+    out = []
+    for p, params in zip(prepared, parameters, strict=True):
+        kernel = functools.partial(
+            _rht_operand_branch, seed=p.seed, rounding=p.rounding, interpret=interpret
+        )
+        plain, scaled = (functools.partial(kernel, rht=r) for r in (True, "scaled"))
+        out.append(jax.lax.cond(p.special, scaled, plain, p.x, *params))
+    return out
 
 
 class _RhtPrepared(NamedTuple):
@@ -530,8 +535,7 @@ class _RhtPrepared(NamedTuple):
     special: Array  # whether a column needs the scaled transform
     amax: Array  # the tensor amax of the transform that runs
     seed: Array | None
-    kernel: Callable  # `_rht_operand_branch` for this request: `(x, *parameters, rht=)`
-    interpret: bool | str  # the kernels' (`_in_primitive_interpret`)
+    rounding: str
 
 
 def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bool:
@@ -549,13 +553,12 @@ def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bo
     return _tpu_operand.applies((-(-a.shape[0] // BLOCK) * BLOCK, a.shape[1]), jnp.float32)
 
 
-def _rht_prepared(a: Array, rounding: str, key) -> _RhtPrepared:
+def _rht_prepared(a: Array, rounding: str, key, interpret: bool | str) -> _RhtPrepared:
     """`rht_operand`'s first pass (`rht_stats`) for a request the kernels take
     (`_rht_applies`): what its kernel call needs but its parameters."""
     from . import _tpu_operand
 
     x = _hadamard.padded_rows(a)
-    interpret = _in_primitive_interpret()
     seed = None if key is None else seed_words(key)
     special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
     # The rarely taken way (a column needs the scaled transform) is kernels, not XLA's
@@ -565,10 +568,7 @@ def _rht_prepared(a: Array, rounding: str, key) -> _RhtPrepared:
     # not once in each branch.
     scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
     amax = jax.lax.cond(special, scaled_amax, _kept_amax, x, amax)
-    kernel = functools.partial(
-        _rht_operand_branch, seed=seed, rounding=rounding, interpret=interpret
-    )
-    return _RhtPrepared(x, special, amax, seed, kernel, interpret)
+    return _RhtPrepared(x, special, amax, seed, rounding)
 
 
 def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:

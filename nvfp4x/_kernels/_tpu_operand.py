@@ -232,8 +232,8 @@ def operand(
     rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
     rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
     `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
-    already (`parameters`': a `cond` whose branches run this kernel in two ways makes
-    them once), in place of `amax` (then `None`)."""
+    already (`_tpu_quantize.kernel_parameters_many`'s: a `cond` whose branches run this
+    kernel in two ways makes them once), in place of `amax` (then `None`)."""
     across = tuple(block) == (1, BLOCK)
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
@@ -265,13 +265,6 @@ def operand(
     if parameters is None:
         return each_problem(call, x, amax, seed)
     return each_problem(lambda x, *p: call(x, None, None, parameters=p), x, *parameters)
-
-
-def parameters(x, amax, seed, *, block=(BLOCK, 1), interpret: bool | str = False) -> tuple:
-    """What `operand`'s kernel reads from SMEM, `(s_dec, params, seeds, table)`, for `x`
-    in `block`s with its tensor amax and seed (`_tpu_quantize.kernel_parameters`,
-    `interpret` as `operand`'s): to give `operand(..., parameters=...)`."""
-    return kernel_parameters(x, amax, seed, tuple(block), "values", interpret)
 
 
 def _operand(
