@@ -348,3 +348,82 @@ def test_the_prologue_kernel_is_the_exact_prologue():
                 same_floats(g, w)
     text = jax.jit(_tpu_quantize.prologue).trace(amaxes).lower(lowering_platforms=("tpu",))
     assert '"nvfp4x_prologue_tpu"' in text.as_text()
+
+
+@pytest.mark.parametrize("partitionable", [True, False], ids=["partitionable", "original"])
+def test_the_prologue_kernel_draws_the_seed_words(partitionable, monkeypatch):
+    """A stochastic quantisation's seed words, `jax.random.bits(key, (2,), uint32)` moved
+    along by an offset (`_kernels.offset_seed`), drawn by the prologue kernel from a
+    Threefry key's seed (`_tpu_quantize.key_seed`) in both counter layouts, the same
+    bits as XLA's, eagerly and under `jit`; drawn words pass through, no seed gives
+    zeros. Lowered for a TPU, a stochastic quantiser holds no XLA copy of the hash."""
+    from nvfp4x._numerics._threefry import seed_words
+
+    interpret = _kernels.backend() != "tpu"
+    keys = [
+        jax.random.key(0),
+        jax.random.key(2**31 + 12345),
+        jax.random.fold_in(jax.random.key(7), 2**32 - 1),
+    ]
+    offsets = [0, 5, jnp.uint32(2**31 + 3)]
+    given = jnp.asarray([3, 2**32 - 1], jnp.uint32)
+    x = jnp.ones((64, 256), jnp.float32)
+
+    def words(keys, offsets):
+        seeds = [_tpu_quantize.key_seed(k, o) for k, o in zip(keys, offsets, strict=True)]
+        seeds += [None, given]
+        made = _tpu_quantize.kernel_parameters_many(
+            [x] * len(seeds), [None] * len(seeds), seeds, (1, 16), "values", interpret
+        )
+        return [m[2] for m in made]
+
+    old = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", partitionable)
+    try:
+        want = [_kernels.offset_seed(seed_words(k), o) for k, o in zip(keys, offsets, strict=True)]
+        want += [jnp.zeros((2,), jnp.uint32), given]
+        for got in (words(keys, offsets), jax.jit(words)(keys, offsets)):
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w))
+        fmt = Format("nvfp4", block=(1, 16), rounding="stochastic")
+        monkeypatch.setattr(_kernels, "backend", lambda: "tpu")
+        with _kernels.use("nvfp4_quantize", "mosaic"):
+            text = (
+                jax.jit(lambda x, key: quantize_operand(x, fmt, -1, key))
+                .trace(x, keys[1])
+                .lower(lowering_platforms=("tpu",))
+                .as_text()
+            )
+    finally:
+        jax.config.update("jax_threefry_partitionable", old)
+    assert '"nvfp4x_prologue_tpu"' in text and '"nvfp4_quantize_tpu"' in text
+    assert "shift_right_logical" not in text  # (the hash's rotations: in the kernel only)
+
+
+def test_the_fold_kernel_is_jax_fold_in():
+    """`_tpu_quantize.fold_in_tags` (the GEMMs' gradient keys by a kernel) gives
+    `_threefry.fold_in_tags`' words (`jax.random.fold_in`'s, `test_shared_paths`) for
+    every key of a batch, eagerly, under `jit` and nested `vmap`s (one call for the
+    batch), in both interpreters; lowers for a TPU with no XLA copy of the hash; and
+    refuses tags outside uint32."""
+    from nvfp4x._numerics import _threefry
+
+    interpret = _kernels.backend() != "tpu"
+    words = jax.random.bits(jax.random.key(1), (3, 5, 2), jnp.uint32)
+    words = words.at[0, 0].set(jnp.asarray([0, 2**32 - 1], jnp.uint32))
+    tags = (1, 2, 2**32 - 1)
+    want = np.asarray(jax.vmap(jax.vmap(lambda w: _threefry.fold_in_tags(w, tags)))(words))
+    for mode in (interpret, "plain") if interpret else (False,):
+        fold = functools.partial(_tpu_quantize.fold_in_tags, tags=tags, interpret=mode)
+        np.testing.assert_array_equal(np.asarray(fold(words)), want)
+        nested = jax.jit(jax.vmap(jax.vmap(fold), in_axes=1, out_axes=1))
+        np.testing.assert_array_equal(np.asarray(nested(words)), want)
+    text = (
+        jax.jit(functools.partial(_tpu_quantize.fold_in_tags, tags=tags))
+        .trace(words)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
+    assert text.count('"nvfp4x_fold_in_tpu"') == 1 and "stablehlo.shift_left" not in text
+    with pytest.raises(ValueError, match="tags"):
+        _tpu_quantize.fold_in_tags(words[0, 0], (2**32,))
