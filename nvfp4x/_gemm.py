@@ -56,6 +56,7 @@ from ._formats import (
 )
 from ._formats._dot import apply_scales
 from ._numerics._constants import GOLDEN_RATIO_32
+from ._numerics._threefry import fold_in_tags
 from ._policy import RECIPE_NAMES, Recipe, RecipeLike, as_recipe
 from ._prims import (
     Primitive,
@@ -76,10 +77,9 @@ GRAD_TAGS = (1, 2)
 def grad_key(seed: UInt32[Array, "2"], tag: int) -> jax.Array:
     """`jax.random.fold_in` of the Threefry key holding `seed` with `tag` (one of
     `GRAD_TAGS`), bit for bit (its hash unrolled: `_threefry`, which compiles smaller than
-    `jax.random`'s loop; where the TPU kernels are picked, a kernel). Both tags are
-    hashed in one vectorised program (`_kernels.fold_in_tags`), the same in dgrad and
-    wgrad, so that XLA keeps one of the two."""
-    words = _kernels.fold_in_tags(seed, GRAD_TAGS)[GRAD_TAGS.index(tag)]
+    `jax.random`'s loop). Both tags are hashed in one vectorised program
+    (`fold_in_tags`), the same in dgrad and wgrad, so that XLA keeps one of the two."""
+    words = fold_in_tags(seed, GRAD_TAGS)[GRAD_TAGS.index(tag)]
     return jax.random.wrap_key_data(words, impl="threefry2x32")
 
 

@@ -240,7 +240,7 @@ def test_quantize_rht_operand_picks_the_fused_kernels_with_the_same_bits(monkeyp
     # The kernel's parameters (exact scalar arithmetic) are made once for both branches,
     # not in each, by the prologue kernel (no XLA copy of it: long for XLA to compile).
     runs = inlined(text)[1]
-    assert runs["_prologue_call"] == 1 and runs["scale_parameters"] == 0
+    assert runs["prologue"] == 1 and runs["scale_parameters"] == 0
     assert text.count('"nvfp4x_prologue_tpu"') == 1
 
 
@@ -299,7 +299,7 @@ def test_operands_quantised_together_choose_before_any_work(monkeypatch):
                 # pair together; no XLA copy of its arithmetic
                 runs = inlined(text.as_text())[1]
                 pair = second is plain and order
-                assert runs["_prologue_call"] == (1 if second is None or pair else 2)
+                assert runs["prologue"] == (1 if second is None or pair else 2)
                 assert runs["scale_parameters"] == 0
 
 

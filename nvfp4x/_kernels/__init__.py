@@ -138,7 +138,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._numerics import _hadamard, _threefry
+from .._numerics import _hadamard
 from .._numerics._constants import BLOCK, GOLDEN_RATIO_32, ROW_BLOCK, TILE
 from .._numerics._nvfp4 import pad_to_blocks
 from .._numerics._threefry import seed_words
@@ -381,15 +381,8 @@ def nvfp4_quantizer(
         grid = (*rows, cols // BLOCK) if block == ROW_BLOCK else (*rows[:-1], rows[-1] // 16)
         if block != ROW_BLOCK:
             grid = (*grid, cols // block[1])
-        # (`jax.random.bits(key, (2,))`, moved along by `offset`: for a TPU kernel, the
-        # key's seed, drawn by the kernel's prologue, `_tpu_quantize.key_seed`)
-        seed = None
-        if key is not None and implementation == "mosaic":
-            from . import _tpu_quantize
-
-            seed = _tpu_quantize.key_seed(key, offset)
-        elif key is not None:
-            seed = offset_seed(seed_words(key), offset)
+        # (`jax.random.bits(key, (2,))`, moved along by `offset`)
+        seed = None if key is None else offset_seed(seed_words(key), offset)
         out, scale_bits, s_dec = kernel.quantize_2d(
             xp.reshape(-1, cols),
             None if amax is None else jnp.asarray(amax, jnp.float32),
@@ -405,18 +398,6 @@ def nvfp4_quantizer(
         return Quantized(out.reshape(*rows, cols // 2), scales, s_dec, None)
 
     return run
-
-
-def fold_in_tags(words: Array, tags: tuple[int, ...]) -> Array:
-    """`_threefry.fold_in_tags(words, tags)` (the GEMMs' gradient keys), the same bits:
-    where the TPU quantiser kernels are picked, by a kernel
-    (`_tpu_quantize.fold_in_tags`: one call, not ~200 XLA operations at every dgrad and
-    wgrad), else in XLA."""
-    if pick("nvfp4_quantize") == "mosaic":
-        from . import _tpu_quantize
-
-        return _tpu_quantize.fold_in_tags(words, tags, interpret=_in_primitive_interpret())
-    return _threefry.fold_in_tags(words, tags)
 
 
 def offset_seed(seed: Array, offset: Array | int) -> Array:
@@ -575,10 +556,10 @@ def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bo
 def _rht_prepared(a: Array, rounding: str, key, interpret: bool | str) -> _RhtPrepared:
     """`rht_operand`'s first pass (`rht_stats`) for a request the kernels take
     (`_rht_applies`): what its kernel call needs but its parameters."""
-    from . import _tpu_operand, _tpu_quantize
+    from . import _tpu_operand
 
     x = _hadamard.padded_rows(a)
-    seed = None if key is None else _tpu_quantize.key_seed(key)  # (drawn by the prologue)
+    seed = None if key is None else seed_words(key)
     special, amax = _tpu_operand.rht_stats(x, interpret=interpret)
     # The rarely taken way (a column needs the scaled transform) is kernels, not XLA's
     # scaled transform: it is compiled at every call site, and a `cond`'s branch buffers

@@ -227,11 +227,10 @@ def operand(
     caller checks that no chunk column needs `_hadamard`'s scaling: `rht_stats`), or
     with `rht="scaled"` after `_hadamard.rht_scaled(x)` (every chunk column scaled into
     range and back, `_tpu_rht.scaled_butterflies`: the path for columns that need it,
-    `amax` then `rht_stats(x, scaled=True)`'s). `seed`: two uint32 words, or a key's
-    seed (`_tpu_quantize.key_seed`), for `rounding="stochastic"`. `interpret` as
-    `_tpu_rht.transform`'s; `rows`: a tile's rows at most (a multiple of
-    `GROUP_ROWS`); `looped`: the kernel's groups in a loop rather than unrolled
-    (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
+    `amax` then `rht_stats(x, scaled=True)`'s). `seed`: two uint32 words for
+    `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's
+    rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
+    rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
     `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
     already (`_tpu_quantize.kernel_parameters_many`'s: a `cond` whose branches run this
     kernel in two ways makes them once), in place of `amax` (then `None`)."""

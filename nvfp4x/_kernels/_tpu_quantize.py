@@ -82,7 +82,6 @@ from .._numerics._ieee import (
     scale_down_149,
 )
 from .._numerics._nvfp4 import Block, Rounding, tensor_scale_values
-from .._numerics._threefry import is_threefry, seed_words, threefry2x32
 from . import _exact
 from ._batching import ONE_PASS as _ONE_PASS, each_problem
 from ._tpu_rht import _INTERPRETERS
@@ -482,9 +481,8 @@ def quantize_2d(
 ) -> tuple[Array, Array | None, Float[Array, ""]]:
     """Quantise a 2-D array whose blocked axes are multiples of 16 (padded), in blocks
     `(1, 16)`, `(16, 16)` or `(16, 1)`: `_pallas_nvfp4.quantize_2d`'s arguments and
-    results (`seed` also a key's seed, `key_seed`, drawn by the prologue), on a TPU
-    (`interpret=True` runs it in the TPU interpreter, `pltpu.InterpretParams()`;
-    `tiling` defaults to `tiling_for(block, x.dtype)`).
+    results, on a TPU (`interpret=True` runs it in the TPU interpreter,
+    `pltpu.InterpretParams()`; `tiling` defaults to `tiling_for(block, x.dtype)`).
 
     **Returns:** `(out, scale_bits, s_dec)`: with `output="codes"`, the packed codes
     `(rows, cols / 2)` uint8 and the E4M3 scale bits on the block grid, uint8; with
@@ -509,27 +507,8 @@ def kernel_parameters(x, amax, seed, block, output: str, interpret: bool | str =
     padded 2-D `x` (`_exact.checked_amax`'s checks): the float32 parameter vector
     (`_NPARAMS` slots, see `_block_steps`), the seed words as int32 (zeros without a
     seed), and the inverse table (`_exact.inverse_table`), made by `prologue`'s kernel
-    (`interpret` as there). `seed`: `None`, two uint32 words, or a key's seed
-    (`key_seed`: three words, hashed by the prologue). Shared with `_tpu_operand`."""
+    (`interpret` as there). Shared with `_tpu_operand`."""
     return kernel_parameters_many([x], [amax], [seed], block, output, interpret)[0]
-
-
-#: Words in a key's seed (`key_seed`): a Threefry key's two words, then the step that
-#: moves its samples along (added to the first drawn word); two words are drawn already.
-KEY_SEED_WORDS = 3
-
-
-def key_seed(key: jax.Array, offset: Array | int = 0) -> Array:
-    """The seed of a quantiser kernel that rounds stochastically with `key`, its samples
-    moved along by `offset` (`_kernels.offset_seed`): for a Threefry key (`jax.random`'s
-    default), its two words and the offset's step, `KEY_SEED_WORDS` uint32, from which
-    `prologue`'s kernel draws `jax.random.bits(key, (2,), uint32)` itself (in XLA that
-    hash is ~150 operations at every stochastic quantisation, compiled at each call
-    site); for another key, the drawn words, moved along, as XLA draws them."""
-    step = jnp.asarray(offset).astype(jnp.uint32) * jnp.uint32(GOLDEN_RATIO_32)
-    if is_threefry(key) and key.shape == ():
-        return jnp.concatenate([jax.random.key_data(key).astype(jnp.uint32), step[None]])
-    return seed_words(key).at[0].add(step)
 
 
 def kernel_parameters_many(
@@ -538,34 +517,14 @@ def kernel_parameters_many(
     """`[kernel_parameters(x, amax, seed, block, output, interpret) for ...]`: one
     `prologue` call (a grid step per tensor) for all."""
     amax = [_exact.checked_amax(x, a, block, output) for x, a in zip(xs, amaxes, strict=True)]
-    made, words = prologue_and_seeds(jnp.stack(amax), seed_rows(seeds), interpret=interpret)
+    made = prologue(jnp.stack(amax), interpret=interpret)
     out = []
-    for i in range(len(seeds)):
+    for i, seed in enumerate(seeds):
         params = made[i, _PARAMS_ROW, :_NPARAMS]
-        out.append((params[2], params, words[i, 0, :2], made[i, :_PARAMS_ROW].reshape(-1)))
+        seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+        words = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32)
+        out.append((params[2], params, words, made[i, :_PARAMS_ROW].reshape(-1)))
     return out
-
-
-def seed_rows(seeds) -> Array:
-    """`prologue_and_seeds`' seed rows for tensors' seeds (`kernel_parameters`'):
-    `(k, 4)` uint32, `[w0, w1, step, hash]`: a key's seed (`key_seed`) hashed, drawn
-    words passed through (`hash` 0), `None` zeros."""
-    rows = []
-    for seed in seeds:
-        if seed is None:
-            rows.append(jnp.zeros((4,), jnp.uint32))
-            continue
-        seed = jnp.asarray(seed).astype(jnp.uint32)
-        if seed.shape == (KEY_SEED_WORDS,):
-            rows.append(jnp.concatenate([seed, jnp.ones((1,), jnp.uint32)]))
-        elif seed.shape == (2,):
-            rows.append(jnp.concatenate([seed, jnp.zeros((2,), jnp.uint32)]))
-        else:
-            raise ValueError(
-                f"a quantiser kernel's seed is two uint32 words or a key's seed "
-                f"(`key_seed`: {KEY_SEED_WORDS} words), got shape {seed.shape}."
-            )
-    return jnp.stack(rows)
 
 
 #: The row of `prologue`'s result that holds the parameter vector (the rows above it:
@@ -573,6 +532,7 @@ def seed_rows(seeds) -> Array:
 _PARAMS_ROW = 2
 
 
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def prologue(amax: Float[Array, " k"], *, interpret: bool | str = False) -> Float[Array, "k 8 128"]:
     """The quantiser kernels' exact scalar prologue for `k` tensors, from their amaxes,
     as one Pallas kernel (a grid step each): `[k, 0]` and `[k, 1]` the inverse table's
@@ -582,54 +542,24 @@ def prologue(amax: Float[Array, " k"], *, interpret: bool | str = False) -> Floa
     code: ~400 operations that XLA compiled in ~0.45 s at each call site on a TPU v5e,
     against ~0.03 s for this kernel's, 2026-12-07). The amax enters as its bits, so that
     a subnormal one is read exactly. `interpret` as `_tpu_rht.transform`'s."""
-    rows = jnp.zeros((amax.shape[0], 4), jnp.uint32)
-    return prologue_and_seeds(amax, rows, interpret=interpret)[0]
-
-
-def prologue_and_seeds(
-    amax: Float[Array, " k"], seeds: Array, *, interpret: bool | str = False
-) -> tuple[Float[Array, "k 8 128"], Array]:
-    """`prologue(amax)` and, from the same kernel, the tensors' seed words: `seeds`
-    `(k, 4)` uint32 rows `[w0, w1, step, hash]` (`seed_rows`); where `hash` is set,
-    `jax.random.bits(key, (2,), uint32)` of the Threefry key holding `(w0, w1)` (in
-    `jax.config.jax_threefry_partitionable`'s counter layout, as `_threefry.bits2`),
-    `step` added to the first word (`_kernels.offset_seed`), else `(w0, w1)` as given.
-    The words: `[k, 0, :2]` of the second result, int32 (the kernels' SMEM seeds)."""
-    partitionable = bool(jax.config.jax_threefry_partitionable)  # type: ignore[attr-defined]
-    return _prologue_call(amax, seeds, interpret=interpret, partitionable=partitionable)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "partitionable"))
-def _prologue_call(amax, seeds, *, interpret, partitionable):
     k = amax.shape[0]
     bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
-    words = jax.lax.bitcast_convert_type(seeds.astype(jnp.uint32), jnp.int32)
-    rows = jnp.concatenate([bits[:, None], words, jnp.zeros((k, 3), jnp.int32)], axis=1)
     spec = pl.BlockSpec((None, 8, LANES), lambda i: (i, 0, 0))
     return pl.pallas_call(
-        functools.partial(_prologue_kernel, partitionable=partitionable),
-        out_shape=(
-            jax.ShapeDtypeStruct((k, 8, LANES), jnp.float32),
-            jax.ShapeDtypeStruct((k, 8, LANES), jnp.int32),
-        ),
+        _prologue_kernel,
+        out_shape=jax.ShapeDtypeStruct((k, 8, LANES), jnp.float32),
         grid=(k,),
         in_specs=[spec],
-        out_specs=(spec, spec),
+        out_specs=spec,
         interpret=_INTERPRETERS[interpret],
         name="nvfp4x_prologue_tpu",
-    )(jnp.broadcast_to(rows[:, :, None], (k, 8, LANES)))
+    )(jnp.broadcast_to(bits[:, None, None], (k, 8, LANES)))
 
 
-def _row(ref, i: int) -> Array:
-    """Row `i` of an `(8, 128)` ref, broadcast down its 8 sublanes."""
-    return jnp.broadcast_to(ref[i : i + 1, :], (8, LANES))
-
-
-def _prologue_kernel(in_ref, out_ref, seeds_ref, *, partitionable: bool):
-    """`prologue_and_seeds`' step for one tensor: `in_ref` (8, 128) holds in each lane
-    the amax's bits (row 0) and the seed row (rows 1-4); each lane computes the same
-    scalars, and its own E4M3 code's inverse."""
-    s_enc, s_dec = tensor_scale_values(from_bits(_row(in_ref, 0)))
+def _prologue_kernel(bits_ref, out_ref):
+    """`prologue`'s step for one tensor: its amax's bits fill `bits_ref` (8, 128); each
+    lane computes the same scalars, and its own E4M3 code's inverse."""
+    s_enc, s_dec = tensor_scale_values(from_bits(bits_ref[...]))
     lane = jax.lax.broadcasted_iota(jnp.int32, s_dec.shape, 1)
     row = jax.lax.broadcasted_iota(jnp.int32, s_dec.shape, 0)
     inv_b, inv_sub = _exact.inverse_entries(lane, s_dec)  # lane = code (128 of them)
@@ -640,81 +570,6 @@ def _prologue_kernel(in_ref, out_ref, seeds_ref, *, partitionable: bool):
     for i, value in enumerate(head):
         params = jnp.where(lane == i, value, params)
     out_ref[...] = jnp.where(row == 0, inv_b, jnp.where(row == 1, inv_sub, params))
-    # The seed words (lanes 0 and 1), drawn from the key where the row says so.
-    w0, w1, step, hashed = (
-        jax.lax.bitcast_convert_type(_row(in_ref, i), jnp.uint32) for i in range(1, 5)
-    )
-    zero = jnp.zeros_like(w0)
-    if partitionable:  # counters (0, 0) and (0, 1), one per lane; the words `y1 ^ y2`
-        y1, y2 = threefry2x32(w0, w1, zero, lane.astype(jnp.uint32))
-        drawn = y1 ^ y2
-    else:  # the counter pair (0, 1); the words `y1`, `y2`
-        y1, y2 = threefry2x32(w0, w1, zero, zero + jnp.uint32(1))
-        drawn = jnp.where(lane == 0, y1, y2)
-    drawn = jnp.where(lane == 0, drawn + step, drawn)
-    words = jnp.where(hashed != 0, drawn, jnp.where(lane == 0, w0, w1))
-    seeds_ref[...] = jax.lax.bitcast_convert_type(words, jnp.int32)
-
-
-def fold_in_tags(words: Array, tags: tuple[int, ...], *, interpret: bool | str = False) -> Array:
-    """`_threefry.fold_in_tags(words, tags)` (the key data of `jax.random.fold_in` of
-    the Threefry key holding each `(..., 2)` uint32 `words` with each tag: `(..., t,
-    2)`), the same bits, by one Pallas kernel (a grid step per key; vmapped, one call
-    for the batch): in XLA the hash is ~200 operations at each of a step's dgrad and
-    wgrad, each compiled again. `interpret` as `prologue`'s."""
-    return _folder(tuple(int(t) for t in tags), interpret)(jnp.asarray(words, jnp.uint32))
-
-
-@functools.cache
-def _folder(tags: tuple[int, ...], interpret: bool | str):
-    """`fold_in_tags` for `tags`, batched by one call for all keys (rows)."""
-    if not tags or len(tags) > LANES or any(not 0 <= t < 2**32 for t in tags):
-        raise ValueError(f"`fold_in_tags` takes 1 to {LANES} tags in [0, 2^32), got {tags}.")
-
-    @jax.custom_batching.custom_vmap
-    def fold(words):
-        lead = words.shape[:-1]
-        return _fold_call(words.reshape(-1, 2), tags, interpret).reshape(*lead, len(tags), 2)
-
-    @fold.def_vmap
-    def _(axis_size, in_batched, words):
-        del axis_size, in_batched
-        return fold(words), True  # (the batch axis leads: one call for all its keys)
-
-    return fold
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _fold_call(words, tags, interpret):
-    k = words.shape[0]
-    rows = jax.lax.bitcast_convert_type(words, jnp.int32)
-    rows = jnp.concatenate([rows, jnp.zeros((k, 6), jnp.int32)], axis=1)
-    spec = pl.BlockSpec((None, 8, LANES), lambda i: (i, 0, 0))
-    out = pl.pallas_call(
-        functools.partial(_fold_kernel, tags=tags),
-        out_shape=jax.ShapeDtypeStruct((k, 8, LANES), jnp.int32),
-        grid=(k,),
-        in_specs=[spec],
-        out_specs=spec,
-        interpret=_INTERPRETERS[interpret],
-        name="nvfp4x_fold_in_tpu",
-    )(jnp.broadcast_to(rows[:, :, None], (k, 8, LANES)))
-    t = len(tags)
-    return jax.lax.bitcast_convert_type(jnp.stack([out[:, 0, :t], out[:, 1, :t]], -1), jnp.uint32)
-
-
-def _fold_kernel(in_ref, out_ref, *, tags: tuple[int, ...]):
-    """`_fold_call`'s step for one key (its words in rows 0 and 1 of every lane): lane
-    `j` hashes the counter `(0, tags[j])`; row 0 of the result the new key's first word,
-    row 1 its second."""
-    w0, w1 = (jax.lax.bitcast_convert_type(_row(in_ref, i), jnp.uint32) for i in (0, 1))
-    lane = jax.lax.broadcasted_iota(jnp.int32, w0.shape, 1)
-    row = jax.lax.broadcasted_iota(jnp.int32, w0.shape, 0)
-    counter = jnp.zeros_like(w0)
-    for j, tag in enumerate(tags):
-        counter = jnp.where(lane == j, jnp.uint32(tag), counter)
-    y1, y2 = threefry2x32(w0, w1, jnp.zeros_like(w0), counter)
-    out_ref[...] = jax.lax.bitcast_convert_type(jnp.where(row == 0, y1, y2), jnp.int32)
 
 
 #: The blocks whose GEMM operand path (`output="values"`) runs `_tpu_operand`'s kernel
