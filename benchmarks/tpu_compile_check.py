@@ -90,7 +90,18 @@ KERNELS = {
     "quantiser values (1x16, SR)": lambda x: _tpu_quantize.quantize_2d(
         x, None, SEED, block=(1, 16), rounding="stochastic", output="values"
     )[0],
+    "quantiser values (1x16)": lambda x: _tpu_quantize.quantize_2d(
+        x, None, block=(1, 16), output="values"
+    )[0],
+    "quantiser values (16x16, weights)": lambda x: _tpu_quantize.quantize_2d(
+        x, None, block=(16, 16), output="values"
+    )[0],
+    # (the 1x16 operands by `_tpu_operand`'s kernel: `OPERAND_KERNEL_BLOCKS`' other choice)
+    "operand kernel values (1x16, SR)": lambda x: _tpu_operand.operand(
+        x, None, SEED, block=(1, 16), rounding="stochastic"
+    )[0],
     "RHT statistics": lambda x: _tpu_operand.rht_stats(x)[1],
+    "prologue": lambda x: _tpu_quantize.prologue(jnp.max(jnp.abs(x), axis=0)[:8]),
 }
 
 
@@ -147,12 +158,17 @@ def call_sites(report: Report, n: int, sites: list[int], on_tpu: bool) -> None:
     report.line("")
 
 
-@contextlib.contextmanager
 def replaced(module, name: str, by: str):
-    """`module.name` as `module.by` inside the block (JAX's caches cleared on the way in
-    and out, so that no trace of either crosses it)."""
+    """`module.name` as `module.by` inside the block (`set_to`)."""
+    return set_to(module, name, getattr(module, by))
+
+
+@contextlib.contextmanager
+def set_to(module, name: str, value):
+    """`module.name` set to `value` inside the block (JAX's caches cleared on the way in
+    and out)."""
     original = getattr(module, name)
-    setattr(module, name, getattr(module, by))
+    setattr(module, name, value)
     jax.clear_caches()
     try:
         yield
@@ -213,6 +229,8 @@ def steps(report: Report, a, on_tpu: bool) -> None:
     variants |= {name: default for name in diagnostics}
     looped = "nvfp4 default, the quantiser's chunks looped"
     variants[looped] = default
+    across = "nvfp4 default, 1x16 operands by the operand kernel"
+    variants[across] = default
     base = None
     for name, (m, picks) in variants.items():
         if a.steps and name != "float32" and not any(name.endswith(k) for k in a.steps):
@@ -225,6 +243,9 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 if name == looped:
                     stack.enter_context(looped_tilings())
+                if name == across:  # (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`: the same bits)
+                    blocks = (*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (1, 16))
+                    stack.enter_context(set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks))
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")
