@@ -673,6 +673,14 @@ def _ordered_the_other_way(make: Callable[[], Step]) -> Step:
     return _patched(make, _kernels, "RHT_OPERANDS_TOGETHER", not _kernels.RHT_OPERANDS_TOGETHER)
 
 
+def _input_fusion(make: Callable[[], Step]) -> Step:
+    """`make()` with `_batching.INPUT_FUSION` on: XLA may fuse the TPU kernels' array
+    operands' producers into their reads (the same values)."""
+    from nvfp4x._kernels import _batching
+
+    return _patched(make, _batching, "INPUT_FUSION", True)
+
+
 def _operand_kernel_across(make: Callable[[], Step]) -> Step:
     """`make()` with the 1x16 GEMM operands (fprop's x, dgrad's dy) by `_tpu_operand`'s
     kernel too (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits): a smaller kernel
@@ -736,6 +744,12 @@ def train(s: Sizes, table: Table, state: dict) -> None:
         variants[f"nvfp4 ({best}, 1x16 operands by the operand kernel)"] = lambda: (
             _operand_kernel_across(lambda: model_step(q(model, nv()), x, y, picks=quick))
         )
+        # XLA fusing the kernels' operands' producers into their reads (`_batching.INPUT_FUSION`)
+        for cast in (False, True):
+            name = f"nvfp4{' in mixed bf16' if cast else ''} ({best}, input fusion)"
+            variants[name] = lambda c=cast: _input_fusion(
+                lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick)
+            )
     no_rht_sr = nv(rht=False, stochastic_rounding=False)
     variants |= {
         f"nvfp4 no RHT, no SR ({best})": lambda: model_step(q(model, no_rht_sr), x, y, picks=quick),

@@ -69,7 +69,7 @@ import optax
 
 import nvfp4x
 from nvfp4x import _kernels
-from nvfp4x._kernels import _tpu_operand, _tpu_quantize
+from nvfp4x._kernels import _batching, _tpu_operand, _tpu_quantize
 from nvfp4x._numerics import _hadamard
 
 try:
@@ -231,6 +231,8 @@ def steps(report: Report, a, on_tpu: bool) -> None:
     variants[looped] = default
     across = "nvfp4 default, 1x16 operands by the operand kernel"
     variants[across] = default
+    fused_inputs = "nvfp4 default, input fusion"
+    variants[fused_inputs] = default
     base = None
     for name, (m, picks) in variants.items():
         if a.steps and name != "float32" and not any(name.endswith(k) for k in a.steps):
@@ -243,6 +245,8 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 if name == looped:
                     stack.enter_context(looped_tilings())
+                if name == fused_inputs:  # (`_batching.INPUT_FUSION`: the same values)
+                    stack.enter_context(set_to(_batching, "INPUT_FUSION", True))
                 if name == across:  # (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`: the same bits)
                     blocks = (*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (1, 16))
                     stack.enter_context(set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks))

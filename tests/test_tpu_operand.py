@@ -495,3 +495,39 @@ def test_the_quantiser_gives_the_rht_statistics_of_its_read():
     traced = jax.jit(lambda x: _tpu_quantize.quantize_with_stats(x, rounding="nearest"))
     big = jax.ShapeDtypeStruct((4120, 4112), jnp.float32)
     assert "nvfp4_quantize_tpu" in traced.trace(big).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_input_fusion_lets_xla_fuse_only_the_array_operands(monkeypatch):
+    """With `_batching.INPUT_FUSION` on, the quantiser, the fused operand and the RHT
+    statistics kernels let XLA fuse their array operand's producer (here a GELU) into
+    their reads, and nothing else (the parameters in SMEM, the packing matrix); off (the
+    default), no input; lowered for a TPU."""
+    import re
+
+    from nvfp4x._kernels import _batching
+
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    seed = jnp.zeros((2,), jnp.uint32)
+
+    def kernels(x):
+        a = jax.nn.gelu(x)
+        return (
+            _tpu_quantize.quantize_2d(a, None, block=(1, 16), output="values")[0],
+            _tpu_operand.operand(a, None, seed, rounding="stochastic", rht=True)[0],
+            _tpu_operand.rht_stats(a)[1],
+        )
+
+    def fusion(on: bool) -> list[str]:
+        monkeypatch.setattr(_batching, "INPUT_FUSION", on)
+        jax.clear_caches()
+        text = jax.jit(kernels).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+        return re.findall(r"allow_input_fusion\\22: \[([a-z,]*)\]", text)
+
+    try:
+        assert fusion(False) == []
+        assert sorted(fusion(True)) == sorted(
+            ["false,false,false,false,true", "false,false,false,true", "true"]
+        )
+    finally:
+        monkeypatch.setattr(_batching, "INPUT_FUSION", False)
+        jax.clear_caches()

@@ -1,5 +1,6 @@
-"""What the Pallas TPU kernels share: how they are vmapped (one problem after another)
-and the precision of their MXU dots."""
+"""What the Pallas TPU kernels share: how they are vmapped (one problem after another),
+the precision of their MXU dots, and whether XLA may fuse their array inputs'
+producers into them."""
 
 import jax
 from jax import lax
@@ -10,6 +11,21 @@ from jax import lax
 #: reach inside the kernels: Mosaic refuses a float32-precision dot of bfloat16
 #: operands ("Bad lhs type", seen on a TPU v5e).
 ONE_PASS = lax.Precision.DEFAULT
+
+#: Whether XLA may fuse the elementwise producer of a TPU kernel's array operand (an
+#: activation's GELU, a cast, a pad) into the kernel's reads of it (Mosaic's
+#: `allow_input_fusion`) instead of writing that operand to memory first: in a training
+#: step, the fprop quantiser, the RHT statistics and wgrad's fused operand then each read
+#: the pre-activation, and no float32 activation is kept from the forward for wgrad. The
+#: same values either way. Off until timed on a TPU (`benchmarks/bench_accel.py`'s train
+#: section and `tpu_compile_check.py --only steps` time it on).
+INPUT_FUSION = False
+
+
+def fusible(*arrays: bool) -> tuple[bool, ...] | None:
+    """`pltpu.CompilerParams`' `allow_input_fusion` for a kernel's inputs, `True` at its
+    array operands (where `INPUT_FUSION` is on; else `None`, no input fused)."""
+    return tuple(arrays) if INPUT_FUSION else None
 
 
 def one_problem_at_a_time(call):

@@ -46,7 +46,7 @@ from jaxtyping import Array, Float
 from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
-from ._batching import each_problem
+from ._batching import each_problem, fusible
 from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
 from ._tpu_rht import _INTERPRETERS, butterflies, scaled_butterflies
 
@@ -299,7 +299,10 @@ def _operand(
         out_specs=spec,
         scratch_shapes=scratch,
         interpret=_INTERPRETERS[interpret],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            allow_input_fusion=fusible(False, False, False, True),
+        ),
         name="nvfp4x_operand_scaled_tpu" if rht == "scaled" else "nvfp4x_operand_tpu",
     )(params, seeds, table, xp)
     return (y[:n] if pad else y), s_dec
@@ -392,6 +395,8 @@ def stats_call(kernel, x: Array, tile: tuple[int, int], interpret, name: str) ->
         in_specs=[pl.BlockSpec((tr, tw), lambda i, j: (i, j))],
         out_specs=pl.BlockSpec((2, 8, tw), lambda i, j: (0, i, j)),
         interpret=_INTERPRETERS[interpret],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"), allow_input_fusion=fusible(True)
+        ),
         name=name,
     )(x)

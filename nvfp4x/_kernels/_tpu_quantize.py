@@ -83,7 +83,7 @@ from .._numerics._ieee import (
 )
 from .._numerics._nvfp4 import Block, Rounding, tensor_scale_values
 from . import _exact
-from ._batching import ONE_PASS as _ONE_PASS, each_problem
+from ._batching import ONE_PASS as _ONE_PASS, each_problem, fusible
 from ._tpu_rht import _INTERPRETERS
 
 #: The block layouts the kernel takes and what a call writes (`_exact`'s).
@@ -683,6 +683,7 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling, 
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"),
             vmem_limit_bytes=_vmem_limit(tr, tc, x.dtype, output),
+            allow_input_fusion=fusible(False, False, False, False, True),
         ),
         name="nvfp4_quantize_tpu",
     )(params, seeds, table, pairs, xp)
