@@ -501,7 +501,8 @@ def test_input_fusion_lets_xla_fuse_only_the_array_operands(monkeypatch):
     """With `_batching.INPUT_FUSION` on, the quantiser, the fused operand and the RHT
     statistics kernels let XLA fuse their array operand's producer (here a GELU) into
     their reads, and nothing else (the parameters in SMEM, the packing matrix); off (the
-    default), no input; lowered for a TPU."""
+    default), no input; lowered for a TPU. On, wgrad's fused operand of a bfloat16
+    operand keeps its bits (its `cond` takes the operand as given)."""
     import re
 
     from nvfp4x._kernels import _batching
@@ -523,11 +524,26 @@ def test_input_fusion_lets_xla_fuse_only_the_array_operands(monkeypatch):
         text = jax.jit(kernels).trace(x).lower(lowering_platforms=("tpu",)).as_text()
         return re.findall(r"allow_input_fusion\\22: \[([a-z,]*)\]", text)
 
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((94, 144)).astype(F32)
+    a[3, 4], a[80, 7], a[40:56, 9] = F32(2.0**126), np.nan, F32(1e-38)  # (special columns)
+    fmt = Format("nvfp4", rounding="stochastic")
+    key = jax.random.key(9)
     try:
         assert fusion(False) == []
         assert sorted(fusion(True)) == sorted(
             ["false,false,false,false,true", "false,false,false,true", "true"]
         )
+        # With it on, wgrad's fused operand takes a bfloat16 operand as it is into its
+        # `cond` (each branch widens and pads it: rows not whole chunks here), the same
+        # bits as the transform then the quantiser.
+        for x in (jnp.asarray(a, jnp.bfloat16), jnp.asarray(np.nan_to_num(a), jnp.bfloat16)):
+            with _kernels.use("rht_operand", "xla"):
+                want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(x, key)
+            with _kernels.use("rht_operand", "mosaic"):
+                got = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(x, key)
+            assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
+            assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
     finally:
         monkeypatch.setattr(_batching, "INPUT_FUSION", False)
         jax.clear_caches()

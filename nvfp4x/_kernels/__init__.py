@@ -526,12 +526,13 @@ def _rht_together(requests) -> list[tuple[Array, Array]]:
             _rht_operand_branch, seed=p.seed, rounding=p.rounding, interpret=interpret
         )
         plain, scaled = (functools.partial(kernel, rht=r) for r in (True, "scaled"))
-        out.append(jax.lax.cond(p.special, scaled, plain, p.x, *params))
+        out.append(jax.lax.cond(p.special, scaled, plain, p.operand, *params))
     return out
 
 
 class _RhtPrepared(NamedTuple):
-    x: Array  # the operand, rows padded to whole chunks
+    x: Array  # the operand, rows padded to whole chunks, float32
+    operand: Array  # what the `cond` takes: `x`, or with input fusion the operand as given
     special: Array  # whether a column needs the scaled transform
     amax: Array  # the tensor amax of the transform that runs
     seed: Array | None
@@ -556,7 +557,7 @@ def _rht_applies(a: Array, block, rounding: str, scale_rounding: str, key) -> bo
 def _rht_prepared(a: Array, rounding: str, key, interpret: bool | str) -> _RhtPrepared:
     """`rht_operand`'s first pass (`rht_stats`) for a request the kernels take
     (`_rht_applies`): what its kernel call needs but its parameters."""
-    from . import _tpu_operand
+    from . import _batching, _tpu_operand
 
     x = _hadamard.padded_rows(a)
     seed = None if key is None else seed_words(key)
@@ -568,7 +569,12 @@ def _rht_prepared(a: Array, rounding: str, key, interpret: bool | str) -> _RhtPr
     # not once in each branch.
     scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
     amax = jax.lax.cond(special, scaled_amax, _kept_amax, x, amax)
-    return _RhtPrepared(x, special, amax, seed, rounding)
+    # With input fusion (`_batching.INPUT_FUSION`) the `cond`'s branches take the operand
+    # as it is and widen and pad it themselves, where XLA can fuse that into the kernel's
+    # read (no float32 copy of a bfloat16 operand kept for the `cond`); else the one
+    # float32 copy made here.
+    operand = a if _batching.INPUT_FUSION else x
+    return _RhtPrepared(x, operand, special, amax, seed, rounding)
 
 
 def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:
@@ -585,9 +591,11 @@ def _kept_amax(x: Array, amax: Array) -> Array:
 
 
 def _rht_operand_branch(x: Array, *parameters: Array, seed, rounding, interpret, rht):
-    """`_tpu_operand.operand` with the transform `rht` and its parameters made."""
+    """`_tpu_operand.operand` with the transform `rht` and its parameters made, of `x`
+    widened and padded (`_hadamard.padded_rows`: nothing to do where the caller did it)."""
     from . import _tpu_operand
 
+    x = _hadamard.padded_rows(x)
     return _tpu_operand.operand(
         x, None, seed, rounding=rounding, interpret=interpret, rht=rht, parameters=parameters
     )

@@ -16,8 +16,10 @@ ONE_PASS = lax.Precision.DEFAULT
 #: activation's GELU, a cast, a pad) into the kernel's reads of it (Mosaic's
 #: `allow_input_fusion`) instead of writing that operand to memory first (in a training
 #: step, the GELU that the fprop quantiser and the RHT statistics read: 0.8 ms a block
-#: written on a TPU v5e; not into wgrad's fused operand, which runs inside a `cond`'s
-#: branch). The same values either way; read when a kernel is traced (clear JAX's
+#: written on a TPU v5e; and wgrad's bfloat16 operands, which its fused operand's `cond`
+#: then takes as they are and widens inside each branch, where the widening can fuse:
+#: no float32 copy kept for the `cond`. A producer outside the `cond` does not fuse into
+#: its branches.) The same values either way; read when a kernel is traced (clear JAX's
 #: caches after changing it). Off until timed on a TPU (`benchmarks/bench_accel.py`'s
 #: train section and `tpu_compile_check.py --only steps` time it on).
 INPUT_FUSION = False
