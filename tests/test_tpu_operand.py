@@ -547,3 +547,13 @@ def test_input_fusion_lets_xla_fuse_only_the_array_operands(monkeypatch):
     finally:
         monkeypatch.setattr(_batching, "INPUT_FUSION", False)
         jax.clear_caches()
+    # `NVFP4X_TPU_INPUT_FUSION=1` turns it on from the start (a test run on a TPU).
+    import os
+    import subprocess
+    import sys
+
+    code = "from nvfp4x._kernels import _batching; print(_batching.INPUT_FUSION)"
+    for value, want in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "NVFP4X_TPU_INPUT_FUSION": value}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert run.stdout.strip() == want, run.stderr[-2000:]

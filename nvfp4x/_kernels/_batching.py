@@ -2,6 +2,8 @@
 the precision of their MXU dots, and whether XLA may fuse their array inputs'
 producers into them."""
 
+import os
+
 import jax
 from jax import lax
 
@@ -21,8 +23,10 @@ ONE_PASS = lax.Precision.DEFAULT
 #: no float32 copy kept for the `cond`. A producer outside the `cond` does not fuse into
 #: its branches.) The same values either way; read when a kernel is traced (clear JAX's
 #: caches after changing it). Off until timed on a TPU (`benchmarks/bench_accel.py`'s
-#: train section and `tpu_compile_check.py --only steps` time it on).
-INPUT_FUSION = False
+#: train section and `tpu_compile_check.py --only steps` time it on); the environment
+#: variable `NVFP4X_TPU_INPUT_FUSION=1` turns it on from the start (a test run on a TPU
+#: with it on).
+INPUT_FUSION = os.environ.get("NVFP4X_TPU_INPUT_FUSION", "0") == "1"
 
 
 def fusible(*arrays: bool) -> tuple[bool, ...] | None:
