@@ -537,13 +537,13 @@ def test_input_fusion_lets_xla_fuse_only_the_array_operands(monkeypatch):
         # With it on, wgrad's fused operand takes a bfloat16 operand as it is into its
         # `cond` (each branch widens and pads it: rows not whole chunks here), the same
         # bits as the transform then the quantiser.
-        for x in (jnp.asarray(a, jnp.bfloat16), jnp.asarray(np.nan_to_num(a), jnp.bfloat16)):
-            with _kernels.use("rht_operand", "xla"):
-                want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(x, key)
-            with _kernels.use("rht_operand", "mosaic"):
-                got = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(x, key)
-            assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
-            assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
+        x = jnp.asarray(a, jnp.bfloat16)
+        with _kernels.use("rht_operand", "xla"):
+            want = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(x, key)
+        with _kernels.use("rht_operand", "mosaic"):
+            got = jax.jit(lambda a, k: quantize_rht_operand(a, fmt, k))(x, key)
+        assert_bits(np.asarray(got[0]), np.asarray(want[0]), "values")
+        assert_bits(np.asarray(got[1]), np.asarray(want[1]), "tensor scale")
     finally:
         monkeypatch.setattr(_batching, "INPUT_FUSION", False)
         jax.clear_caches()
@@ -553,7 +553,6 @@ def test_input_fusion_lets_xla_fuse_only_the_array_operands(monkeypatch):
     import sys
 
     code = "from nvfp4x._kernels import _batching; print(_batching.INPUT_FUSION)"
-    for value, want in (("1", "True"), ("0", "False")):
-        env = {**os.environ, "NVFP4X_TPU_INPUT_FUSION": value}
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        assert run.stdout.strip() == want, run.stderr[-2000:]
+    env = {**os.environ, "NVFP4X_TPU_INPUT_FUSION": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == "True", run.stderr[-2000:]
