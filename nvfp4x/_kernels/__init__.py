@@ -567,22 +567,24 @@ def _rht_prepared(a: Array, rounding: str, key, interpret: bool | str) -> _RhtPr
     # are allocated whether or not it runs (here only the kernels' output). The scaled
     # transform's amax is chosen first, so that the kernel's parameters are made once,
     # not once in each branch.
-    scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
-    amax = jax.lax.cond(special, scaled_amax, _kept_amax, x, amax)
-    # With input fusion (`_batching.INPUT_FUSION`) the `cond`'s branches take the operand
-    # as it is and widen and pad it themselves, where XLA can fuse that into the kernel's
-    # read (no float32 copy of a bfloat16 operand kept for the `cond`); else the one
-    # float32 copy made here.
+    # With input fusion (`_batching.INPUT_FUSION`) the `cond`s (this one and the kernel's,
+    # `_rht_together`) take the operand as it is, their branches widening and padding it
+    # themselves, where XLA can fuse that into the kernels' reads (no float32 copy of a
+    # bfloat16 operand kept for a `cond`); else the one float32 copy made here.
     operand = a if _batching.INPUT_FUSION else x
+    scaled_amax = functools.partial(_rht_scaled_amax, interpret=interpret)
+    amax = jax.lax.cond(special, scaled_amax, _kept_amax, operand, amax)
     return _RhtPrepared(x, operand, special, amax, seed, rounding)
 
 
 def _rht_scaled_amax(x: Array, amax: Array, *, interpret) -> Array:
     """The tensor amax of `_hadamard.rht_scaled(x)` (`rht_operand`'s rarely taken way;
-    `amax`, the plain transform's, is the other branch's)."""
+    `amax`, the plain transform's, is the other branch's), `x` widened and padded
+    (`_hadamard.padded_rows`: nothing to do where the caller did it)."""
     del amax
     from . import _tpu_operand
 
+    x = _hadamard.padded_rows(x)
     return _tpu_operand.rht_stats(x, interpret=interpret, scaled=True)[1]
 
 
