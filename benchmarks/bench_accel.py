@@ -114,12 +114,26 @@ from nvfp4x import _kernels
 from nvfp4x._formats import quantize_operand
 
 try:
-    from benchmarks.bench_compile import Scanned, compile_seconds, memory
+    from benchmarks.bench_compile import (
+        Scanned,
+        compile_seconds,
+        input_fusion,
+        memory,
+        operand_kernel_across,
+        set_to,
+    )
     from benchmarks.bench_format import jax_nvfp4_quantizer
     from benchmarks.bench_inference import to_bf16, weight_bytes
     from benchmarks.bench_training import Stack
 except ImportError:  # run as a script from inside benchmarks/
-    from bench_compile import Scanned, compile_seconds, memory
+    from bench_compile import (
+        Scanned,
+        compile_seconds,
+        input_fusion,
+        memory,
+        operand_kernel_across,
+        set_to,
+    )
     from bench_format import jax_nvfp4_quantizer
     from bench_inference import to_bf16, weight_bytes
     from bench_training import Stack
@@ -655,40 +669,16 @@ def _train_data(s: Sizes):
     return x, y, km
 
 
-def _patched(make: Callable[[], Step], module, name: str, value) -> Step:
-    """`make()` (a step traced and compiled) with `module.name` set to `value` (JAX's
-    caches cleared on the way in and out, so that no trace crosses the change)."""
-    before = getattr(module, name)
-    setattr(module, name, value)
-    jax.clear_caches()
-    try:
+def _within(make: Callable[[], Step], context: contextlib.AbstractContextManager) -> Step:
+    """`make()` (a step traced and compiled) inside `context` (a `set_to` variant)."""
+    with context:
         return make()
-    finally:
-        setattr(module, name, before)
-        jax.clear_caches()
 
 
 def _ordered_the_other_way(make: Callable[[], Step]) -> Step:
     """`make()` with `_kernels.RHT_OPERANDS_TOGETHER` the other way round."""
-    return _patched(make, _kernels, "RHT_OPERANDS_TOGETHER", not _kernels.RHT_OPERANDS_TOGETHER)
-
-
-def _input_fusion(make: Callable[[], Step]) -> Step:
-    """`make()` with `_batching.INPUT_FUSION` on: XLA may fuse the TPU kernels' array
-    operands' producers into their reads (the same values)."""
-    from nvfp4x._kernels import _batching
-
-    return _patched(make, _batching, "INPUT_FUSION", True)
-
-
-def _operand_kernel_across(make: Callable[[], Step]) -> Step:
-    """`make()` with the 1x16 GEMM operands (fprop's x, dgrad's dy) by `_tpu_operand`'s
-    kernel too (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits): a smaller kernel
-    for Mosaic to compile at each call site than the tiled quantiser's."""
-    from nvfp4x._kernels import _tpu_quantize
-
-    blocks = tuple(dict.fromkeys((*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (1, 16))))
-    return _patched(make, _tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks)
+    other = not _kernels.RHT_OPERANDS_TOGETHER
+    return _within(make, set_to(_kernels, "RHT_OPERANDS_TOGETHER", other))
 
 
 def train(s: Sizes, table: Table, state: dict) -> None:
@@ -741,14 +731,14 @@ def train(s: Sizes, table: Table, state: dict) -> None:
                 lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick)
             )
     if best == "mosaic":
-        variants[f"nvfp4 ({best}, 1x16 operands by the operand kernel)"] = lambda: (
-            _operand_kernel_across(lambda: model_step(q(model, nv()), x, y, picks=quick))
+        variants[f"nvfp4 ({best}, 1x16 operands by the operand kernel)"] = lambda: _within(
+            lambda: model_step(q(model, nv()), x, y, picks=quick), operand_kernel_across()
         )
         # XLA fusing the kernels' operands' producers into their reads (`_batching.INPUT_FUSION`)
         for cast in (False, True):
             name = f"nvfp4{' in mixed bf16' if cast else ''} ({best}, input fusion)"
-            variants[name] = lambda c=cast: _input_fusion(
-                lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick)
+            variants[name] = lambda c=cast: _within(
+                lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick), input_fusion()
             )
     no_rht_sr = nv(rht=False, stochastic_rounding=False)
     variants |= {

@@ -138,6 +138,37 @@ def memory(compiled) -> dict[str, int] | None:
 MOSAIC = 'custom_call_target="tpu_custom_call"'
 
 
+@contextlib.contextmanager
+def set_to(module, name: str, value) -> Iterator[None]:
+    """`module.name` set to `value` inside the block (JAX's caches cleared on the way in
+    and out, so that no trace crosses the change): the benchmarks' step variants."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+        jax.clear_caches()
+
+
+def input_fusion() -> contextlib.AbstractContextManager:
+    """The TPU kernels with `_batching.INPUT_FUSION` on inside the block (the same values)."""
+    from nvfp4x._kernels import _batching
+
+    return set_to(_batching, "INPUT_FUSION", True)
+
+
+def operand_kernel_across() -> contextlib.AbstractContextManager:
+    """The 1x16 GEMM operands (fprop's x, dgrad's dy) by `_tpu_operand`'s kernel too inside
+    the block (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits): a smaller kernel for
+    Mosaic to compile at each call site than the tiled quantiser's."""
+    from nvfp4x._kernels import _tpu_quantize
+
+    blocks = tuple(dict.fromkeys((*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (1, 16))))
+    return set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks)
+
+
 def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = False) -> dict:
     """`{"lower": s, "compile": s, "total": s, "cpu": s, "hlo_lines": n, "regions": {...}}`
     for one fresh step (`optimizer`: adam by default): wall seconds, the process's CPU

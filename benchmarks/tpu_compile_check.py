@@ -69,15 +69,31 @@ import optax
 
 import nvfp4x
 from nvfp4x import _kernels
-from nvfp4x._kernels import _batching, _tpu_operand, _tpu_quantize
+from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._numerics import _hadamard
 
 try:
-    from benchmarks.bench_compile import MOSAIC, compile_seconds, make_step, mse
+    from benchmarks.bench_compile import (
+        MOSAIC,
+        compile_seconds,
+        input_fusion,
+        make_step,
+        mse,
+        operand_kernel_across,
+        set_to,
+    )
     from benchmarks.bench_training import Stack
     from benchmarks.tpu_quantize_check import Report, same_bits, test_array, timed
 except ImportError:  # run as a script from inside benchmarks/
-    from bench_compile import MOSAIC, compile_seconds, make_step, mse
+    from bench_compile import (
+        MOSAIC,
+        compile_seconds,
+        input_fusion,
+        make_step,
+        mse,
+        operand_kernel_across,
+        set_to,
+    )
     from bench_training import Stack
     from tpu_quantize_check import Report, same_bits, test_array, timed
 
@@ -164,20 +180,6 @@ def replaced(module, name: str, by: str):
 
 
 @contextlib.contextmanager
-def set_to(module, name: str, value):
-    """`module.name` set to `value` inside the block (JAX's caches cleared on the way in
-    and out)."""
-    original = getattr(module, name)
-    setattr(module, name, value)
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-        jax.clear_caches()
-
-
-@contextlib.contextmanager
 def looped_tilings():
     """Every `_tpu_quantize.TILINGS` entry with its chunks looped inside the block (JAX's
     caches cleared on the way in and out)."""
@@ -245,11 +247,10 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                     stack.enter_context(replaced(_hadamard, *diagnostics[name]))
                 if name == looped:
                     stack.enter_context(looped_tilings())
-                if name == fused_inputs:  # (`_batching.INPUT_FUSION`: the same values)
-                    stack.enter_context(set_to(_batching, "INPUT_FUSION", True))
-                if name == across:  # (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`: the same bits)
-                    blocks = (*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (1, 16))
-                    stack.enter_context(set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks))
+                if name == fused_inputs:
+                    stack.enter_context(input_fusion())
+                if name == across:
+                    stack.enter_context(operand_kernel_across())
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")
