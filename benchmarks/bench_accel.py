@@ -114,26 +114,14 @@ from nvfp4x import _kernels
 from nvfp4x._formats import quantize_operand
 
 try:
-    from benchmarks.bench_compile import (
-        Scanned,
-        compile_seconds,
-        input_fusion,
-        memory,
-        operand_kernel_across,
-        set_to,
-    )
+    from benchmarks import bench_compile
+    from benchmarks.bench_compile import Scanned, compile_seconds, memory
     from benchmarks.bench_format import jax_nvfp4_quantizer
     from benchmarks.bench_inference import to_bf16, weight_bytes
     from benchmarks.bench_training import Stack
 except ImportError:  # run as a script from inside benchmarks/
-    from bench_compile import (
-        Scanned,
-        compile_seconds,
-        input_fusion,
-        memory,
-        operand_kernel_across,
-        set_to,
-    )
+    import bench_compile
+    from bench_compile import Scanned, compile_seconds, memory
     from bench_format import jax_nvfp4_quantizer
     from bench_inference import to_bf16, weight_bytes
     from bench_training import Stack
@@ -678,7 +666,7 @@ def _within(make: Callable[[], Step], context: contextlib.AbstractContextManager
 def _ordered_the_other_way(make: Callable[[], Step]) -> Step:
     """`make()` with `_kernels.RHT_OPERANDS_TOGETHER` the other way round."""
     other = not _kernels.RHT_OPERANDS_TOGETHER
-    return _within(make, set_to(_kernels, "RHT_OPERANDS_TOGETHER", other))
+    return _within(make, bench_compile.set_to(_kernels, "RHT_OPERANDS_TOGETHER", other))
 
 
 def train(s: Sizes, table: Table, state: dict) -> None:
@@ -732,13 +720,15 @@ def train(s: Sizes, table: Table, state: dict) -> None:
             )
     if best == "mosaic":
         variants[f"nvfp4 ({best}, 1x16 operands by the operand kernel)"] = lambda: _within(
-            lambda: model_step(q(model, nv()), x, y, picks=quick), operand_kernel_across()
+            lambda: model_step(q(model, nv()), x, y, picks=quick),
+            bench_compile.operand_kernel_across(),
         )
         # XLA fusing the kernels' operands' producers into their reads (`_batching.INPUT_FUSION`)
         for cast in (False, True):
             name = f"nvfp4{' in mixed bf16' if cast else ''} ({best}, input fusion)"
             variants[name] = lambda c=cast: _within(
-                lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick), input_fusion()
+                lambda: model_step(q(model, nv()), x, y, cast=c, picks=quick),
+                bench_compile.input_fusion(),
             )
     no_rht_sr = nv(rht=False, stochastic_rounding=False)
     variants |= {

@@ -73,27 +73,13 @@ from nvfp4x._kernels import _tpu_operand, _tpu_quantize
 from nvfp4x._numerics import _hadamard
 
 try:
-    from benchmarks.bench_compile import (
-        MOSAIC,
-        compile_seconds,
-        input_fusion,
-        make_step,
-        mse,
-        operand_kernel_across,
-        set_to,
-    )
+    from benchmarks import bench_compile
+    from benchmarks.bench_compile import MOSAIC, compile_seconds, make_step, mse
     from benchmarks.bench_training import Stack
     from benchmarks.tpu_quantize_check import Report, same_bits, test_array, timed
 except ImportError:  # run as a script from inside benchmarks/
-    from bench_compile import (
-        MOSAIC,
-        compile_seconds,
-        input_fusion,
-        make_step,
-        mse,
-        operand_kernel_across,
-        set_to,
-    )
+    import bench_compile
+    from bench_compile import MOSAIC, compile_seconds, make_step, mse
     from bench_training import Stack
     from tpu_quantize_check import Report, same_bits, test_array, timed
 
@@ -176,7 +162,7 @@ def call_sites(report: Report, n: int, sites: list[int], on_tpu: bool) -> None:
 
 def replaced(module, name: str, by: str):
     """`module.name` as `module.by` inside the block (`set_to`)."""
-    return set_to(module, name, getattr(module, by))
+    return bench_compile.set_to(module, name, getattr(module, by))
 
 
 @contextlib.contextmanager
@@ -248,9 +234,9 @@ def steps(report: Report, a, on_tpu: bool) -> None:
                 if name == looped:
                     stack.enter_context(looped_tilings())
                 if name == fused_inputs:
-                    stack.enter_context(input_fusion())
+                    stack.enter_context(bench_compile.input_fusion())
                 if name == across:
-                    stack.enter_context(operand_kernel_across())
+                    stack.enter_context(bench_compile.operand_kernel_across())
                 r = compile_seconds(m, x, y, text=True)
         except Exception as e:  # noqa: BLE001
             report.line(f"| {name} | error: {type(e).__name__}: {str(e)[:80]} | | | | | | |")
