@@ -25,6 +25,7 @@ case runs. The table goes to stdout and, row by row, to `--out`.
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -254,6 +255,76 @@ def sweep_case(block) -> tuple[Callable, str]:
     return (lambda x, key: nvfp4x.to_nvfp4(x, block=block)), "codes"
 
 
+#: The tilings `values_sweep` tries for the GEMM operand path (bfloat16 block values):
+#: the default's shape with the rounding by comparisons then decoded
+#: (`arithmetic=False`) and by float arithmetic (the default), and other shapes.
+VALUES_CANDIDATES: tuple[_tpu_quantize.Tiling, ...] = tuple(
+    _tpu_quantize.Tiling(*t)
+    for t in (
+        (2048, 512, 512, False, False),
+        (2048, 512, 512, False, True),
+        (2048, 1024, 512, False, True),
+        (1024, 1024, 512, False, True),
+        (4096, 512, 512, False, True),
+        (2048, 1024, 128, False, True),
+    )
+)
+
+
+def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> None:
+    """The GEMM operand path (`_tpu_quantize.tiled(..., output="values")`, the tensor
+    amax given, as the GEMMs give it) in each of `VALUES_CANDIDATES`, and, for 1x16
+    blocks, `_tpu_operand`'s kernel (`block=(1, 16)`): time, floor ratio (the input read
+    once, the bfloat16 values written once), bits against the first candidate's (the
+    default tiling, which the tests hold to the reference)."""
+    from nvfp4x._kernels import _tpu_operand
+
+    report.line("\n## GEMM operand sweep (`VALUES_CANDIDATES`, amax given)\n")
+    report.line("| case | tiling | same bits | ms | x floor | compile s |")
+    report.line("|---|---|---|---|---|---|")
+    n = 256 if smoke else 8192
+    todo = [
+        ((1, 16), jnp.float32, "nearest", (n, n)),
+        ((1, 16), jnp.float32, "stochastic", (n, n)),
+        ((1, 16), jnp.bfloat16, "nearest", (n, n)),
+        ((16, 16), jnp.float32, "nearest", (n // 4, n)),
+        ((16, 16), jnp.bfloat16, "nearest", (n // 4, n)),
+    ]
+    seed = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
+    candidates = VALUES_CANDIDATES[:2] if smoke else VALUES_CANDIDATES
+    for block, dtype, rounding, shape in todo[:1] if smoke else todo:
+        x = test_array(shape, dtype)
+        amax = jnp.max(jnp.abs(jnp.where(jnp.isfinite(x), x, 0))).astype(jnp.float32)
+        sd = seed if rounding == "stochastic" else None
+        label = f"{block[0]}x{block[1]} {jnp.dtype(dtype).name} {rounding} {shape}"
+        floor = floor_bytes(x, "values") / bw
+        fns, want = {}, None
+        kw = dict(block=block, rounding=rounding, output="values", interpret=smoke)
+        for cand in candidates:
+            fns[tuple(cand)] = functools.partial(_tpu_quantize.tiled, tiling=cand, **kw)
+        if block == (1, 16):
+            okw = dict(block=block, rounding=rounding, interpret=smoke)
+            fns["operand kernel"] = functools.partial(_tpu_operand.operand, **okw)
+        ready = {}
+        for name, f in fns.items():
+            try:
+                t = time.perf_counter()
+                c = jax.jit(f).lower(x, amax, sd).compile()
+                took = time.perf_counter() - t
+                got = c(x, amax, sd)[0]
+                want = got if want is None else want
+                ready[name] = (functools.partial(c, x, amax, sd), same_bits(got, want), took)
+            except Exception:
+                report.line(f"| {label} | {name} | **FAILED** | | | |")
+                report.line("```\n" + traceback.format_exc() + "```")
+        times = timed({k: v[0] for k, v in ready.items()}, repeats)
+        for name, t in times.items():
+            _, same, took = ready[name]
+            report.line(
+                f"| {label} | {name} | {same} | {t * 1e3:.3f} | {t / floor:.2f}x | {took:.2f} |"
+            )
+
+
 def lower_all(report: Report) -> bool:
     """Every block, output, rounding and dtype, and every candidate tiling, lowered for a
     TPU (runs on a CPU: Mosaic's compile itself needs the device)."""
@@ -327,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted on a CPU")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--lower-only", action="store_true")
+    p.add_argument(
+        "--values-sweep", action="store_true", help="only the GEMM operand path's tilings"
+    )
     args = p.parse_args(argv)
     report = Report(args.out)
     if args.lower_only:
@@ -340,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     report.line(f"## tpu_quantize_check on {device}, jax {jax.__version__}, {time.ctime()}\n")
     bw = copy_bandwidth((64, 128) if args.smoke else (8192, 16384), repeats)
     report.line(f"copy bandwidth (x + 1, float32): {bw / 1e9:.0f} GB/s\n")
+    if args.values_sweep:
+        values_sweep(report, args.smoke, bw, repeats)
+        return 0
     report.line(
         "| case | same bits | mosaic ms | x floor | xla ms | x floor | xla / mosaic | "
         "mosaic compile |"

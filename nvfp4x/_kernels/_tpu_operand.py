@@ -38,16 +38,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 from .._numerics._constants import BLOCK
 from .._numerics._hadamard import special_columns
-from .._numerics._ieee import INF_BITS, MIN_NORMAL_BITS, abs_bits, from_bits
+from .._numerics._ieee import INF_BITS, abs_bits, from_bits
 from ._batching import each_problem, fusible
-from ._tpu_quantize import _block_steps, _uniform, kernel_parameters
+from ._tpu_quantize import (
+    _block_steps,
+    _nearest,
+    _signed,
+    _stochastic,
+    _uniform,
+    kernel_parameters,
+    magnitudes,
+)
 from ._tpu_rht import _INTERPRETERS, butterflies, scaled_butterflies
 
 #: Lanes of a tile (Mosaic's strided loads need memrefs exactly this wide).
@@ -66,8 +73,6 @@ LOOPED = True
 #: on a TPU v5e (8192x8192 float32, nearest) 1.99 ms unrolled in 1024-row tiles, 2.87 ms
 #: looped in 2048-row tiles (`benchmarks/tpu_operand_check.py`, 2026-12-06).
 ACROSS_DEFAULTS = (1024, False)
-#: `c` of the nearest rounding, by the E2M1 step at `a`: `ulp(c) == step`.
-_C_HALF, _C_ONE, _C_TWO = np.float32(2.0**22), np.float32(2.0**23), np.float32(2.0**24)
 
 
 def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) -> bool:
@@ -98,32 +103,6 @@ def _each_group(tr: int, looped: bool, one, carry):
     return carry
 
 
-def _signed(mag: Array, sign: Array) -> Array:
-    """`mag` (float32, `>= 0`) with its sign bit set where `sign`: `_exact.decode`'s
-    sign, so that code 8 is `-0.0`."""
-    bits = jax.lax.bitcast_convert_type(mag, jnp.int32)
-    return from_bits(bits | jnp.where(sign, jnp.int32(-(2**31)), jnp.int32(0)))
-
-
-def _nearest(a: Array) -> Array:
-    """The E2M1 value nearest `a >= 0` (ties to even, saturating at 6; NaN gives 0):
-    `_exact.encode_nearest`'s magnitude, decoded."""
-    c = jnp.where(a < 2.0, _C_HALF, jnp.where(a < 4.0, _C_ONE, _C_TWO))
-    r = jnp.minimum((a + c) - c, np.float32(6.0))
-    return jnp.where(a == a, r, np.float32(0.0))  # (NaN)
-
-
-def _stochastic(a: Array, u: Array) -> Array:
-    """`_exact.encode_stochastic(a, u)`'s magnitude, decoded (`a >= 0`; NaN gives 0)."""
-    a6 = jnp.minimum(a, np.float32(6.0))
-    small, mid = a6 < 2.0, a6 < 4.0
-    step = jnp.where(small, np.float32(0.5), jnp.where(mid, np.float32(1.0), np.float32(2.0)))
-    inv = jnp.where(small, np.float32(2.0), jnp.where(mid, np.float32(1.0), np.float32(0.5)))
-    lo = jnp.floor(a6 * inv) * step
-    q = jnp.where(u < (a6 - lo) * inv, lo + step, lo)
-    return jnp.where(a == a, q, np.float32(0.0))
-
-
 def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[Array]:
     """The values (float32) of the 8 x 128 blocks of one group: `rows[j]` element `j` of
     each block (`(8, 128)`), `index(j)` the caller's `(row, column)` of `rows[j]`'s
@@ -131,26 +110,24 @@ def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[
     params_ref, seed_ref, table_ref = refs
     ab = [abs_bits(r) for r in rows]
     bmax = functools.reduce(jnp.maximum, ab)  # (NaN above inf)
-    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
-    nan_block = bits == 0x7F
+    scale_b, _, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
+    # (a NaN block's values are NaN whatever the magnitudes and signs: `x`'s sign)
     out = []
-    for j, (r, a_bits) in enumerate(zip(rows, ab, strict=True)):
-        # `mul_normal(|x|, inv_b, inv_sub)`: a subnormal `x` is its 23-bit field times
-        # `inv_b * 2^-149`.
-        sub = a_bits < MIN_NORMAL_BITS
-        a = jnp.where(sub, a_bits.astype(jnp.float32) * inv_sub, from_bits(a_bits) * inv)
-        negative = jax.lax.bitcast_convert_type(r, jnp.int32) < 0
+    for j, (r, a) in enumerate(
+        zip(rows, magnitudes(ab, inv, inv_sub, params_ref, _same), strict=True)
+    ):
         if rounding == "nearest":
             mag = _nearest(a)
-            # The reference's sign is `x * inv_b`'s: `x`'s, or in a NaN block that of
-            # the NaN product (`+NaN`, or a NaN `x` itself).
-            sign = negative & (~nan_block | (a_bits > INF_BITS))
         else:
             row, col = index(j)
             mag = _stochastic(a, _uniform(seed_ref, row, col, cols))
-            sign = negative & ~nan_block  # (`round_stochastic` gives NaN code 0)
-        out.append(_signed(mag, sign) * scale_b)  # exact
+        negative = jax.lax.bitcast_convert_type(r, jnp.int32) < 0
+        out.append(_signed(mag, negative) * scale_b)  # exact
     return out
+
+
+def _same(a: Array) -> Array:
+    return a
 
 
 def _kernel(
