@@ -22,10 +22,13 @@ ONE_PASS = lax.Precision.DEFAULT
 #: then takes as they are and widens inside each branch, where the widening can fuse:
 #: no float32 copy kept for the `cond`. A producer outside the `cond` does not fuse into
 #: its branches.) The same values either way; read when a kernel is traced (clear JAX's
-#: caches after changing it). Off until timed on a TPU (`benchmarks/bench_accel.py`'s
-#: train section and `tpu_compile_check.py --only steps` time it on); the environment
-#: variable `NVFP4X_TPU_INPUT_FUSION=1` turns it on from the start (a test run on a TPU
-#: with it on).
+#: caches after changing it). Off: on a TPU v5e (jax 0.10.2, 2026-12-07,
+#: `benchmarks/bench_accel.py --lean --only train`, which times it on) XLA's compile of
+#: the 2-block training step failed with it on, in float32 and inside mixed bf16
+#: (`RET_CHECK failure ... llo_allocation_rematerialization.cc:134`, a VMEM buffer of
+#: a fusion of an `f32[8192,8192]` operand): an XLA:TPU limit, not a wrong value. The
+#: environment variable `NVFP4X_TPU_INPUT_FUSION=1` turns it on from the start (for a
+#: later XLA, and the tests with it on).
 INPUT_FUSION = os.environ.get("NVFP4X_TPU_INPUT_FUSION", "0") == "1"
 
 

@@ -14,11 +14,13 @@ load (sublane stride 16) into one `(8, 128)` vector register, so that
   and the per-block steps (`_tpu_quantize._block_steps`: the reference's block scale
   and its inverse) run once on one register for 8 x 128 blocks;
 - the element steps run on 16 registers, and the E2M1 rounding is float32 arithmetic
-  instead of seven comparisons: to the nearest (ties to even) by `(a + c) - c` with `c`
-  the power of two whose unit in the last place is the E2M1 step at `a` (0.5 below 2,
-  1 below 4, 2 above), saturated at 6; stochastically by `_exact.encode_stochastic`'s
-  steps, its thresholds hashed from each element's index in the caller's array
-  (`_tpu_quantize._uniform`);
+  instead of seven comparisons (`_tpu_quantize._nearest`, shared with that kernel's
+  block values): to the nearest (ties to even) by `(a + c) - c` with `c` the power of
+  two whose unit in the last place is the E2M1 step at `a` (0.5 below 2, 1 below 4, 2
+  above), saturated at 6; stochastically by `_exact.encode_stochastic`'s steps
+  (`_tpu_quantize._stochastic`), its thresholds hashed from each element's index in
+  the caller's array (`_tpu_quantize._uniform`); the magnitudes are
+  `_tpu_quantize.magnitudes`' (the plain product unless the tensor is tiny);
 - with `rht=True` the 16 registers first go through the 16-point transform's butterfly
   stages (`_tpu_rht.butterflies`: `_hadamard._plain`'s operations in its order, so its
   bits), so that the transformed operand is never written to memory.

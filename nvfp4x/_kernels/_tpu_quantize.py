@@ -32,7 +32,13 @@ How it fits a TPU's (8, 128) vector tiles, with no 16-wide trailing axis anywher
   is read exactly although the TPU flushes subnormals in arithmetic), the E2M1 code
   by the seven midpoint comparisons (`_e2m1.encode_nearest`'s) or stochastically
   (`_exact.encode_stochastic`, thresholds hashed from each element's flat index in
-  the caller's array, as `_e2m1.uniform` does), the sign from `x`'s bits.
+  the caller's array, as `_e2m1.uniform` does), the sign from `x`'s bits. The block
+  values (the GEMM operand, `fake_quantize`) skip the codes (`Tiling.arithmetic`, the
+  default): the E2M1 value itself by float arithmetic (`_nearest`: `(a + c) - c`
+  with `ulp(c)` the E2M1 step at `a`; `_stochastic`), times the block scale, and the
+  magnitude as the plain product `|x| * inv_b` unless the tensor is tiny
+  (`magnitudes` says why no subnormal can count then): 0.89x the comparisons' time
+  for 1x16 blocks on a TPU v5e, and the training step 1.64x mixed bf16 against 1.70x.
 - Two codes per byte along a row: each 256 codes of a row (or, transposed, of a
   column) are packed into 128 bytes by a matmul with a constant 0/1/16 matrix on the
   MXU (`_pairs`): codes and bytes are integers below 256, exact in bfloat16 with
