@@ -169,6 +169,15 @@ def operand_kernel_across() -> contextlib.AbstractContextManager:
     return set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks)
 
 
+def operand_kernel_tiles() -> contextlib.AbstractContextManager:
+    """The 16x16 GEMM operands (the weights') by `_tpu_operand`'s kernel too inside the
+    block (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits)."""
+    from nvfp4x._kernels import _tpu_quantize
+
+    blocks = tuple(dict.fromkeys((*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (16, 16))))
+    return set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks)
+
+
 def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = False) -> dict:
     """`{"lower": s, "compile": s, "total": s, "cpu": s, "hlo_lines": n, "regions": {...}}`
     for one fresh step (`optimizer`: adam by default): wall seconds, the process's CPU

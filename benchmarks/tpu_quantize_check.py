@@ -274,7 +274,7 @@ VALUES_CANDIDATES: tuple[_tpu_quantize.Tiling, ...] = tuple(
 def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> None:
     """The GEMM operand path (`_tpu_quantize.tiled(..., output="values")`, the tensor
     amax given, as the GEMMs give it) in each of `VALUES_CANDIDATES`, and, for 1x16
-    blocks, `_tpu_operand`'s kernel (`block=(1, 16)`): time, floor ratio (the input read
+    and 16x16 blocks, `_tpu_operand`'s kernel: time, floor ratio (the input read
     once, the bfloat16 values written once), bits against the first candidate's (the
     default tiling, which the tests hold to the reference)."""
     from nvfp4x._kernels import _tpu_operand
@@ -302,7 +302,7 @@ def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> None:
         kw = dict(block=block, rounding=rounding, output="values", interpret=smoke)
         for cand in candidates:
             fns[tuple(cand)] = functools.partial(_tpu_quantize.tiled, tiling=cand, **kw)
-        if block == (1, 16):
+        if block in ((1, 16), (16, 16)):
             okw = dict(block=block, rounding=rounding, interpret=smoke)
             fns["operand kernel"] = functools.partial(_tpu_operand.operand, **okw)
         ready = {}

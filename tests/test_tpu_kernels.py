@@ -100,19 +100,18 @@ def test_mosaic_operand_equals_reference_eagerly(monkeypatch):
     same_floats(got[0], want[0])
 
 
-@pytest.mark.parametrize("arithmetic", [True, False], ids=["arithmetic", "comparisons"])
-def test_mosaic_values_both_ways_equal_reference(arithmetic):
-    """The GEMM operand's block values (1x16, to the nearest, float32), rounded by float
-    arithmetic (`Tiling.arithmetic`, the default) and by the comparisons then decoded,
-    equal the reference's on the edge array and on a tiny tensor (`s_dec < 2^-64`),
-    whose subnormal elements give nonzero values (`_tpu_quantize.magnitudes`' exact
-    steps: a TPU's arithmetic, and XLA:CPU's under the interpreter, would flush them)."""
+def test_mosaic_values_both_ways_equal_reference():
+    """The GEMM operand's block values (1x16, to the nearest, float32) equal the
+    reference's: by the comparisons then decoded (`Tiling.arithmetic=False`) on the edge
+    array, and by float arithmetic (the default, which every other case here runs) on a
+    tiny tensor (`s_dec < 2^-64`), whose subnormal elements give nonzero values
+    (`_tpu_quantize.magnitudes`' exact steps: a TPU's arithmetic, and XLA:CPU's under
+    the interpreter, would flush them)."""
     fmt = Format("nvfp4", block=(1, 16), rounding="nearest")
-    tiling = _tpu_quantize.Tiling(512, 512, 256, arithmetic=arithmetic)
     x = edge_array(jnp.float32, rows=40, cols=112)
     finite = np.where(np.isfinite(x), x, 1.0)  # (NumPy: XLA:CPU would flush subnormals)
     tiny = jnp.asarray(finite / np.abs(finite).max() * np.float32(1e-37), jnp.float32)
-    for data in (x, tiny):
+    for data, arithmetic in ((x, False), (tiny, True)):
         with _kernels.use("nvfp4_quantize", "xla"):
             want = jax.jit(lambda x: quantize_operand(x, fmt, 1, None))(*on_cpu((data,)))[0]
         got = _tpu_quantize.tiled(
@@ -123,7 +122,7 @@ def test_mosaic_values_both_ways_equal_reference(arithmetic):
             rounding="nearest",
             output="values",
             interpret=jax.default_backend() != "tpu",
-            tiling=tiling,
+            tiling=_tpu_quantize.Tiling(512, 512, 256, arithmetic=arithmetic),
         )[0]
         same_floats(got, want)
     subnormal = np.abs(np.asarray(tiny)) < np.finfo(np.float32).tiny

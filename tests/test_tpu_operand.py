@@ -1,4 +1,4 @@
-"""The TPU's GEMM operand kernel (16x1 and 1x16 blocks) and the fused RHT operand
+"""The TPU's GEMM operand kernel (16x1, 1x16 and 16x16 blocks) and the fused RHT operand
 (`_kernels._tpu_operand`, `"rht_operand"`) equal the reference bit for bit.
 
 On a CPU the kernels run in the TPU interpreter (`pltpu.InterpretParams()`) or, inside
@@ -41,10 +41,11 @@ def data(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return x
 
 
-def reference(x, rounding: str, seed_key, rht: bool = False, axis: int = 0):
-    """The XLA path: `quantize_operand` along `axis` (the transform first with `rht`),
-    jitted (one compile; its eager bits are the same, `tests/test_format.py`)."""
-    fmt = Format("nvfp4", rounding=rounding)
+def reference(x, rounding: str, seed_key, rht: bool = False, axis: int = 0, block=(1, 16)):
+    """The XLA path: `quantize_operand` along `axis` (the transform first with `rht`) in
+    the format's `block`s (1x16 along `axis`, or 16x16), jitted (one compile; its eager
+    bits are the same, `tests/test_format.py`)."""
+    fmt = Format("nvfp4", rounding=rounding, block=block)
 
     def run(x, seed_key):
         y = _hadamard.rht(x, axis=0) if rht else x
@@ -61,6 +62,8 @@ CASES = [
     ((16, 1), jnp.bfloat16, "stochastic", (48, 136), 1024, True),
     ((1, 16), jnp.float32, "stochastic", (304, 208), 256, True),
     ((1, 16), jnp.bfloat16, "nearest", (48, 256), 1024, False),
+    ((16, 16), jnp.float32, "stochastic", (400, 208), 256, False),
+    ((16, 16), jnp.bfloat16, "nearest", (48, 256), 1024, True),
 ]
 
 
@@ -68,11 +71,13 @@ CASES = [
 def test_operand_is_the_reference(block, dtype, rounding, shape, rows, looped):
     """The kernel's bfloat16 block values and tensor scale are the XLA quantiser's, bit
     for bit, NaN blocks, ties, subnormals and signed zeros included (1x16 blocks: the
-    data transposed, so that its blocks lie along the rows)."""
-    x = data(*shape) if block == (16, 1) else data(*shape[::-1]).T.copy()
+    data transposed, so that its blocks lie along the rows; 16x16 blocks: a tile's 16
+    columns reduced across the lanes)."""
+    x = data(*shape[::-1]).T.copy() if block == (1, 16) else data(*shape)
     x = jnp.asarray(x).astype(dtype)
     key = jax.random.key(7) if rounding == "stochastic" else None
-    want_v, want_s = reference(x, rounding, key, axis=0 if block == (16, 1) else 1)
+    tile = dict(block=(16, 16)) if block == (16, 16) else {}
+    want_v, want_s = reference(x, rounding, key, axis=1 if block == (1, 16) else 0, **tile)
     seed = None if key is None else seed_words(key)
     amax = amax_of_bits(x.astype(jnp.float32))
     got_v, got_s = _tpu_operand.operand(
@@ -399,6 +404,7 @@ def test_vmapped_kernels_run_one_problem_at_a_time():
         ((16, 1), jnp.float32, "stochastic", "scaled", True),
         ((1, 16), jnp.float32, "nearest", False, True),
         ((1, 16), jnp.bfloat16, "stochastic", False, False),
+        ((16, 16), jnp.float32, "stochastic", False, True),
     ],
 )
 def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
@@ -413,7 +419,7 @@ def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
         out = _tpu_operand.operand(x, amax, seed, **kw)
         return (out, _tpu_operand.rht_stats(x, scaled=rht == "scaled")) if rht else out
 
-    x = jax.ShapeDtypeStruct((4112, 1008) if block == (1, 16) else (4112, 1000), dtype)
+    x = jax.ShapeDtypeStruct((4112, 1000) if block == (16, 1) else (4112, 1008), dtype)
     text = jax.jit(fn).trace(x).lower(lowering_platforms=("tpu",)).as_text()
     scaled = rht == "scaled"
     assert ('"nvfp4x_operand_tpu"' in text) != scaled
@@ -434,6 +440,14 @@ def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
         (
             lambda: _tpu_operand.operand(jnp.zeros((32, 200)), 1.0, block=(1, 16)),
             "columns a multiple",
+        ),
+        (
+            lambda: _tpu_operand.operand(jnp.zeros((32, 136)), 1.0, block=(16, 16)),
+            "16x16 blocks",
+        ),
+        (
+            lambda: _tpu_operand.operand(jnp.zeros((32, 128)), 1.0, block=(16, 16), rht=True),
+            "16x1 blocks of float32 with `rht=True`",
         ),
         (
             lambda: _tpu_operand.operand(jnp.zeros((32, 128), jnp.bfloat16), 1.0, rht=True),

@@ -1,11 +1,13 @@
 """The NVFP4 GEMM operand of 16x1 blocks (16 rows of a column: wgrad's operands, blocked
 along the tokens) as a Pallas kernel for TPUs (Mosaic), optionally after the random
-Hadamard transform of the same 16 rows.
+Hadamard transform of the same 16 rows; also of 1x16 blocks and of 16x16 tiles (a
+weight's), which `_tpu_quantize.OPERAND_KERNEL_BLOCKS` does not route here by default.
 
 `_tpu_quantize`'s kernel holds chunks of `128 x 512` elements (64 vector registers per
 value) and reduces each block of 16 rows with a sublane reduction: every step of its
 element work is a pass over VMEM, and it ran at 3.5-4.6x the memory floor on a TPU v5e
-whatever its operation count (`benchmarks/results/tpu_v5e.md`). Here a tile is `rows x
+(`benchmarks/results/tpu_v5e.md`; chunks of 128 columns, 16 registers, were no
+faster). Here a tile is `rows x
 128` (one lane tile wide: Mosaic's strided loads take only memrefs that wide) and is
 worked on 128 rows (8 blocks) at a time: row `j` of each of the 8 blocks is one strided
 load (sublane stride 16) into one `(8, 128)` vector register, so that
@@ -44,12 +46,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
-from .._numerics._constants import BLOCK
+from .._numerics._constants import BLOCK, TILE
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, abs_bits, from_bits
 from ._batching import each_problem, fusible
 from ._tpu_quantize import (
     _block_steps,
+    _lane_group_max,
     _nearest,
     _signed,
     _stochastic,
@@ -78,12 +81,12 @@ ACROSS_DEFAULTS = (1024, False)
 
 
 def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) -> bool:
-    """Whether the kernel takes a `(rows, columns)` array in `block`s (16x1 or 1x16): the
-    blocked axis a multiple of 16 (whole blocks), at least one lane tile of columns,
-    float32 or bfloat16."""
-    if len(shape) != 2 or tuple(block) not in ((BLOCK, 1), (1, BLOCK)) or 0 in shape:
+    """Whether the kernel takes a `(rows, columns)` array in `block`s (16x1, 1x16 or
+    16x16): each blocked axis a multiple of 16 (whole blocks), at least one lane tile of
+    columns, float32 or bfloat16."""
+    if len(shape) != 2 or tuple(block) not in ((BLOCK, 1), (1, BLOCK), TILE) or 0 in shape:
         return False
-    whole = shape[0] % BLOCK == 0 if block[0] == BLOCK else shape[1] % BLOCK == 0
+    whole = all(n % b == 0 for n, b in zip(shape, block, strict=True))
     dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     return whole and shape[1] >= LANES and jnp.dtype(dtype) in dtypes
 
@@ -105,18 +108,24 @@ def _each_group(tr: int, looped: bool, one, carry):
     return carry
 
 
-def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[Array]:
+def _group(
+    rows: list[Array], index, refs, *, rounding: str, cols: int, tile: bool = False
+) -> list[Array]:
     """The values (float32) of the 8 x 128 blocks of one group: `rows[j]` element `j` of
     each block (`(8, 128)`), `index(j)` the caller's `(row, column)` of `rows[j]`'s
-    elements (int32 arrays; stochastic rounding hashes them)."""
+    elements (int32 arrays; stochastic rounding hashes them). With `tile`, each 16 lanes
+    of a sublane are one 16x16 block (8 x 8 of them): the maxima of its 16 columns
+    reduced across the lanes (`_tpu_quantize._lane_group_max`, on one register)."""
     params_ref, seed_ref, table_ref = refs
     ab = [abs_bits(r) for r in rows]
     bmax = functools.reduce(jnp.maximum, ab)  # (NaN above inf)
+    if tile:
+        bmax = _lane_group_max(bmax)
     scale_b, _, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
     # (a NaN block's values are NaN whatever the magnitudes and signs: `x`'s sign)
     out = []
     for j, (r, a) in enumerate(
-        zip(rows, magnitudes(ab, inv, inv_sub, params_ref, _same), strict=True)
+        zip(rows, magnitudes(ab, inv, inv_sub, params_ref, lambda a: a), strict=True)
     ):
         if rounding == "nearest":
             mag = _nearest(a)
@@ -128,16 +137,24 @@ def _group(rows: list[Array], index, refs, *, rounding: str, cols: int) -> list[
     return out
 
 
-def _same(a: Array) -> Array:
-    return a
-
-
 def _kernel(
-    params_ref, seed_ref, table_ref, x_ref, o_ref, *scratch, across, rounding, rht, cols, looped
+    params_ref,
+    seed_ref,
+    table_ref,
+    x_ref,
+    o_ref,
+    *scratch,
+    across,
+    rounding,
+    rht,
+    cols,
+    looped,
+    tile=False,
 ):
     """One tile `rows x 128`, a group of 128 rows at a time (`_each_group`: unrolled, or
     with `looped`, the default `LOOPED`, in a loop). 16x1 blocks: row `j` of the group's
-    8 blocks of each lane one strided load. 1x16 blocks (`across`): the group's
+    8 blocks of each lane one strided load; 16x16 blocks (`tile`) the same, the blocks'
+    maxima then reduced across each 16 lanes. 1x16 blocks (`across`): the group's
     `128 x 128` square transposed into a scratch first (the XLU's work), so that its
     blocks lie down the sublanes there, and the values transposed back."""
     tr = x_ref.shape[0]
@@ -171,7 +188,7 @@ def _kernel(
             rows = scaled_butterflies(rows)
         elif rht:
             rows = butterflies(rows)
-        values = _group(rows, index, refs, rounding=rounding, cols=cols)
+        values = _group(rows, index, refs, rounding=rounding, cols=cols, tile=tile)
         for j, v in enumerate(values):
             dst[pl.ds(at + j, 8, stride=BLOCK), :] = v
         out = dst[pl.ds(at, GROUP_ROWS), :]
@@ -199,7 +216,7 @@ def operand(
 ) -> tuple[Array, Float[Array, ""]]:
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
-    row) with the tensor amax `amax` (the tensor's own, or of its transform with
+    row; 16x16 tiles) with the tensor amax `amax` (the tensor's own, or of its transform with
     `rht=True`; `None`: `x`'s own), and `s_dec`: the results of `_tpu_quantize.tiled(x,
     amax, seed, block=block, output="values")`, bit for bit, after the product of
     `_hadamard.rht(x, axis=0)` with `rht=True` (16x1 blocks of a float32 `x` only; the
@@ -209,11 +226,11 @@ def operand(
     `amax` then `rht_stats(x, scaled=True)`'s). `seed`: two uint32 words for
     `rounding="stochastic"`. `interpret` as `_tpu_rht.transform`'s; `rows`: a tile's
     rows at most (a multiple of `GROUP_ROWS`); `looped`: the kernel's groups in a loop
-    rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 blocks,
-    `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
+    rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 and 16x16
+    blocks, `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
     already (`_tpu_quantize.kernel_parameters_many`'s: a `cond` whose branches run this
     kernel in two ways makes them once), in place of `amax` (then `None`)."""
-    across = tuple(block) == (1, BLOCK)
+    across, tile = tuple(block) == (1, BLOCK), tuple(block) == TILE
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
     looped = default_looped if looped is None else looped
@@ -224,13 +241,16 @@ def operand(
     # first, `_hadamard.padded_rows`. Read as it is by the kernels instead, on a TPU v5e
     # (2026-12-07), the mixed-bf16 training step gained 1.25 ms of 40 but its temporaries
     # rose from 718 to 1,358 MiB.)
-    if not applies(x.shape, x.dtype, block) or (rht and (x.dtype != jnp.float32 or across)):
+    column_blocks = tuple(block) == (BLOCK, 1)
+    if not applies(x.shape, x.dtype, block) or (
+        rht and (x.dtype != jnp.float32 or not column_blocks)
+    ):
         raise ValueError(
             f"the TPU operand kernel takes float32 or bfloat16 (rows, columns) arrays in "
-            f"16x1 blocks (rows a multiple of {BLOCK}) or 1x16 blocks (columns a multiple "
-            f"of {BLOCK}), with at least {LANES} columns (16x1 blocks of float32 with "
-            f"`rht=True`); got {x.dtype} {x.shape} in {block} blocks (callers check "
-            f"`applies` first)."
+            f"16x1 blocks (rows a multiple of {BLOCK}), 1x16 blocks (columns a multiple "
+            f"of {BLOCK}) or 16x16 blocks (both), with at least {LANES} columns (16x1 "
+            f"blocks of float32 with `rht=True`); got {x.dtype} {x.shape} in {block} "
+            f"blocks (callers check `applies` first)."
         )
     if rounding not in ("nearest", "stochastic") or (rounding == "stochastic") != (
         seed is not None
@@ -238,7 +258,7 @@ def operand(
         raise ValueError(f"`rounding={rounding!r}` with a seed exactly when stochastic.")
     if parameters is not None and amax is not None:
         raise ValueError("`operand` takes `amax` or `parameters`, not both.")
-    kw = dict(across=across, rounding=rounding, rht=rht, rows=rows, looped=looped)
+    kw = dict(across=across, tile=tile, rounding=rounding, rht=rht, rows=rows, looped=looped)
     call = functools.partial(_operand, block=tuple(block), interpret=interpret, **kw)
     # vmapped (grouped or stacked problems): one array after another, as the quantiser
     if parameters is None:
@@ -247,7 +267,7 @@ def operand(
 
 
 def _operand(
-    x, amax, seed, *, block, across, rounding, rht, interpret, rows, looped, parameters=None
+    x, amax, seed, *, block, across, tile, rounding, rht, interpret, rows, looped, parameters=None
 ):
     """`operand` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
@@ -268,7 +288,7 @@ def _operand(
         scratch = [pltpu.VMEM((tr, LANES), jnp.float32)]
         if x.dtype != jnp.float32:
             scratch.append(pltpu.VMEM((tr, LANES), jnp.float32))
-    kw = dict(across=across, rounding=rounding, rht=rht, cols=m, looped=looped)
+    kw = dict(across=across, tile=tile, rounding=rounding, rht=rht, cols=m, looped=looped)
     kernel = functools.partial(_kernel, **kw)
     y = pl.pallas_call(
         kernel,

@@ -109,11 +109,11 @@ _ONE = 7 << 3
 
 class Tiling(NamedTuple):
     """How the kernel tiles an array: tiles of `rows x cols` (the pipeline's blocks in
-    VMEM), worked on in chunks of `CHUNK_ROWS x chunk` (`chunk` a multiple of 256).
+    VMEM), worked on in chunks of `CHUNK_ROWS x chunk` (`chunk` a multiple of 256, or
+    of 128 where the output is not the packed codes, which pack 256 at a time).
     `rows` a multiple of 512 and `cols` of 512 (the int8 scale blocks' tiles), `cols`
     a multiple of `chunk`; an array smaller than a tile gets one tile of its size.
-    `chunk` may be 128 where the output is not the packed codes (which pack 256 at a
-    time). `looped`: every chunk of a tile in one loop (its column offset dynamic: one
+    `looped`: every chunk of a tile in one loop (its column offset dynamic: one
     chunk's code for Mosaic to compile) instead of the chunks along a row unrolled.
     `arithmetic`: the block values (`output="values"` or `"dequantized"`) rounded by
     float arithmetic (`_nearest`, `_stochastic`: the E2M1 value itself, as
@@ -360,16 +360,19 @@ def magnitudes(ab: list[Array], inv: Array, inv_sub: Array, params_ref, expand) 
     """The scaled magnitudes `mul_normal(|x|, inv_b, inv_sub)` of the absolute-value
     bits `ab` (a list of arrays; `inv` and `inv_sub` on their block grid, `expand`
     broadcasting them to an element of `ab`), for the block values (not the codes: see
-    below). Unless the tensor is tiny (`params_ref[3]`: `s_dec < 2^-64`), plainly `|x|
-    * inv_b`, which the TPU's arithmetic computes as zero for a subnormal `x`: there a
-    nonzero block scale needs a block maximum `bmax >= 2^-10 * 6 / s_enc > 2^-72`, and
-    `inv_b <= 12 / bmax` (a nonzero E4M3 scale is at least half its unrounded value),
-    so a subnormal `x` would give below `2^-126 * 12 / 2^-72 < 2^-50`, which rounds to
-    zero to the nearest and stochastically (whose smallest threshold is `2^-17`) as zero
-    does, and a zero block scale makes every value of its block zero; the sign comes
-    from `x`'s bits either way. A tiny tensor takes `mul_normal`'s exact steps (a
-    subnormal `x` is its 23-bit field times `inv_b * 2^-149`). One `lax.cond` on a
-    scalar."""
+    below). Unless the tensor is tiny (`params_ref[3]`: `s_dec < 2^-64`, so `s_enc`
+    is at most about `2^64`), plainly `|x| * inv_b`, which the TPU's arithmetic
+    computes as zero for a subnormal `x`. There a zero block scale makes every value of
+    its block zero, and a nonzero one needs a block maximum `bmax > 2^-10 * 6 / s_enc >
+    2^-72`, its inverse `inv_b = 1 / (scale_b * s_dec)` being at most about `12 / bmax`
+    (a nonzero E4M3 scale is at least half its unrounded value `bmax * s_enc / 6`) or,
+    where the scale clamps at 448, `s_enc / 448`: below `2^76` either way, so a
+    subnormal `x` would give below `2^-126 * 2^76 = 2^-50`, which rounds to zero to the
+    nearest and stochastically (whose smallest threshold is `2^-17`) as zero does; the
+    sign comes from `x`'s bits either way. (Not the codes: those of a zero-scale block
+    are kept, and there `inv_b` is `FLT_MAX`.) A tiny tensor takes `mul_normal`'s exact
+    steps (a subnormal `x` is its 23-bit field times `inv_b * 2^-149`). One `lax.cond`
+    on a scalar."""
     inv_e = expand(inv)
 
     def plain(ab):
@@ -677,7 +680,8 @@ def _prologue_kernel(bits_ref, out_ref):
 #: (strided loads, one vector register per block row) where it takes the array, instead
 #: of this module's: 16x1, where it took 0.75-0.85x this module's time on a TPU v5e
 #: (8192x8192, 2026-12-06, `benchmarks/tpu_operand_check.py`); not 1x16, where its
-#: transposes made it 1.02-1.08x.
+#: transposes made it 1.02-1.08x (and the training step the same, 2026-12-07); 16x16
+#: (a weight's) not yet timed there (`bench_accel.py`'s train section times it).
 OPERAND_KERNEL_BLOCKS = ((BLOCK, 1),)
 
 
