@@ -4,6 +4,7 @@
 python benchmarks/tpu_quantize_check.py --out PATH [--repeats N] [--no-sweep]
 python benchmarks/tpu_quantize_check.py --smoke      # tiny shapes, interpreted, on a CPU
 python benchmarks/tpu_quantize_check.py --lower-only # every case and tiling lowers (CPU)
+python benchmarks/tpu_quantize_check.py --values-sweep [--smoke]  # the GEMM operand's tilings
 ```
 
 For each case (`to_nvfp4` 1x16 and 16x16, round to nearest and SR, float32 and
@@ -271,12 +272,13 @@ VALUES_CANDIDATES: tuple[_tpu_quantize.Tiling, ...] = tuple(
 )
 
 
-def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> None:
+def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> bool:
     """The GEMM operand path (`_tpu_quantize.tiled(..., output="values")`, the tensor
     amax given, as the GEMMs give it) in each of `VALUES_CANDIDATES`, and, for 1x16
     and 16x16 blocks, `_tpu_operand`'s kernel: time, floor ratio (the input read
     once, the bfloat16 values written once), bits against the first candidate's (the
-    default tiling, which the tests hold to the reference)."""
+    comparisons, which the tests hold to the reference). Whether every case compiled
+    with those bits."""
     from nvfp4x._kernels import _tpu_operand
 
     report.line("\n## GEMM operand sweep (`VALUES_CANDIDATES`, amax given)\n")
@@ -298,7 +300,7 @@ def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> None:
         sd = seed if rounding == "stochastic" else None
         label = f"{block[0]}x{block[1]} {jnp.dtype(dtype).name} {rounding} {shape}"
         floor = floor_bytes(x, "values") / bw
-        fns, want = {}, None
+        fns, want, ok = {}, None, True
         kw = dict(block=block, rounding=rounding, output="values", interpret=smoke)
         for cand in candidates:
             fns[tuple(cand)] = functools.partial(_tpu_quantize.tiled, tiling=cand, **kw)
@@ -315,14 +317,17 @@ def values_sweep(report: Report, smoke: bool, bw: float, repeats: int) -> None:
                 want = got if want is None else want
                 ready[name] = (functools.partial(c, x, amax, sd), same_bits(got, want), took)
             except Exception:
+                ok = False
                 report.line(f"| {label} | {name} | **FAILED** | | | |")
                 report.line("```\n" + traceback.format_exc() + "```")
         times = timed({k: v[0] for k, v in ready.items()}, repeats)
         for name, t in times.items():
             _, same, took = ready[name]
+            ok &= same
             report.line(
                 f"| {label} | {name} | {same} | {t * 1e3:.3f} | {t / floor:.2f}x | {took:.2f} |"
             )
+    return ok
 
 
 def lower_all(report: Report) -> bool:
@@ -415,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth((64, 128) if args.smoke else (8192, 16384), repeats)
     report.line(f"copy bandwidth (x + 1, float32): {bw / 1e9:.0f} GB/s\n")
     if args.values_sweep:
-        values_sweep(report, args.smoke, bw, repeats)
-        return 0
+        return 0 if values_sweep(report, args.smoke, bw, repeats) else 1
     report.line(
         "| case | same bits | mosaic ms | x floor | xla ms | x floor | xla / mosaic | "
         "mosaic compile |"
