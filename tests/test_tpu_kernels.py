@@ -126,8 +126,7 @@ def test_mosaic_values_both_ways_equal_reference():
     the interpreter, would flush them)."""
     fmt = Format("nvfp4", block=(1, 16), rounding="nearest")
     x = edge_array(jnp.float32, rows=40, cols=112)
-    finite = np.where(np.isfinite(x), x, 1.0)  # (NumPy: XLA:CPU would flush subnormals)
-    tiny = jnp.asarray(finite / np.abs(finite).max() * np.float32(1e-37), jnp.float32)
+    tiny = scaled(x, 1e-37 / float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))))
     for data, arithmetic in ((x, False), (tiny, True)):
         with _kernels.use("nvfp4_quantize", "xla"):
             want = jax.jit(lambda x: quantize_operand(x, fmt, 1, None))(*on_cpu((data,)))[0]

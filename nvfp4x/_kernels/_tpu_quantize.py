@@ -380,12 +380,17 @@ def magnitudes(ab: list[Array], inv: Array, inv_sub: Array, params_ref, expand) 
 
     def exact(ab):
         inv_sub_e = expand(inv_sub)
-        return [
-            jnp.where(b < MIN_NORMAL_BITS, b.astype(jnp.float32) * inv_sub_e, from_bits(b) * inv_e)
-            for b in ab
-        ]
+        return [exact_magnitude(b, inv_e, inv_sub_e) for b in ab]
 
     return jax.lax.cond(params_ref[3] == 0.0, plain, exact, ab)
+
+
+def exact_magnitude(ab: Array, inv: Array, inv_sub: Array) -> Array:
+    """`mul_normal(|x|, inv_b, inv_sub)` of the absolute-value bits `ab` (`inv` and
+    `inv_sub` broadcast to them): a subnormal `x` is its 23-bit field times
+    `inv_b * 2^-149`, so that it is read exactly although the TPU flushes subnormals in
+    arithmetic."""
+    return jnp.where(ab < MIN_NORMAL_BITS, ab.astype(jnp.float32) * inv_sub, from_bits(ab) * inv)
 
 
 def _encode_nearest(a: Array) -> Array:
@@ -431,10 +436,7 @@ def _chunk(
             mag = _stochastic(a, _uniform(seed_ref, row, col, cols))
         q = _signed(mag, negative) * _expand(scale_b)  # exact
         return None, bits, _dequantized(q, output, params_ref)
-    # `mul_normal(|x|, inv_b, inv_sub)`: a subnormal `x` is its 23-bit field times
-    # `inv_b * 2^-149`.
-    sub = ab < MIN_NORMAL_BITS
-    a = jnp.where(sub, ab.astype(jnp.float32) * _expand(inv_sub), from_bits(ab) * _expand(inv))
+    a = exact_magnitude(ab, _expand(inv), _expand(inv_sub))  # (the codes need it exact)
     nan_block = _expand(bits == 0x7F)
     if rounding == "nearest":
         mag = _encode_nearest(a)
