@@ -159,23 +159,25 @@ def input_fusion() -> contextlib.AbstractContextManager:
     return set_to(_batching, "INPUT_FUSION", True)
 
 
-def operand_kernel_across() -> contextlib.AbstractContextManager:
-    """The 1x16 GEMM operands (fprop's x, dgrad's dy) by `_tpu_operand`'s kernel too inside
-    the block (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits): a smaller kernel for
-    Mosaic to compile at each call site than the tiled quantiser's."""
+def operand_kernel_for(block: tuple[int, int]) -> contextlib.AbstractContextManager:
+    """The GEMM operands of `block`s by `_tpu_operand`'s kernel too inside the block
+    (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits)."""
     from nvfp4x._kernels import _tpu_quantize
 
-    blocks = tuple(dict.fromkeys((*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (1, 16))))
+    blocks = tuple(dict.fromkeys((*_tpu_quantize.OPERAND_KERNEL_BLOCKS, block)))
     return set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks)
+
+
+def operand_kernel_across() -> contextlib.AbstractContextManager:
+    """The 1x16 GEMM operands (fprop's x, dgrad's dy) by the operand kernel
+    (`operand_kernel_for`): a smaller kernel for Mosaic to compile at each call site than
+    the tiled quantiser's."""
+    return operand_kernel_for((1, 16))
 
 
 def operand_kernel_tiles() -> contextlib.AbstractContextManager:
-    """The 16x16 GEMM operands (the weights') by `_tpu_operand`'s kernel too inside the
-    block (`_tpu_quantize.OPERAND_KERNEL_BLOCKS`; the same bits)."""
-    from nvfp4x._kernels import _tpu_quantize
-
-    blocks = tuple(dict.fromkeys((*_tpu_quantize.OPERAND_KERNEL_BLOCKS, (16, 16))))
-    return set_to(_tpu_quantize, "OPERAND_KERNEL_BLOCKS", blocks)
+    """The 16x16 GEMM operands (the weights') by the operand kernel (`operand_kernel_for`)."""
+    return operand_kernel_for((16, 16))
 
 
 def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = False) -> dict:
