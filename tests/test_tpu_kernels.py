@@ -70,7 +70,7 @@ def as_the_device_reads(x):
     if _kernels.backend() != "tpu" or x.dtype != jnp.bfloat16:
         return x
     v = np.asarray(x, np.float32)
-    tiny = np.abs(v) < np.finfo(jnp.bfloat16).tiny
+    tiny = np.abs(v) < float(jnp.finfo(jnp.bfloat16).tiny)  # (2^-126)
     return jnp.asarray(np.where(tiny, np.copysign(np.float32(0), v), v)).astype(x.dtype)
 
 

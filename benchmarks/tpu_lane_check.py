@@ -1,0 +1,159 @@
+"""Where the TPU quantiser's time goes for 1x16 blocks (issue 37): the same tiles and
+chunks as `_tpu_quantize.tiled`'s, with one piece of its work at a time.
+
+```
+python benchmarks/tpu_lane_check.py --out PATH [--repeats N] [--size N]
+python benchmarks/tpu_lane_check.py --smoke     # small, interpreted, on a CPU
+```
+
+Each case maps an `N x N` float32 array to bfloat16 in tiles of 2048 x 512, chunks of
+128 x 512 (`_tpu_quantize.TILINGS`' float32 tiling), and is timed as the median of
+`--repeats` rounds of 10 calls inside one jitted loop (no dispatch in the time),
+against the floor (the input read once, the bfloat16 output written once, at the copy
+bandwidth):
+
+- `copy`: the cast alone (the pipeline, the loads and the stores);
+- `transpose f32 there and back`: each chunk transposed and transposed back, then cast
+  (the two transposes a 1x16 chunk takes now, `x.T` and `q.T`);
+- `transpose, cast, transpose back`: the second transpose of bfloat16 values;
+- `lane-group max by rolls`: each 16 lanes' maximum in every lane of the group
+  (`_tpu_quantize._lane_group_max`, no transpose), times `x`;
+- `sublane max, transposed`: the transposed chunk's block maxima by the sublane
+  reduction and broadcast back (what 1x16 blocks do now before the block steps);
+- the library's `tiled` values for 1x16 and 16x1 blocks (the same arithmetic, with and
+  without the transposes), to the nearest and stochastically, and 16x16.
+"""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from benchmarks.tpu_quantize_check import same_bits, square_check, timed
+from nvfp4x._kernels import _tpu_quantize
+from nvfp4x._numerics._constants import BLOCK
+from nvfp4x._numerics._ieee import abs_bits, from_bits
+
+ROWS, COLS, CHUNK_ROWS = 2048, 512, 128
+#: Calls per timed round, inside one jitted loop.
+CALLS = 10
+
+
+def per_chunk(chunk_fn, x, *, interpret):
+    """`chunk_fn` on each `CHUNK_ROWS x COLS` chunk of `x`'s tiles, into bfloat16."""
+    n, m = x.shape
+    tr, tc = min(ROWS, n), min(COLS, m)
+
+    def kernel(x_ref, o_ref):
+        def body(k, carry):
+            r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+            rows = pl.ds(r0, CHUNK_ROWS)
+            o_ref[rows, :] = chunk_fn(x_ref[rows, :]).astype(jnp.bfloat16)
+            return carry
+
+        jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
+
+    spec = pl.BlockSpec((tr, tc), lambda i, j: (i, j))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, m), jnp.bfloat16),
+        grid=(pl.cdiv(n, tr), pl.cdiv(m, tc)),
+        in_specs=[spec],
+        out_specs=spec,
+        interpret=pltpu.InterpretParams() if interpret else False,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        name="lane_check",
+    )(x)
+
+
+def there_and_back(x):
+    return x.T.T
+
+
+def cast_between(x):
+    return x.T.astype(jnp.bfloat16).T
+
+
+def rolls(x):
+    return x * from_bits(_tpu_quantize._lane_group_max(abs_bits(x)))
+
+
+def sublane_max(x):
+    t = x.T
+    n, m = t.shape
+    bmax = jnp.max(abs_bits(t).reshape(n // BLOCK, BLOCK, m), axis=1)
+    return (t * from_bits(_tpu_quantize._expand(bmax))).T
+
+
+def repeated(fn):
+    """`fn(x)` `CALLS` times in one jitted loop (each call's input differs by a select
+    XLA cannot see through, so that no call is hoisted or shared)."""
+
+    def run(x):
+        def body(i, acc):
+            xi = jnp.where(i < 0, -x, x)
+            return acc + fn(xi)[0, 0].astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, CALLS, body, jnp.float32(0))
+
+    return jax.jit(run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, n, interpret, report, bw = square_check(__doc__, argv, smoke_n=512)
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    seed = jnp.asarray([0x1234, 0xABCD], jnp.uint32)
+    floor = (x.nbytes + x.size * 2) / bw
+    report.line(f"copy bandwidth {bw / 1e9:.0f} GB/s; floor {floor * 1e3:.3f} ms a call")
+    chunked = {
+        "copy": lambda x: x,
+        "transpose f32 there and back": there_and_back,
+        "transpose, cast, transpose back": cast_between,
+        "lane-group max by rolls": rolls,
+        "sublane max, transposed": sublane_max,
+    }
+    cases = {k: functools.partial(per_chunk, f, interpret=interpret) for k, f in chunked.items()}
+    for block in ((1, 16), (16, 1), (16, 16)):
+        for rounding in ("nearest", "stochastic"):
+            if block == (16, 16) and rounding == "stochastic":
+                continue
+            sd = seed if rounding == "stochastic" else None
+            cases[f"tiled {block[0]}x{block[1]} {rounding}"] = functools.partial(
+                lambda x, block, rounding, sd: _tpu_quantize.tiled(
+                    x,
+                    amax,
+                    sd,
+                    block=block,
+                    rounding=rounding,
+                    output="values",
+                    interpret=interpret,
+                    tiling=_tpu_quantize.tiling_for(block, x.dtype),
+                )[0],
+                block=block,
+                rounding=rounding,
+                sd=sd,
+            )
+    report.line("\n| case | ms a call | x floor | x copy |")
+    report.line("|---|---|---|---|")
+    # (the cast cases' bits against the input's cast: the kernels do what they say)
+    ok = same_bits(cases["transpose, cast, transpose back"](x), x.astype(jnp.bfloat16))
+    ok &= same_bits(cases["transpose f32 there and back"](x), x.astype(jnp.bfloat16))
+    fns = {k: repeated(f) for k, f in cases.items()}
+    for f in fns.values():
+        jax.block_until_ready(f(x))
+    times = timed({k: functools.partial(f, x) for k, f in fns.items()}, a.repeats)
+    copy = times["copy"] / CALLS
+    for k, t in times.items():
+        t /= CALLS
+        report.line(f"| {k} | {t * 1e3:.3f} | {t / floor:.2f}x | {t / copy:.2f}x |")
+    report.line(f"\nthe cast cases are the cast's bits: {ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
