@@ -21,15 +21,20 @@ bandwidth):
 - `sublane max, transposed`: the transposed chunk's block maxima by the sublane
   reduction and broadcast back (what 1x16 blocks do now before the block steps);
 - the library's `tiled` values for 1x16 and 16x1 blocks (the same arithmetic, with and
-  without the transposes), to the nearest and stochastically, and 16x16.
+  without the transposes), to the nearest and stochastically, and 16x16; and some of
+  them traced with one of the kernel's choices changed (`PATCHES`, for this timing
+  only, their bits compared with the library's): `no conds` (the scalar `lax.cond`s
+  on the tensor's tininess in each chunk, `_block_steps`' and `magnitudes'`, replaced by
+  their usual branch: whether the branches cut the chunk loop's schedule), `unroll 2`
+  (two chunks an iteration of the loop down a tile's rows).
 """
 
+import contextlib
 import functools
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -41,6 +46,55 @@ from nvfp4x._numerics._ieee import abs_bits, from_bits
 ROWS, COLS, CHUNK_ROWS = 2048, 512, 128
 #: Calls per timed round, inside one jitted loop.
 CALLS = 10
+_FORI = jax.lax.fori_loop  # (the timing loop's, not patched)
+
+
+def _normal_steps(bamax_bits, params_ref, table_ref):
+    """`_tpu_quantize._block_steps` with its `normal` branch only."""
+    from nvfp4x._kernels import _exact
+    from nvfp4x._numerics._constants import FLT_MAX
+    from nvfp4x._numerics._ieee import ldexp_normal, scale_down_149
+
+    scale_b, bits = _exact.block_scale(from_bits(bamax_bits), params_ref[0], params_ref[1])
+    sb = jax.lax.bitcast_convert_type(scale_b, jnp.int32)
+    k, e = (sb >> 20) & 7, (sb >> 23) - 127
+    table = [params_ref[4 + i] for i in range(8)]
+    inv = ldexp_normal(_tpu_quantize._lookup(k, table), -e)
+    inv = jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
+    return scale_b, bits, inv, scale_down_149(inv)
+
+
+def _plain_magnitudes(ab, inv, inv_sub, params_ref, expand):
+    inv_e = expand(inv)
+    return [from_bits(b) * inv_e for b in ab]
+
+
+def _unrolled(lower, upper, body, init, **kw):
+    return _FORI(lower, upper, body, init, unroll=2)
+
+
+#: Changes traced into the kernel for a case (`(module, attribute, value)`).
+PATCHES = {
+    "no conds": [
+        (_tpu_quantize, "_block_steps", _normal_steps),
+        (_tpu_quantize, "magnitudes", _plain_magnitudes),
+    ],
+    "unroll 2": [(jax.lax, "fori_loop", _unrolled)],
+}
+
+
+@contextlib.contextmanager
+def patched(name: str | None):
+    """`PATCHES[name]` in place while a case is traced."""
+    changes = PATCHES.get(name, []) if name else []
+    old = [getattr(m, a) for m, a, _ in changes]
+    for m, a, v in changes:
+        setattr(m, a, v)
+    try:
+        yield
+    finally:
+        for (m, a, _), v in zip(changes, old, strict=True):
+            setattr(m, a, v)
 
 
 def per_chunk(chunk_fn, x, *, interpret):
@@ -90,15 +144,16 @@ def sublane_max(x):
 
 
 def repeated(fn):
-    """`fn(x)` `CALLS` times in one jitted loop (each call's input differs by a select
-    XLA cannot see through, so that no call is hoisted or shared)."""
+    """`fn(x)` `CALLS` times in one jitted loop (each call's input passes an
+    optimisation barrier with the loop counter, so that XLA hoists or shares no call:
+    with a select on the counter instead, it hoisted the first run's kernels)."""
 
     def run(x):
         def body(i, acc):
-            xi = jnp.where(i < 0, -x, x)
+            xi, _ = jax.lax.optimization_barrier((x, i))  # (no copy: XLA cannot see through)
             return acc + fn(xi)[0, 0].astype(jnp.float32)
 
-        return jax.lax.fori_loop(0, CALLS, body, jnp.float32(0))
+        return _FORI(0, CALLS, body, jnp.float32(0))
 
     return jax.jit(run)
 
@@ -118,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         "sublane max, transposed": sublane_max,
     }
     cases = {k: functools.partial(per_chunk, f, interpret=interpret) for k, f in chunked.items()}
+    tiled = _tpu_quantize.tiled.__wrapped__  # (traced anew in each case: its patches)
+    variants = {}  # case: (its patch, the library's case it is compared with)
     for block in ((1, 16), (16, 1), (16, 16)):
         for rounding in ("nearest", "stochastic"):
             if block == (16, 16) and rounding == "stochastic":
                 continue
             sd = seed if rounding == "stochastic" else None
-            cases[f"tiled {block[0]}x{block[1]} {rounding}"] = functools.partial(
-                lambda x, block, rounding, sd: _tpu_quantize.tiled(
+            name = f"tiled {block[0]}x{block[1]} {rounding}"
+            fn = functools.partial(
+                lambda x, block, rounding, sd: tiled(
                     x,
                     amax,
                     sd,
@@ -132,20 +190,34 @@ def main(argv: list[str] | None = None) -> int:
                     rounding=rounding,
                     output="values",
                     interpret=interpret,
-                    tiling=_tpu_quantize.tiling_for(block, x.dtype),
+                    tiling=_tpu_quantize.Tiling(ROWS, COLS, COLS),
                 )[0],
                 block=block,
                 rounding=rounding,
                 sd=sd,
             )
+            cases[name] = fn
+            if block != (16, 1):
+                for patch in PATCHES:
+                    cases[f"{name}, {patch}"] = fn
+                    variants[f"{name}, {patch}"] = (patch, name)
     report.line("\n| case | ms a call | x floor | x copy |")
     report.line("|---|---|---|---|")
-    # (the cast cases' bits against the input's cast: the kernels do what they say)
+    # (the cast cases' bits against the input's cast: the kernels do what they say; the
+    # patched cases' against the library's)
     ok = same_bits(cases["transpose, cast, transpose back"](x), x.astype(jnp.bfloat16))
     ok &= same_bits(cases["transpose f32 there and back"](x), x.astype(jnp.bfloat16))
-    fns = {k: repeated(f) for k, f in cases.items()}
-    for f in fns.values():
-        jax.block_until_ready(f(x))
+    fns = {}
+    for k, f in cases.items():
+        patch, base = variants.get(k, (None, None))
+        with patched(patch):
+            fns[k] = repeated(f)
+            jax.block_until_ready(fns[k](x))
+            if base is not None:
+                same = same_bits(jax.jit(lambda x, f=f: f(x))(x), jax.jit(cases[base])(x))
+                ok &= same
+                if not same:
+                    report.line(f"{k}: NOT the bits of {base}")
     times = timed({k: functools.partial(f, x) for k, f in fns.items()}, a.repeats)
     copy = times["copy"] / CALLS
     for k, t in times.items():
