@@ -24,7 +24,7 @@ from nvfp4x._formats import Format, quantize_operand
 from nvfp4x._kernels import _tpu_quantize
 from nvfp4x._numerics import _e2m1
 from nvfp4x._numerics._constants import GOLDEN_RATIO_32
-from nvfp4x._numerics._nvfp4 import scale_blocks
+from nvfp4x._numerics._nvfp4 import expand, from_blocks, scale_blocks
 from nvfp4x._numerics._pack import pack
 
 
@@ -141,6 +141,52 @@ def test_mosaic_values_both_ways_equal_reference():
             tiling=_tpu_quantize.Tiling(512, 512, 256, arithmetic=arithmetic),
         )[0]
         same_floats(got, want)
+    subnormal = np.abs(np.asarray(tiny)) < np.finfo(np.float32).tiny
+    assert np.any(subnormal & (np.asarray(want, np.float32) != 0))  # (they count)
+
+
+def reference_values(x, block, amax, seed):
+    """The block values `e2m1 * scale_b` (bfloat16) by the reference's steps, to the
+    nearest where `seed` is None, else stochastically as `reference_codes` draws."""
+    v, scale_b, s_dec = scale_blocks(x, block, amax)
+    if seed is None:
+        q = _e2m1.round_nearest(v)
+    else:
+        index = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
+        h = _e2m1._fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed[0])
+        u = ((_e2m1._fmix32(h ^ seed[1]) >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
+        q = _e2m1.round_stochastic(v, u)
+    return from_blocks(q * expand(scale_b, block), block).astype(jnp.bfloat16), s_dec
+
+
+@pytest.mark.parametrize(
+    "block,rounding", [((1, 16), "stochastic"), ((16, 16), "nearest")], ids=["1x16-sr", "16x16"]
+)
+def test_tininess_branched_once_a_tile_keeps_the_bits(block, rounding):
+    """`Tiling.branch_once` (the chunk loop with no branch in it, the plain product, and
+    a second loop of 128-column chunks for a tiny tensor) with `Tiling.unroll=2`: the
+    block values equal the reference's on a normal array (two tiles along the rows,
+    the last overhanging) and on a tiny tensor whose subnormal elements count, and the
+    dequantised values equal those of the default tiling."""
+    t = _tpu_quantize.Tiling(512, 512, 512, branch_once=True, unroll=2)
+    x = jnp.tile(edge_array(jnp.float32, rows=40, cols=112), (15, 5))[:528, :512]
+    x = jnp.where(jnp.isinf(x), 3.0, x)  # (a NaN block stays: its values NaN)
+    tiny = scaled(x, 1e-37 / float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))))
+    seed = jax.random.bits(jax.random.key(4), (2,), jnp.uint32) if rounding != "nearest" else None
+    interpret = jax.default_backend() != "tpu"
+    kw = dict(block=block, rounding=rounding, interpret=interpret)
+    for data in (x, tiny):
+        want, s_want = jax.jit(reference_values, static_argnums=1)(
+            *on_cpu((data,)), block, None, seed
+        )
+        got, _, s_dec = _tpu_quantize.tiled(data, None, seed, output="values", tiling=t, **kw)
+        same_floats(got, want)
+        assert np.asarray(s_dec).view(np.uint32) == np.asarray(s_want).view(np.uint32)
+        deq = [
+            _tpu_quantize.tiled(data, None, seed, output="dequantized", tiling=tiling, **kw)[0]
+            for tiling in (t, _tpu_quantize.Tiling(512, 512, 512))
+        ]
+        same_floats(*deq)
     subnormal = np.abs(np.asarray(tiny)) < np.finfo(np.float32).tiny
     assert np.any(subnormal & (np.asarray(want, np.float32) != 0))  # (they count)
 

@@ -22,7 +22,7 @@ load (sublane stride 16) into one `(8, 128)` vector register, so that
   above), saturated at 6; stochastically by `_exact.encode_stochastic`'s steps
   (`_tpu_quantize._stochastic`), its thresholds hashed from each element's index in
   the caller's array (`_tpu_quantize._uniform`); the magnitudes are
-  `_tpu_quantize.magnitudes`' (the plain product unless the tensor is tiny);
+  `_tpu_quantize.magnitudes`' (the exact steps, with no branch);
 - with `rht=True` the 16 registers first go through the 16-point transform's butterfly
   stages (`_tpu_rht.butterflies`: `_hadamard._plain`'s operations in its order, so its
   bits), so that the transformed operand is never written to memory.
@@ -125,7 +125,7 @@ def _group(
     # (a NaN block's values are NaN whatever the magnitudes and signs: `x`'s sign)
     out = []
     for j, (r, a) in enumerate(
-        zip(rows, magnitudes(ab, inv, inv_sub, params_ref, lambda a: a), strict=True)
+        zip(rows, magnitudes(ab, inv, inv_sub, lambda a: a), strict=True)
     ):
         if rounding == "nearest":
             mag = _nearest(a)

@@ -35,10 +35,12 @@ How it fits a TPU's (8, 128) vector tiles, with no 16-wide trailing axis anywher
   the caller's array, as `_e2m1.uniform` does), the sign from `x`'s bits. The block
   values (the GEMM operand, `fake_quantize`) skip the codes (`Tiling.arithmetic`, the
   default): the E2M1 value itself by float arithmetic (`_nearest`: `(a + c) - c`
-  with `ulp(c)` the E2M1 step at `a`; `_stochastic`), times the block scale, and the
-  magnitude as the plain product `|x| * inv_b` unless the tensor is tiny
-  (`magnitudes` says why no subnormal can count then): 0.89x the comparisons' time
-  for 1x16 blocks on a TPU v5e, and the training step 1.64x mixed bf16 against 1.70x.
+  with `ulp(c)` the E2M1 step at `a`; `_stochastic`), times the block scale (0.89x
+  the comparisons' time for 1x16 blocks on a TPU v5e, and the training step 1.64x
+  mixed bf16 against 1.70x), the magnitudes `magnitudes`' exact steps with no branch,
+  or, with `Tiling.branch_once`, the plain product `|x| * inv_b` in a chunk loop for
+  tensors that are not tiny, taken once a tile (`magnitudes` says why no subnormal can
+  count then).
 - Two codes per byte along a row: each 256 codes of a row (or, transposed, of a
   column) are packed into 128 bytes by a matmul with a constant 0/1/16 matrix on the
   MXU (`_pairs`): codes and bytes are integers below 256, exact in bfloat16 with
@@ -122,13 +124,26 @@ class Tiling(NamedTuple):
     output takes the comparisons either way). On a TPU v5e (2026-12-07, 8192x8192,
     `benchmarks/tpu_quantize_check.py --values-sweep`) the arithmetic took 0.89x the
     comparisons' time for 1x16 blocks (float32 and bfloat16, both roundings) and 0.95x
-    for 16x16 (2048x8192)."""
+    for 16x16 (2048x8192).
+    `branch_once` (with `arithmetic`, for the block values): the tensor's tininess
+    (`s_dec < 2^-64`) branched on once a tile, not in each chunk (`_block_steps`' and, in
+    a tiny tensor, `magnitudes`' exact steps): the usual chunk loop with no branch and
+    the plain product `|x| * inv_b`, and a second loop for a tiny tensor in chunks of
+    128 columns (more code for Mosaic to compile). On a TPU v5e (2026-12-08,
+    `benchmarks/tpu_lane_check.py --tiled`, 8192x8192 float32) a chunk loop without
+    the branches took 0.89-0.91x the time (1x16 to the nearest and SR, 16x16); not yet
+    timed in the training step nor compiled as this loop pair.
+    `unroll`: the chunk loop's iterations unrolled by that many (Mosaic schedules two
+    chunks together): on the same run, 0.91x the time for 1x16 blocks (both roundings)
+    and 1.11x for 16x16."""
 
     rows: int = 512
     cols: int = 1024
     chunk: int = 256
     looped: bool = False
     arithmetic: bool = True
+    branch_once: bool = False
+    unroll: int = 1
 
 
 #: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
@@ -185,6 +200,8 @@ def _tile(
         )
     if tiling.cols % tiling.chunk:
         raise ValueError(f"`{tiling}`: cols must be a multiple of chunk.")
+    if tiling.unroll < 1:
+        raise ValueError(f"`{tiling}`: unroll must be at least 1 (1: the loop as it is).")
     rp, tr = (rows, tiling.rows) if rows >= tiling.rows else (_round_up(rows, CHUNK_ROWS),) * 2
     cp, tc = (cols, tiling.cols) if cols >= tiling.cols else (_round_up(cols, PAIR_GROUP),) * 2
     chunk = tiling.chunk if tc % tiling.chunk == 0 else PAIR_GROUP
@@ -269,9 +286,11 @@ def _lookup(index: Array, table) -> Array:
     return level[0]
 
 
-def _block_steps(bamax_bits: Array, params_ref, table_ref):
+def _block_steps(bamax_bits: Array, params_ref, table_ref, tiny_tensor: bool | None = None):
     """The per-block steps on the block maxima' bits: `(scale_b, bits, inv_b, inv_sub)`,
-    the reference's `_block_scales_exact` (see the module docstring for the inverse)."""
+    the reference's `_block_scales_exact` (see the module docstring for the inverse).
+    `tiny_tensor`: whether the tensor is tiny (`params_ref[3]`), where the caller knows it
+    (`Tiling.branch_once`); `None` branches here (a scalar `lax.cond`)."""
     c, c_sub = params_ref[0], params_ref[1]
     scale_b, bits = _exact.block_scale(from_bits(bamax_bits), c, c_sub)
 
@@ -284,7 +303,10 @@ def _block_steps(bamax_bits: Array, params_ref, table_ref):
         inv = ldexp_normal(_lookup(k, [params_ref[4 + i] for i in range(8)]), -e)
         return jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
 
-    inv = jax.lax.cond(params_ref[3] != 0.0, tiny, normal, scale_b, bits)
+    if tiny_tensor is None:
+        inv = jax.lax.cond(params_ref[3] != 0.0, tiny, normal, scale_b, bits)
+    else:
+        inv = (tiny if tiny_tensor else normal)(scale_b, bits)
     return scale_b, bits, inv, scale_down_149(inv)
 
 
@@ -356,11 +378,15 @@ def _stochastic(a: Array, u: Array) -> Array:
     return jnp.where(u < (a6 - lo) * inv, lo + step, lo)
 
 
-def magnitudes(ab: list[Array], inv: Array, inv_sub: Array, params_ref, expand) -> list[Array]:
+def magnitudes(
+    ab: list[Array], inv: Array, inv_sub: Array, expand, *, plain: bool = False
+) -> list[Array]:
     """The scaled magnitudes `mul_normal(|x|, inv_b, inv_sub)` of the absolute-value
     bits `ab` (a list of arrays; `inv` and `inv_sub` on their block grid, `expand`
     broadcasting them to an element of `ab`), for the block values: `exact_magnitude`'s
-    steps, with no branch (`params_ref` is not read). Only in a tiny tensor
+    steps, with no branch; with `plain`, the plain product `|x| * inv_b`, which the
+    TPU's arithmetic computes as zero for a subnormal `x`, for a caller that knows the
+    tensor is not tiny (`Tiling.branch_once`). Only in a tiny tensor
     (`s_dec < 2^-64`, so `s_enc` is at most about `2^64`) can a subnormal `x` count:
     elsewhere a zero block scale makes every value of its block zero, and a nonzero one
     needs a block maximum `bmax > 2^-10 * 6 / s_enc > 2^-72`, its inverse `inv_b = 1 /
@@ -370,12 +396,16 @@ def magnitudes(ab: list[Array], inv: Array, inv_sub: Array, params_ref, expand) 
     = 2^-50`, which rounds to zero to the nearest and stochastically (whose smallest
     threshold is `2^-17`) as zero does. Until the twenty-fifth session the plain product
     `|x| * inv_b` ran outside tiny tensors, in a scalar `lax.cond` on `params_ref[3]`
-    in every chunk: on a TPU v5e (2026-12-08, `benchmarks/tpu_lane_check.py`, 8192x8192
-    float32) a chunk loop without that branch and the block steps' took 0.85-0.88x the
-    time (the branches' operands pass through memory); the exact steps' four more
-    operations an element cost less than the branch (`PATCHES` there times both)."""
-    del params_ref
-    inv_e, inv_sub_e = expand(inv), expand(inv_sub)
+    in every chunk; on a TPU v5e (2026-12-08, `benchmarks/tpu_lane_check.py --tiled`,
+    8192x8192 float32, the same bits) these exact steps with no branch took 0.97x its
+    time (1x16 to the nearest 1.099 ms against 1.129, SR 1.490 against 1.544, 16x16
+    1.340 against 1.367). A chunk loop with neither this branch nor `_block_steps`' took
+    0.89x (0.973 ms): `Tiling.branch_once` is that, off by default until the training
+    step times it."""
+    inv_e = expand(inv)
+    if plain:
+        return [from_bits(b) * inv_e for b in ab]
+    inv_sub_e = expand(inv_sub)
     return [exact_magnitude(b, inv_e, inv_sub_e) for b in ab]
 
 
@@ -407,11 +437,13 @@ def _chunk(
     output: str,
     cols: int,
     arithmetic: bool = False,
+    tiny: bool | None = None,
 ):
     """The steps of one chunk `x` (float32, blocks of 16 down its sublanes: 1x16 chunks
     come transposed), `row` and `col` the caller's indices of its elements (`arithmetic`:
-    `Tiling.arithmetic`). Returns `(codes or None, scale bits (n/16, m), values or
-    None)`, values in float32."""
+    `Tiling.arithmetic`; `tiny`: whether the tensor is tiny, where the caller branched
+    on it, `Tiling.branch_once`). Returns `(codes or None, scale bits (n/16, m), values
+    or None)`, values in float32."""
     params_ref, seed_ref, table_ref, pair_ref = refs
     n, m = x.shape
     xbits = jax.lax.bitcast_convert_type(x, jnp.int32)
@@ -419,17 +451,17 @@ def _chunk(
     bmax = jnp.max(ab.reshape(n // BLOCK, BLOCK, m), axis=1)  # (NaN above inf)
     if block == TILE:
         bmax = _lane_group_max(bmax)
-    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
+    scale_b, bits, inv, inv_sub = _block_steps(bmax, params_ref, table_ref, tiny)
     negative = xbits < 0
     if arithmetic and output != "codes":  # the E2M1 values themselves (`_tpu_operand`'s)
         # (a NaN block's values are NaN whatever the magnitudes and signs: `x`'s sign)
-        (a,) = magnitudes([ab], inv, inv_sub, params_ref, _expand)
+        (a,) = magnitudes([ab], inv, inv_sub, _expand, plain=tiny is False)
         if rounding == "nearest":
             mag = _nearest(a)
         else:
             mag = _stochastic(a, _uniform(seed_ref, row, col, cols))
         q = _signed(mag, negative) * _expand(scale_b)  # exact
-        return None, bits, _dequantized(q, output, params_ref)
+        return None, bits, _dequantized(q, output, params_ref, tiny)
     a = exact_magnitude(ab, _expand(inv), _expand(inv_sub))  # (the codes need it exact)
     nan_block = _expand(bits == 0x7F)
     if rounding == "nearest":
@@ -447,18 +479,23 @@ def _chunk(
     return None, bits, _dequantized(q, output, params_ref)
 
 
-def _dequantized(q: Array, output: str, params_ref) -> Array:
+def _dequantized(q: Array, output: str, params_ref, tiny: bool | None = None) -> Array:
     """The block values `q` (float32, exact), times `s_dec` for `output="dequantized"`
-    (exactly, by `_exact.mul_exact`, where the tensor is tiny)."""
+    (exactly, by `_exact.mul_exact`, where the tensor is tiny: `tiny` where the caller
+    knows it, else a scalar `lax.cond`)."""
     if output != "dequantized":
         return q
     s_dec = params_ref[2]
-    return jax.lax.cond(
-        params_ref[3] != 0.0,
-        lambda q: _exact.mul_exact(q, s_dec, jnp.bool_(True)),
-        lambda q: q * s_dec,
-        q,
-    )
+
+    def exact(q):
+        return _exact.mul_exact(q, s_dec, jnp.bool_(True))
+
+    def plain(q):
+        return q * s_dec
+
+    if tiny is not None:
+        return (exact if tiny else plain)(q)
+    return jax.lax.cond(params_ref[3] != 0.0, exact, plain, q)
 
 
 def _kernel(
@@ -477,13 +514,16 @@ def _kernel(
     bounds: tuple[int, int] | None = None,
     looped: bool = False,
     arithmetic: bool = False,
+    branch_once: bool = False,
+    unroll: int = 1,
 ):
     """One tile: a loop down its rows, `CHUNK_ROWS` at a time, over its chunks of
     `chunk` columns; the tile's scale bits are gathered in an int32 scratch and written
     at the end. With `stats`, the last output `(2, 8, tile columns)` gathers the
     chunks' `rht_chunk_stats` too (the RHT's statistics of the same rows, from the same
     read); with `bounds` (the array's rows and columns, where a tile overhangs it) the
-    elements beyond them, garbage, taken as zeros, as `_hadamard.padded_rows` pads."""
+    elements beyond them, garbage, taken as zeros, as `_hadamard.padded_rows` pads.
+    `looped`, `arithmetic`, `branch_once` and `unroll`: `Tiling`'s."""
     tr, tc = x_ref.shape
     transposed = block == ROW_BLOCK
     scratch = refs[-1]
@@ -494,12 +534,12 @@ def _kernel(
     r_tile, c_tile = pl.program_id(0) * tr, pl.program_id(1) * tc
     consts = (params_ref, seed_ref, table_ref, pair_ref)
 
-    def one(k, r0, c0):
-        """The chunk of rows from `r0 = k * CHUNK_ROWS` and columns from `c0` (static, or
-        dynamic in the looped form)."""
-        x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, chunk)].astype(jnp.float32)
+    def one(k, r0, c0, width: int, tiny: bool | None):
+        """The chunk of rows from `r0 = k * CHUNK_ROWS` and `width` columns from `c0`
+        (static, or dynamic in the looped form)."""
+        x = x_ref[pl.ds(r0, CHUNK_ROWS), pl.ds(c0, width)].astype(jnp.float32)
         if stats:
-            lanes, inside = pl.ds(c0, chunk), x
+            lanes, inside = pl.ds(c0, width), x
             if bounds is not None:
                 at = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + r_tile + r0
                 on = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) + c_tile + c0
@@ -507,7 +547,7 @@ def _kernel(
                 inside = jnp.where(keep, x, np.float32(0.0))
             for i, part in enumerate(rht_chunk_stats(inside)):
                 stats_ref[i, :, lanes] = jnp.maximum(stats_ref[i, :, lanes], part)
-        shape = (chunk, CHUNK_ROWS) if transposed else (CHUNK_ROWS, chunk)
+        shape = (width, CHUNK_ROWS) if transposed else (CHUNK_ROWS, width)
         ri, ci = (1, 0) if transposed else (0, 1)
         row = r_tile + r0 + jax.lax.broadcasted_iota(jnp.int32, shape, ri)
         col = c_tile + c0 + jax.lax.broadcasted_iota(jnp.int32, shape, ci)
@@ -521,43 +561,56 @@ def _kernel(
             output=output,
             cols=cols,
             arithmetic=arithmetic,
+            tiny=tiny,
         )
         rows = pl.ds(r0, CHUNK_ROWS)
         if codes is not None:
             if transposed:
-                c16 = _aligned(_over(c0, BLOCK), chunk // BLOCK)
-                scratch[k, pl.ds(c16, chunk // BLOCK), :] = bits
+                c16 = _aligned(_over(c0, BLOCK), width // BLOCK)
+                scratch[k, pl.ds(c16, width // BLOCK), :] = bits
             else:
                 r16 = pl.multiple_of(k * (CHUNK_ROWS // BLOCK), CHUNK_ROWS // BLOCK)
-                scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, chunk)] = bits
+                scratch[pl.ds(r16, CHUNK_ROWS // BLOCK), pl.ds(c0, width)] = bits
             for g, b in enumerate(_pairs(codes, pair_ref, transposed)):
                 c2 = _aligned(_over(c0, 2) + g * (PAIR_GROUP // 2), PAIR_GROUP // 2)
                 outs[0][rows, pl.ds(c2, PAIR_GROUP // 2)] = b.astype(jnp.int8)
         else:
             assert q is not None
             out = outs[0]
-            out[rows, pl.ds(c0, chunk)] = (q.T if transposed else q).astype(out.dtype)
+            out[rows, pl.ds(c0, width)] = (q.T if transposed else q).astype(out.dtype)
 
-    per_row = tc // chunk
-    if looped and per_row > 1:  # one chunk's code, its row and column offsets dynamic
+    def chunks(width: int, looped: bool, tiny: bool | None, unroll: int) -> None:
+        """Every chunk of the tile, `width` columns each."""
+        per_row = tc // width
+        if looped and per_row > 1:  # one chunk's code, its row and column offsets dynamic
 
-        def each_chunk(i, carry):
-            # (`lax.div` and `rem`: `i >= 0`; `//` and `%` would lower a sign fix-up)
-            k, c = jax.lax.div(i, per_row), jax.lax.rem(i, per_row)
-            r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
-            one(k, r0, pl.multiple_of(c * chunk, chunk))
-            return carry
+            def each_chunk(i, carry):
+                # (`lax.div` and `rem`: `i >= 0`; `//` and `%` would lower a sign fix-up)
+                k, c = jax.lax.div(i, per_row), jax.lax.rem(i, per_row)
+                r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+                one(k, r0, pl.multiple_of(c * width, width), width, tiny)
+                return carry
 
-        jax.lax.fori_loop(0, (tr // CHUNK_ROWS) * per_row, each_chunk, 0)
-    else:  # a loop down the rows, the chunks along them unrolled (static column offsets)
+            jax.lax.fori_loop(0, (tr // CHUNK_ROWS) * per_row, each_chunk, 0, unroll=unroll)
+        else:  # a loop down the rows, the chunks along them unrolled (static offsets)
 
-        def body(k, carry):
-            r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
-            for c0 in range(0, tc, chunk):
-                one(k, r0, c0)
-            return carry
+            def body(k, carry):
+                r0 = pl.multiple_of(k * CHUNK_ROWS, CHUNK_ROWS)
+                for c0 in range(0, tc, width):
+                    one(k, r0, c0, width, tiny)
+                return carry
 
-        jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0)
+            jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0, unroll=unroll)
+
+    if branch_once and arithmetic and output != "codes":
+        # The tensor's tininess once a tile: the usual loop with no branch in it, and for
+        # a tiny tensor (rare) one of the exact steps in chunks of 128 columns (a quarter
+        # of the code of 512-wide chunks for Mosaic to compile).
+        tiny_tensor = params_ref[3] != 0.0
+        pl.when(tiny_tensor)(lambda: chunks(LANES, True, True, 1))
+        pl.when(jnp.logical_not(tiny_tensor))(lambda: chunks(chunk, looped, False, unroll))
+    else:
+        chunks(chunk, looped, None, unroll)
     if output == "codes":
         scales = outs[1]
         if transposed:
@@ -765,6 +818,8 @@ def tiled(x, amax, seed, *, block, rounding, output, interpret, tiling: Tiling, 
         chunk=chunk,
         looped=tiling.looped,
         arithmetic=tiling.arithmetic,
+        branch_once=tiling.branch_once,
+        unroll=tiling.unroll,
         **kw,
     )
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
