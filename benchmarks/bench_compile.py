@@ -180,6 +180,29 @@ def operand_kernel_tiles() -> contextlib.AbstractContextManager:
     return operand_kernel_for((16, 16))
 
 
+@contextlib.contextmanager
+def tilings_with(blocks=None, **changes) -> Iterator[None]:
+    """The TPU quantiser's `TILINGS` with `changes` to each entry of `blocks` (all by
+    default) inside the block, made from the table as it is on entry (so that these
+    nest): `Tiling.branch_once`, `Tiling.unroll` (the same bits)."""
+    from nvfp4x._kernels import _tpu_quantize
+
+    tilings = {
+        k: t._replace(**changes) if blocks is None or k[0] in blocks else t
+        for k, t in _tpu_quantize.TILINGS.items()
+    }
+    with set_to(_tpu_quantize, "TILINGS", tilings):
+        yield
+
+
+@contextlib.contextmanager
+def branched_once(unroll_1x16: int = 1) -> Iterator[None]:
+    """Every tiling with `branch_once`, and the 1x16 ones' chunk loops unrolled by
+    `unroll_1x16` (on a TPU v5e, 2026-12-08, unrolling slowed 16x16 blocks)."""
+    with tilings_with(branch_once=True), tilings_with(blocks=((1, 16),), unroll=unroll_1x16):
+        yield
+
+
 def compile_seconds(model, x, y, *, optimizer=None, loss_fn=mse, text: bool = False) -> dict:
     """`{"lower": s, "compile": s, "total": s, "cpu": s, "hlo_lines": n, "regions": {...}}`
     for one fresh step (`optimizer`: adam by default): wall seconds, the process's CPU

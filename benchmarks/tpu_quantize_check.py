@@ -259,16 +259,13 @@ def sweep_case(block) -> tuple[Callable, str]:
 #: The tilings `values_sweep` tries for the GEMM operand path (bfloat16 block values):
 #: the default's shape with the rounding by comparisons then decoded
 #: (`arithmetic=False`) and by float arithmetic (the default), and other shapes.
-VALUES_CANDIDATES: tuple[_tpu_quantize.Tiling, ...] = tuple(
-    _tpu_quantize.Tiling(*t)
-    for t in (
-        (2048, 512, 512, False, False),
-        (2048, 512, 512, False, True),
-        (2048, 1024, 512, False, True),
-        (1024, 1024, 512, False, True),
-        (4096, 512, 512, False, True),
-        (2048, 1024, 128, False, True),
-    )
+VALUES_CANDIDATES: tuple[_tpu_quantize.Tiling, ...] = (
+    _tpu_quantize.Tiling(2048, 512, 512, arithmetic=False),  # (the comparisons: first)
+    _tpu_quantize.Tiling(2048, 512, 512),
+    _tpu_quantize.Tiling(2048, 512, 512, branch_once=True),
+    _tpu_quantize.Tiling(2048, 512, 512, unroll=2),
+    _tpu_quantize.Tiling(2048, 512, 512, branch_once=True, unroll=2),
+    _tpu_quantize.Tiling(2048, 1024, 512),
 )
 
 

@@ -257,6 +257,20 @@ def test_mosaic_kernel_lowers_for_tpu(block, output, dtype, rounding):
     assert lowers_for_tpu((8208, 16400), dtype, block, rounding, output)
 
 
+@pytest.mark.parametrize(
+    "block,dtype,rounding,output",
+    [
+        ((1, 16), jnp.bfloat16, "stochastic", "dequantized"),
+        ((16, 16), jnp.float32, "nearest", "values"),
+    ],
+    ids=["1x16", "16x16"],
+)
+def test_tininess_branched_once_lowers_for_tpu(block, dtype, rounding, output):
+    """`Tiling.branch_once` with `unroll=2` (its two loops) lowers for a TPU."""
+    t = _tpu_quantize.Tiling(2048, 512, 512, branch_once=True, unroll=2)
+    assert lowers_for_tpu((4112, 8208), dtype, block, rounding, output, t)
+
+
 def test_vmapped_mosaic_quantiser_lowers_for_tpu():
     """A vmapped quantisation (a stack of layers' weights, as `freeze` quantises a
     stacked model) lowers for a TPU: one array after another, where Pallas's own
