@@ -94,6 +94,39 @@ def test_operand_is_the_reference(block, dtype, rounding, shape, rows, looped):
     assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
 
 
+@pytest.mark.parametrize(
+    "block,rounding,looped", [((16, 1), "nearest", True), ((16, 16), "stochastic", False)]
+)
+def test_tininess_branched_once_is_the_reference(block, rounding, looped):
+    """`branch_once=True` (`BRANCH_ONCE`: the group loop with no branch and the plain
+    product, a second loop for a tiny tensor): the reference's bits on float32 data and
+    on a tiny tensor (`s_dec < 2^-64`) whose subnormal elements count."""
+    x = data(400, 208)
+    finite = np.where(np.isfinite(x), x, 1.0).astype(F32)
+    tiny = (finite.astype(np.float64) * (1e-37 / float(np.abs(finite).max()))).astype(F32)
+    key = jax.random.key(5) if rounding == "stochastic" else None
+    seed = None if key is None else seed_words(key)
+    tile = dict(block=(16, 16)) if block == (16, 16) else {}
+    for v in (x, tiny):
+        v = jnp.asarray(v)
+        want_v, want_s = reference(v, rounding, key, axis=0, **tile)
+        got_v, got_s = _tpu_operand.operand(
+            v,
+            amax_of_bits(v),
+            seed,
+            block=block,
+            rounding=rounding,
+            interpret=not ON_TPU,
+            rows=256,
+            looped=looped,
+            branch_once=True,
+        )
+        assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
+        assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
+    subnormal = np.abs(tiny) < np.finfo(F32).tiny
+    assert np.any(subnormal & (np.asarray(want_v, F32) != 0))  # (they count)
+
+
 @pytest.mark.parametrize("rounding,looped", [("nearest", False), ("stochastic", True)])
 def test_operand_with_the_transform_is_the_transform_then_the_reference(rounding, looped):
     """`rht=True`: the transform's product in the kernel, then the quantiser, gives the
@@ -395,25 +428,28 @@ def test_vmapped_kernels_run_one_problem_at_a_time():
 
 
 @pytest.mark.parametrize(
-    "block,dtype,rounding,rht,looped",
+    "block,dtype,rounding,rht,looped,branch_once",
     [
-        ((16, 1), jnp.float32, "nearest", False, False),
-        ((16, 1), jnp.bfloat16, "stochastic", False, True),
-        ((16, 1), jnp.float32, "stochastic", True, False),
-        ((16, 1), jnp.float32, "nearest", True, True),
-        ((16, 1), jnp.float32, "stochastic", "scaled", True),
-        ((1, 16), jnp.float32, "nearest", False, True),
-        ((1, 16), jnp.bfloat16, "stochastic", False, False),
-        ((16, 16), jnp.float32, "stochastic", False, True),
+        ((16, 1), jnp.float32, "nearest", False, False, False),
+        ((16, 1), jnp.bfloat16, "stochastic", False, True, False),
+        ((16, 1), jnp.float32, "stochastic", True, False, False),
+        ((16, 1), jnp.float32, "nearest", True, True, False),
+        ((16, 1), jnp.float32, "stochastic", "scaled", True, False),
+        ((1, 16), jnp.float32, "nearest", False, True, False),
+        ((1, 16), jnp.bfloat16, "stochastic", False, False, False),
+        ((16, 16), jnp.float32, "stochastic", False, True, False),
+        ((16, 1), jnp.float32, "stochastic", True, True, True),
+        ((16, 16), jnp.bfloat16, "nearest", False, False, True),
     ],
 )
-def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped):
-    """Each kernel lowers for a TPU on an operand that overhangs tiles on both axes."""
+def test_the_kernels_lower_for_a_tpu(block, dtype, rounding, rht, looped, branch_once):
+    """Each kernel lowers for a TPU on an operand that overhangs tiles on both axes
+    (`branch_once`: with its two group loops)."""
     seed = jnp.zeros((2,), jnp.uint32) if rounding == "stochastic" else None
 
     def fn(x):
         amax = jnp.float32(1.0)
-        kw = dict(block=block, rounding=rounding, rht=rht, looped=looped)
+        kw = dict(block=block, rounding=rounding, rht=rht, looped=looped, branch_once=branch_once)
         if block == (16, 1) and not looped:  # (unrolled: fewer groups a tile, less to lower)
             kw["rows"] = 512
         out = _tpu_operand.operand(x, amax, seed, **kw)

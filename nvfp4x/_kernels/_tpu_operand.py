@@ -78,6 +78,12 @@ LOOPED = True
 #: on a TPU v5e (8192x8192 float32, nearest) 1.99 ms unrolled in 1024-row tiles, 2.87 ms
 #: looped in 2048-row tiles (`benchmarks/tpu_operand_check.py`, 2026-12-06).
 ACROSS_DEFAULTS = (1024, False)
+#: Whether the kernel branches on the tensor's tininess (`s_dec < 2^-64`) once a tile
+#: instead of in each group (`_tpu_quantize._block_steps`' scalar `lax.cond`): a group
+#: loop with no branch and the plain product `|x| * inv_b`, and one for a tiny tensor
+#: (looped), as `_tpu_quantize.Tiling.branch_once` does. Off until the chip times it in
+#: the training step (`bench_accel.py`'s train section, "tininess branched once a tile").
+BRANCH_ONCE = False
 
 
 def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) -> bool:
@@ -109,24 +115,31 @@ def _each_group(tr: int, looped: bool, one, carry):
 
 
 def _group(
-    rows: list[Array], index, refs, *, rounding: str, cols: int, tile: bool = False
+    rows: list[Array],
+    index,
+    refs,
+    *,
+    rounding: str,
+    cols: int,
+    tile: bool = False,
+    tiny: bool | None = None,
 ) -> list[Array]:
     """The values (float32) of the 8 x 128 blocks of one group: `rows[j]` element `j` of
     each block (`(8, 128)`), `index(j)` the caller's `(row, column)` of `rows[j]`'s
     elements (int32 arrays; stochastic rounding hashes them). With `tile`, each 16 lanes
     of a sublane are one 16x16 block (8 x 8 of them): the maxima of its 16 columns
-    reduced across the lanes (`_tpu_quantize._lane_group_max`, on one register)."""
+    reduced across the lanes (`_tpu_quantize._lane_group_max`, on one register). `tiny`:
+    whether the tensor is tiny, where the caller branched on it (`BRANCH_ONCE`)."""
     params_ref, seed_ref, table_ref = refs
     ab = [abs_bits(r) for r in rows]
     bmax = functools.reduce(jnp.maximum, ab)  # (NaN above inf)
     if tile:
         bmax = _lane_group_max(bmax)
-    scale_b, _, inv, inv_sub = _block_steps(bmax, params_ref, table_ref)
+    scale_b, _, inv, inv_sub = _block_steps(bmax, params_ref, table_ref, tiny)
     # (a NaN block's values are NaN whatever the magnitudes and signs: `x`'s sign)
     out = []
-    for j, (r, a) in enumerate(
-        zip(rows, magnitudes(ab, inv, inv_sub, lambda a: a), strict=True)
-    ):
+    mags = magnitudes(ab, inv, inv_sub, lambda a: a, plain=tiny is False)
+    for j, (r, a) in enumerate(zip(rows, mags, strict=True)):
         if rounding == "nearest":
             mag = _nearest(a)
         else:
@@ -150,9 +163,11 @@ def _kernel(
     cols,
     looped,
     tile=False,
+    branch_once=False,
 ):
     """One tile `rows x 128`, a group of 128 rows at a time (`_each_group`: unrolled, or
-    with `looped`, the default `LOOPED`, in a loop). 16x1 blocks: row `j` of the group's
+    with `looped`, the default `LOOPED`, in a loop; with `branch_once`, `BRANCH_ONCE`'s
+    two loops). 16x1 blocks: row `j` of the group's
     8 blocks of each lane one strided load; 16x16 blocks (`tile`) the same, the blocks'
     maxima then reduced across each 16 lanes. 1x16 blocks (`across`): the group's
     `128 x 128` square transposed into a scratch first (the XLU's work), so that its
@@ -167,7 +182,7 @@ def _kernel(
         src = scratch[1]
         src[...] = x_ref[...].astype(jnp.float32)
 
-    def one(base, carry):
+    def one(base, carry, tiny=None):
         group = pl.ds(base, GROUP_ROWS)
         if across:  # (rows of the square are the caller's columns, lanes its rows)
             square = scratch[1]
@@ -188,18 +203,31 @@ def _kernel(
             rows = scaled_butterflies(rows)
         elif rht:
             rows = butterflies(rows)
-        values = _group(rows, index, refs, rounding=rounding, cols=cols, tile=tile)
+        values = _group(rows, index, refs, rounding=rounding, cols=cols, tile=tile, tiny=tiny)
         for j, v in enumerate(values):
             dst[pl.ds(at + j, 8, stride=BLOCK), :] = v
         out = dst[pl.ds(at, GROUP_ROWS), :]
         o_ref[group, :] = (out.T if across else out).astype(o_ref.dtype)
         return carry
 
-    _each_group(tr, looped, one, 0)
+    if branch_once:
+        tiny_tensor = params_ref[3] != 0.0
+
+        @pl.when(tiny_tensor)
+        def _():  # (rare: looped, the least code)
+            _each_group(tr, True, functools.partial(one, tiny=True), 0)
+
+        @pl.when(jnp.logical_not(tiny_tensor))
+        def _():
+            _each_group(tr, looped, functools.partial(one, tiny=False), 0)
+
+    else:
+        _each_group(tr, looped, one, 0)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block", "rounding", "rht", "interpret", "rows", "looped")
+    jax.jit,
+    static_argnames=("block", "rounding", "rht", "interpret", "rows", "looped", "branch_once"),
 )
 def operand(
     x: Float[Array, "n m"],
@@ -213,6 +241,7 @@ def operand(
     rows: int | None = None,
     looped: bool | None = None,
     parameters: tuple[Array, Array, Array, Array] | None = None,
+    branch_once: bool | None = None,
 ) -> tuple[Array, Float[Array, ""]]:
     """The bfloat16 block values `e2m1 * scale_b` of `x` (`applies(x.shape, x.dtype,
     block)`) quantised in `block`s (16x1: 16 rows of a column; 1x16: 16 columns of a
@@ -229,7 +258,8 @@ def operand(
     rather than unrolled (`_kernel`); `None`: `ROWS` and `LOOPED` for 16x1 and 16x16
     blocks, `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
     already (`_tpu_quantize.kernel_parameters_many`'s: a `cond` whose branches run this
-    kernel in two ways makes them once), in place of `amax` (then `None`)."""
+    kernel in two ways makes them once), in place of `amax` (then `None`).
+    `branch_once`: `BRANCH_ONCE`'s choice for this call (`None`: `BRANCH_ONCE`)."""
     across, tile = tuple(block) == (1, BLOCK), tuple(block) == TILE
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
@@ -259,7 +289,10 @@ def operand(
     if parameters is not None and amax is not None:
         raise ValueError("`operand` takes `amax` or `parameters`, not both.")
     kw = dict(across=across, tile=tile, rounding=rounding, rht=rht, rows=rows, looped=looped)
-    call = functools.partial(_operand, block=tuple(block), interpret=interpret, **kw)
+    branch_once = BRANCH_ONCE if branch_once is None else branch_once
+    call = functools.partial(
+        _operand, block=tuple(block), interpret=interpret, branch_once=branch_once, **kw
+    )
     # vmapped (grouped or stacked problems): one array after another, as the quantiser
     if parameters is None:
         return each_problem(call, x, amax, seed)
@@ -267,7 +300,20 @@ def operand(
 
 
 def _operand(
-    x, amax, seed, *, block, across, tile, rounding, rht, interpret, rows, looped, parameters=None
+    x,
+    amax,
+    seed,
+    *,
+    block,
+    across,
+    tile,
+    rounding,
+    rht,
+    interpret,
+    rows,
+    looped,
+    branch_once=False,
+    parameters=None,
 ):
     """`operand` of one 2-D `x`, its arguments checked."""
     n, m = x.shape
@@ -289,7 +335,7 @@ def _operand(
         if x.dtype != jnp.float32:
             scratch.append(pltpu.VMEM((tr, LANES), jnp.float32))
     kw = dict(across=across, tile=tile, rounding=rounding, rht=rht, cols=m, looped=looped)
-    kernel = functools.partial(_kernel, **kw)
+    kernel = functools.partial(_kernel, branch_once=branch_once, **kw)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.bfloat16),
