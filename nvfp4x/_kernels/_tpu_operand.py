@@ -51,6 +51,7 @@ from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, abs_bits, from_bits
 from ._batching import each_problem, fusible
 from ._tpu_quantize import (
+    BRANCH_ONCE as _tpu_quantize_branch_once,
     _block_steps,
     _lane_group_max,
     _nearest,
@@ -82,8 +83,9 @@ ACROSS_DEFAULTS = (1024, False)
 #: instead of in each group (`_tpu_quantize._block_steps`' scalar `lax.cond`): a group
 #: loop with no branch and the plain product `|x| * inv_b`, and one for a tiny tensor
 #: (looped), as `_tpu_quantize.Tiling.branch_once` does. Off until the chip times it in
-#: the training step (`bench_accel.py`'s train section, "tininess branched once a tile").
-BRANCH_ONCE = False
+#: the training step (`bench_accel.py`'s train section, "tininess branched once a tile");
+#: `NVFP4X_TPU_BRANCH_ONCE=1` turns it on (`_tpu_quantize.BRANCH_ONCE`).
+BRANCH_ONCE = _tpu_quantize_branch_once
 
 
 def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) -> bool:

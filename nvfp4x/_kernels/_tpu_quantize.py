@@ -69,6 +69,7 @@ the GEMMs call `rht_stats`). On a TPU v5e (2026-12-07, `benchmarks/tpu_read_chec
 """
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -146,6 +147,12 @@ class Tiling(NamedTuple):
     unroll: int = 1
 
 
+#: Whether both TPU quantisers branch on the tensor's tininess once a tile
+#: (`Tiling.branch_once` in every `TILINGS` entry, `_tpu_operand.BRANCH_ONCE`): off until
+#: the chip has compiled and timed it in the training step; the environment variable
+#: `NVFP4X_TPU_BRANCH_ONCE=1` turns it on from the start (to run the tests with it there).
+BRANCH_ONCE = os.environ.get("NVFP4X_TPU_BRANCH_ONCE", "0") == "1"
+
 #: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
 #: table to edit after a sweep on a TPU (`benchmarks/tpu_quantize_check.py --sweep`).
 TILINGS: dict[tuple[Block, str], Tiling] = {
@@ -154,12 +161,13 @@ TILINGS: dict[tuple[Block, str], Tiling] = {
     # tilings`) each kernel compiled in 0.8-1.2 s and lowered in ~0.6 s, against 1.4-3.4 s
     # and 2.0-2.4 s for the 4-chunk-wide tiles of the sweep before, at 0.99-1.08x their
     # time (16x16 float32: 0.90x).
-    (ROW_BLOCK, "float32"): Tiling(2048, 512, 512),
-    (ROW_BLOCK, "bfloat16"): Tiling(2048, 512, 512),
-    (TILE, "float32"): Tiling(2048, 512, 512),
-    (TILE, "bfloat16"): Tiling(2048, 512, 512),
-    ((BLOCK, 1), "float32"): Tiling(),
-    ((BLOCK, 1), "bfloat16"): Tiling(1024, 1024, 256),  # 4.24 ms (2026-12-05)
+    (ROW_BLOCK, "float32"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
+    (ROW_BLOCK, "bfloat16"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
+    (TILE, "float32"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
+    (TILE, "bfloat16"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
+    ((BLOCK, 1), "float32"): Tiling(branch_once=BRANCH_ONCE),
+    # 4.24 ms (2026-12-05)
+    ((BLOCK, 1), "bfloat16"): Tiling(1024, 1024, 256, branch_once=BRANCH_ONCE),
 }
 
 #: The tilings a sweep on a TPU tries (each lowers for TPU in `tests/test_tpu_kernels.py`).
