@@ -3,7 +3,7 @@ chunks as `_tpu_quantize.tiled`'s, with one piece of its work at a time.
 
 ```
 python benchmarks/tpu_lane_check.py --out PATH [--repeats N] [--size N] [--tiled]
-python benchmarks/tpu_lane_check.py --smoke     # small, interpreted, on a CPU
+python benchmarks/tpu_lane_check.py --smoke     # small, interpreted, on a CPU (1x16 only)
 ```
 
 Each case maps an `N x N` float32 array to bfloat16 in tiles of 2048 x 512, chunks of
@@ -30,9 +30,10 @@ understood yet); the library's cases gave the times of the step's profile.
   only, their bits compared with the library's): `no conds` (the scalar `lax.cond` on
   the tensor's tininess in each chunk's `_block_steps` replaced by its usual branch, and
   the magnitudes the plain product: what a chunk costs without a branch), `no block
-  cond` (the first alone), `magnitudes by a cond` (the magnitudes before the
-  twenty-fifth session: the plain product in a `lax.cond`), `unroll 2` (two chunks an
-  iteration of the loop down a tile's rows).
+  cond` (the first alone), `unroll 2` (two chunks an iteration of the loop down a
+  tile's rows). (The magnitudes before the twenty-fifth session, the plain product in
+  a `lax.cond` of their own, were a patch too while they were compared on the chip:
+  `benchmarks/results/tpu_v5e.md`, tree def0d12.)
 """
 
 import contextlib
@@ -55,39 +56,17 @@ CALLS = 10
 _FORI = jax.lax.fori_loop  # (the timing loop's, not patched)
 
 
-def _normal_steps(bamax_bits, params_ref, table_ref):
-    """`_tpu_quantize._block_steps` with its `normal` branch only."""
-    from nvfp4x._kernels import _exact
-    from nvfp4x._numerics._constants import FLT_MAX
-    from nvfp4x._numerics._ieee import ldexp_normal, scale_down_149
-
-    scale_b, bits = _exact.block_scale(from_bits(bamax_bits), params_ref[0], params_ref[1])
-    sb = jax.lax.bitcast_convert_type(scale_b, jnp.int32)
-    k, e = (sb >> 20) & 7, (sb >> 23) - 127
-    table = [params_ref[4 + i] for i in range(8)]
-    inv = ldexp_normal(_tpu_quantize._lookup(k, table), -e)
-    inv = jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
-    return scale_b, bits, inv, scale_down_149(inv)
+_BLOCK_STEPS, _MAGNITUDES = _tpu_quantize._block_steps, _tpu_quantize.magnitudes
 
 
-def _plain_magnitudes(ab, inv, inv_sub, params_ref, expand):
+def _normal_steps(bamax_bits, params_ref, table_ref, tiny_tensor=None):
+    """`_tpu_quantize._block_steps` with its `normal` branch only (no `lax.cond`)."""
+    return _BLOCK_STEPS(bamax_bits, params_ref, table_ref, False)
+
+
+def _plain_magnitudes(ab, inv, inv_sub, expand, *, plain=False):
     """The plain product `|x| * inv_b` (exact outside tiny tensors)."""
-    inv_e = expand(inv)
-    return [from_bits(b) * inv_e for b in ab]
-
-
-def _magnitudes_by_cond(ab, inv, inv_sub, params_ref, expand):
-    """`_tpu_quantize.magnitudes` before the twenty-fifth session: the plain product
-    unless the tensor is tiny, in a scalar `lax.cond` in each chunk."""
-
-    def exact(ab):
-        inv_e, inv_sub_e = expand(inv), expand(inv_sub)
-        return [_tpu_quantize.exact_magnitude(b, inv_e, inv_sub_e) for b in ab]
-
-    plain = functools.partial(
-        _plain_magnitudes, inv=inv, inv_sub=inv_sub, params_ref=None, expand=expand
-    )
-    return jax.lax.cond(params_ref[3] == 0.0, plain, exact, ab)
+    return _MAGNITUDES(ab, inv, inv_sub, expand, plain=True)
 
 
 def _unrolled(lower, upper, body, init, **kw):
@@ -101,7 +80,6 @@ PATCHES = {
         (_tpu_quantize, "magnitudes", _plain_magnitudes),
     ],
     "no block cond": [(_tpu_quantize, "_block_steps", _normal_steps)],
-    "magnitudes by a cond": [(_tpu_quantize, "magnitudes", _magnitudes_by_cond)],
     "unroll 2": [(jax.lax, "fori_loop", _unrolled)],
 }
 
@@ -166,8 +144,8 @@ def sublane_max(x):
     return (t * from_bits(_tpu_quantize._expand(bmax))).T
 
 
-def repeated(fn):
-    """`fn(x)` `CALLS` times in one jitted loop (each call's input passes an
+def repeated(fn, calls: int = CALLS):
+    """`fn(x)` `calls` times in one jitted loop (each call's input passes an
     optimisation barrier with the loop counter, so that XLA hoists or shares no call:
     with a select on the counter instead, it hoisted the first run's kernels)."""
 
@@ -176,7 +154,7 @@ def repeated(fn):
             xi, _ = jax.lax.optimization_barrier((x, i))  # (no copy: XLA cannot see through)
             return acc + fn(xi)[0, 0].astype(jnp.float32)
 
-        return _FORI(0, CALLS, body, jnp.float32(0))
+        return _FORI(0, calls, body, jnp.float32(0))
 
     return jax.jit(run)
 
@@ -184,7 +162,7 @@ def repeated(fn):
 def main(argv: list[str] | None = None) -> int:
     tiled_only = "--tiled" in (argv := list(sys.argv[1:] if argv is None else argv))
     a, n, interpret, report, bw = square_check(
-        __doc__, [v for v in argv if v != "--tiled"], smoke_n=512
+        __doc__, [v for v in argv if v != "--tiled"], smoke_n=256
     )
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     amax = jnp.max(jnp.abs(x))
@@ -203,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = {"copy": cases["copy"]}
     tiled = _tpu_quantize.tiled.__wrapped__  # (traced anew in each case: its patches)
     variants = {}  # case: (its patch, the library's case it is compared with)
-    for block in ((1, 16), (16, 1), (16, 16)):
-        for rounding in ("nearest", "stochastic"):
+    # (interpreted, `--smoke`: one kernel and its patches, to check that the script runs)
+    for block in ((1, 16),) if interpret else ((1, 16), (16, 1), (16, 16)):
+        for rounding in ("nearest",) if interpret else ("nearest", "stochastic"):
             if block == (16, 16) and rounding == "stochastic":
                 continue
             sd = seed if rounding == "stochastic" else None
@@ -236,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = same_bits(cases["copy"](x), x.astype(jnp.bfloat16))
     for k in set(cases) & {"transpose, cast, transpose back", "transpose f32 there and back"}:
         ok &= same_bits(cases[k](x), x.astype(jnp.bfloat16))
-    fns = {}
+    fns, calls = {}, 1 if interpret else CALLS  # (interpreted: each call is slow)
     for k, f in cases.items():
         patch, base = variants.get(k, (None, None))
         with patched(patch):
-            fns[k] = repeated(f)
+            fns[k] = repeated(f, calls)
             jax.block_until_ready(fns[k](x))
             if base is not None:
                 same = same_bits(jax.jit(lambda x, f=f: f(x))(x), jax.jit(cases[base])(x))
@@ -248,11 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not same:
                     report.line(f"{k}: NOT the bits of {base}")
     times = timed({k: functools.partial(f, x) for k, f in fns.items()}, a.repeats)
-    copy = times["copy"] / CALLS
+    copy = times["copy"] / calls
     for k, t in times.items():
-        t /= CALLS
+        t /= calls
         report.line(f"| {k} | {t * 1e3:.3f} | {t / floor:.2f}x | {t / copy:.2f}x |")
-    report.line(f"\nthe cast cases are the cast's bits: {ok}")
+    report.line(f"\nthe copy's and the patched kernels' bits as they should be: {ok}")
     return 0 if ok else 1
 
 

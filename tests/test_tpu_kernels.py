@@ -299,6 +299,17 @@ def test_tpu_quantize_check_smoke(tmp_path):
     assert len(rows) == 3 and all("| True |" in r for r in rows), rows
 
 
+def test_tpu_lane_check_smoke(tmp_path):
+    """The lane check runs (interpreted here: the 1x16 kernel and its patched forms,
+    whose bits it compares with the library's) and writes its table."""
+    from benchmarks import tpu_lane_check
+
+    out = tmp_path / "lane.md"
+    assert tpu_lane_check.main(["--smoke", "--tiled", "--repeats", "1", "--out", str(out)]) == 0
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| tiled 1x16 nearest")]
+    assert len(rows) == 1 + len(tpu_lane_check.PATCHES), rows
+
+
 def _kernel_dot_precisions(jaxpr) -> list:
     """The `precision` of every `dot_general` inside the Pallas calls of `jaxpr`."""
     found = []
