@@ -132,7 +132,8 @@ class Tiling(NamedTuple):
     the plain product `|x| * inv_b`, and a second loop for a tiny tensor in chunks of
     128 columns (more code for Mosaic to compile). On a TPU v5e (2026-12-08,
     `benchmarks/tpu_lane_check.py --tiled`, 8192x8192 float32) a chunk loop without
-    the branches took 0.89-0.91x the time (1x16 to the nearest and SR, 16x16); not yet
+    the branches took 0.85-0.91x the time in two runs (1x16 to the nearest and SR,
+    16x16); not yet
     timed in the training step nor compiled as this loop pair.
     `unroll`: the chunk loop's iterations unrolled by that many (Mosaic schedules two
     chunks together): on the same run, 0.91x the time for 1x16 blocks (both roundings)
