@@ -133,7 +133,10 @@ class Tiling(NamedTuple):
     128 columns (more code for Mosaic to compile). On a TPU v5e (2026-12-08,
     `benchmarks/tpu_lane_check.py --tiled`, 8192x8192 float32) a chunk loop without
     the branches took 0.85-0.91x the time in two runs (1x16 to the nearest and SR,
-    16x16); not yet
+    16x16). The cost is code: each loop holds its own copy of the element steps, and the
+    2-block training step's lowering for a TPU took 11.4 s against 7.1 s on a 2-core
+    CPU with it on in both kernels (`tpu_compile_check.py --only lowering`,
+    `NVFP4X_TPU_BRANCH_ONCE=1`); not yet
     timed in the training step nor compiled as this loop pair.
     `unroll`: the chunk loop's iterations unrolled by that many (Mosaic schedules two
     chunks together): on the same run, 0.91x the time for 1x16 blocks (both roundings)
