@@ -134,9 +134,9 @@ class Tiling(NamedTuple):
     `benchmarks/tpu_lane_check.py --tiled`, 8192x8192 float32) a chunk loop without
     the branches took 0.85-0.91x the time in two runs (1x16 to the nearest and SR,
     16x16). The cost is code: each loop holds its own copy of the element steps, and the
-    2-block training step's lowering for a TPU took 11.4 s against 7.1 s on a 2-core
-    CPU with it on in both kernels (`tpu_compile_check.py --only lowering`,
-    `NVFP4X_TPU_BRANCH_ONCE=1`); not yet
+    2-block training step's lowering for a TPU took 4.5 s against 2.8 s on a 2-core
+    CPU with it on in both kernels (11.4 against 7.1 s under `tpu_compile_check.py
+    --only lowering`'s profiler, `NVFP4X_TPU_BRANCH_ONCE=1`); not yet
     timed in the training step nor compiled as this loop pair.
     `unroll`: the chunk loop's iterations unrolled by that many (Mosaic schedules two
     chunks together): on the same run, 0.91x the time for 1x16 blocks (both roundings)
