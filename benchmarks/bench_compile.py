@@ -197,16 +197,14 @@ def tilings_with(blocks=None, **changes) -> Iterator[None]:
 
 @contextlib.contextmanager
 def branched_once(unroll_1x16: int = 1) -> Iterator[None]:
-    """The tensor's tininess branched on once a tile by both TPU quantisers (every
-    tiling with `branch_once`, and `_tpu_operand.BRANCH_ONCE`), and the 1x16 tilings'
-    chunk loops unrolled by `unroll_1x16` (on a TPU v5e, 2026-12-08, unrolling slowed
-    16x16 blocks)."""
-    from nvfp4x._kernels import _tpu_operand
+    """The tensor's tininess branched on once a tile by both TPU quantisers
+    (`_tpu_quantize.BRANCH_ONCE`), and the 1x16 tilings' chunk loops unrolled by
+    `unroll_1x16` (on a TPU v5e, 2026-12-08, unrolling slowed 16x16 blocks)."""
+    from nvfp4x._kernels import _tpu_quantize
 
     with (
-        tilings_with(branch_once=True),
+        set_to(_tpu_quantize, "BRANCH_ONCE", True),
         tilings_with(blocks=((1, 16),), unroll=unroll_1x16),
-        set_to(_tpu_operand, "BRANCH_ONCE", True),
     ):
         yield
 

@@ -49,9 +49,9 @@ from jaxtyping import Array, Float
 from .._numerics._constants import BLOCK, TILE
 from .._numerics._hadamard import special_columns
 from .._numerics._ieee import INF_BITS, abs_bits, from_bits
+from . import _tpu_quantize
 from ._batching import each_problem, fusible
 from ._tpu_quantize import (
-    BRANCH_ONCE as _tpu_quantize_branch_once,
     _block_steps,
     _lane_group_max,
     _nearest,
@@ -60,6 +60,7 @@ from ._tpu_quantize import (
     _uniform,
     kernel_parameters,
     magnitudes,
+    once_a_tile,
 )
 from ._tpu_rht import _INTERPRETERS, butterflies, scaled_butterflies
 
@@ -79,13 +80,6 @@ LOOPED = True
 #: on a TPU v5e (8192x8192 float32, nearest) 1.99 ms unrolled in 1024-row tiles, 2.87 ms
 #: looped in 2048-row tiles (`benchmarks/tpu_operand_check.py`, 2026-12-06).
 ACROSS_DEFAULTS = (1024, False)
-#: Whether the kernel branches on the tensor's tininess (`s_dec < 2^-64`) once a tile
-#: instead of in each group (`_tpu_quantize._block_steps`' scalar `lax.cond`): a group
-#: loop with no branch and the plain product `|x| * inv_b`, and one for a tiny tensor
-#: (looped), as `_tpu_quantize.Tiling.branch_once` does. Off until the chip times it in
-#: the training step (`bench_accel.py`'s train section, "tininess branched once a tile");
-#: `NVFP4X_TPU_BRANCH_ONCE=1` turns it on (`_tpu_quantize.BRANCH_ONCE`).
-BRANCH_ONCE = _tpu_quantize_branch_once
 
 
 def applies(shape: tuple[int, ...], dtype, block: tuple[int, int] = (BLOCK, 1)) -> bool:
@@ -131,7 +125,7 @@ def _group(
     elements (int32 arrays; stochastic rounding hashes them). With `tile`, each 16 lanes
     of a sublane are one 16x16 block (8 x 8 of them): the maxima of its 16 columns
     reduced across the lanes (`_tpu_quantize._lane_group_max`, on one register). `tiny`:
-    whether the tensor is tiny, where the caller branched on it (`BRANCH_ONCE`)."""
+    whether the tensor is tiny, where the caller branched on it (`branch_once`)."""
     params_ref, seed_ref, table_ref = refs
     ab = [abs_bits(r) for r in rows]
     bmax = functools.reduce(jnp.maximum, ab)  # (NaN above inf)
@@ -168,8 +162,10 @@ def _kernel(
     branch_once=False,
 ):
     """One tile `rows x 128`, a group of 128 rows at a time (`_each_group`: unrolled, or
-    with `looped`, the default `LOOPED`, in a loop; with `branch_once`, `BRANCH_ONCE`'s
-    two loops). 16x1 blocks: row `j` of the group's
+    with `looped`, the default `LOOPED`, in a loop; with `branch_once`, two loops, the
+    tensor's tininess branched on once a tile, `_tpu_quantize.once_a_tile`: a group loop
+    with no branch and the plain product `|x| * inv_b`, and a looped one for a tiny
+    tensor). 16x1 blocks: row `j` of the group's
     8 blocks of each lane one strided load; 16x16 blocks (`tile`) the same, the blocks'
     maxima then reduced across each 16 lanes. 1x16 blocks (`across`): the group's
     `128 x 128` square transposed into a scratch first (the XLU's work), so that its
@@ -212,17 +208,11 @@ def _kernel(
         o_ref[group, :] = (out.T if across else out).astype(o_ref.dtype)
         return carry
 
-    if branch_once:
-        tiny_tensor = params_ref[3] != 0.0
-
-        @pl.when(tiny_tensor)
-        def _():  # (rare: looped, the least code)
-            _each_group(tr, True, functools.partial(one, tiny=True), 0)
-
-        @pl.when(jnp.logical_not(tiny_tensor))
-        def _():
-            _each_group(tr, looped, functools.partial(one, tiny=False), 0)
-
+    if branch_once:  # (a tiny tensor's groups looped: the least code)
+        once_a_tile(
+            params_ref,
+            lambda tiny: _each_group(tr, tiny or looped, functools.partial(one, tiny=tiny), 0),
+        )
     else:
         _each_group(tr, looped, one, 0)
 
@@ -261,7 +251,8 @@ def operand(
     blocks, `ACROSS_DEFAULTS` for 1x16. `parameters`: what the kernel reads from SMEM, made
     already (`_tpu_quantize.kernel_parameters_many`'s: a `cond` whose branches run this
     kernel in two ways makes them once), in place of `amax` (then `None`).
-    `branch_once`: `BRANCH_ONCE`'s choice for this call (`None`: `BRANCH_ONCE`)."""
+    `branch_once`: the tensor's tininess branched on once a tile (`_kernel`; `None`:
+    `_tpu_quantize.BRANCH_ONCE`)."""
     across, tile = tuple(block) == (1, BLOCK), tuple(block) == TILE
     default_rows, default_looped = ACROSS_DEFAULTS if across else (ROWS, LOOPED)
     rows = default_rows if rows is None else rows
@@ -291,7 +282,7 @@ def operand(
     if parameters is not None and amax is not None:
         raise ValueError("`operand` takes `amax` or `parameters`, not both.")
     kw = dict(across=across, tile=tile, rounding=rounding, rht=rht, rows=rows, looped=looped)
-    branch_once = BRANCH_ONCE if branch_once is None else branch_once
+    branch_once = _tpu_quantize.BRANCH_ONCE if branch_once is None else branch_once
     call = functools.partial(
         _operand, block=tuple(block), interpret=interpret, branch_once=branch_once, **kw
     )

@@ -120,12 +120,11 @@ class Tiling(NamedTuple):
     chunk's code for Mosaic to compile) instead of the chunks along a row unrolled.
     `arithmetic`: the block values (`output="values"` or `"dequantized"`) rounded by
     float arithmetic (`_nearest`, `_stochastic`: the E2M1 value itself, as
-    `_tpu_operand`'s kernel does, and `magnitudes`' plain product where no subnormal
-    can count) instead of codes by comparisons, then decoded; the same bits (the codes
-    output takes the comparisons either way). On a TPU v5e (2026-12-07, 8192x8192,
-    `benchmarks/tpu_quantize_check.py --values-sweep`) the arithmetic took 0.89x the
-    comparisons' time for 1x16 blocks (float32 and bfloat16, both roundings) and 0.95x
-    for 16x16 (2048x8192).
+    `_tpu_operand`'s kernel does) instead of codes by comparisons, then decoded; the
+    same bits (the codes output takes the comparisons either way). On a TPU v5e
+    (2026-12-07, 8192x8192, `benchmarks/tpu_quantize_check.py --values-sweep`) the
+    arithmetic took 0.89x the comparisons' time for 1x16 blocks (float32 and bfloat16,
+    both roundings) and 0.95x for 16x16 (2048x8192).
     `branch_once` (with `arithmetic`, for the block values): the tensor's tininess
     (`s_dec < 2^-64`) branched on once a tile, not in each chunk (`_block_steps`' and, in
     a tiny tensor, `magnitudes`' exact steps): the usual chunk loop with no branch and
@@ -151,10 +150,12 @@ class Tiling(NamedTuple):
     unroll: int = 1
 
 
-#: Whether both TPU quantisers branch on the tensor's tininess once a tile
-#: (`Tiling.branch_once` in every `TILINGS` entry, `_tpu_operand.BRANCH_ONCE`): off until
-#: the chip has compiled and timed it in the training step; the environment variable
-#: `NVFP4X_TPU_BRANCH_ONCE=1` turns it on from the start (to run the tests with it there).
+#: Whether both TPU quantisers branch on the tensor's tininess once a tile (`once_a_tile`:
+#: `tiling_for`'s tilings with `Tiling.branch_once`, and `_tpu_operand.operand`'s default)
+#: rather than in each chunk: off until the chip has compiled and timed it in the training
+#: step; the environment variable `NVFP4X_TPU_BRANCH_ONCE=1` turns it on from the start
+#: (to run the tests with it there). Read when a kernel is traced (clear JAX's caches
+#: after changing it).
 BRANCH_ONCE = os.environ.get("NVFP4X_TPU_BRANCH_ONCE", "0") == "1"
 
 #: The tiling of each case, by `(block, input dtype name)` (others: `Tiling()`): the one
@@ -165,13 +166,12 @@ TILINGS: dict[tuple[Block, str], Tiling] = {
     # tilings`) each kernel compiled in 0.8-1.2 s and lowered in ~0.6 s, against 1.4-3.4 s
     # and 2.0-2.4 s for the 4-chunk-wide tiles of the sweep before, at 0.99-1.08x their
     # time (16x16 float32: 0.90x).
-    (ROW_BLOCK, "float32"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
-    (ROW_BLOCK, "bfloat16"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
-    (TILE, "float32"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
-    (TILE, "bfloat16"): Tiling(2048, 512, 512, branch_once=BRANCH_ONCE),
-    ((BLOCK, 1), "float32"): Tiling(branch_once=BRANCH_ONCE),
-    # 4.24 ms (2026-12-05)
-    ((BLOCK, 1), "bfloat16"): Tiling(1024, 1024, 256, branch_once=BRANCH_ONCE),
+    (ROW_BLOCK, "float32"): Tiling(2048, 512, 512),
+    (ROW_BLOCK, "bfloat16"): Tiling(2048, 512, 512),
+    (TILE, "float32"): Tiling(2048, 512, 512),
+    (TILE, "bfloat16"): Tiling(2048, 512, 512),
+    ((BLOCK, 1), "float32"): Tiling(),
+    ((BLOCK, 1), "bfloat16"): Tiling(1024, 1024, 256),  # 4.24 ms (2026-12-05)
 }
 
 #: The tilings a sweep on a TPU tries (each lowers for TPU in `tests/test_tpu_kernels.py`).
@@ -189,8 +189,10 @@ CANDIDATES: tuple[Tiling, ...] = (
 
 
 def tiling_for(block: Block, dtype) -> Tiling:
-    """The `TILINGS` entry for `block` and an input of `dtype`."""
-    return TILINGS.get((block, jnp.dtype(dtype).name), Tiling())
+    """The `TILINGS` entry for `block` and an input of `dtype` (with `branch_once` where
+    `BRANCH_ONCE` is on)."""
+    tiling = TILINGS.get((block, jnp.dtype(dtype).name), Tiling())
+    return tiling._replace(branch_once=True) if BRANCH_ONCE else tiling
 
 
 def _round_up(n: int, m: int) -> int:
@@ -298,11 +300,33 @@ def _lookup(index: Array, table) -> Array:
     return level[0]
 
 
+def is_tiny(params_ref) -> Array:
+    """Whether the tensor is tiny (`s_dec < 2^-64`: products may be subnormal), from the
+    kernel parameters `kernel_parameters` made (a scalar bool)."""
+    return params_ref[3] != 0.0
+
+
+def once_a_tile(params_ref, run) -> None:
+    """`run(tiny)` with `tiny` the tensor's tininess (`is_tiny`) as a Python bool: one
+    branch a tile (`Tiling.branch_once`, `BRANCH_ONCE`) instead of a scalar `lax.cond`
+    in each chunk, so that the usual loop has no branch; the rare tiny loop is its own
+    code."""
+    tiny = is_tiny(params_ref)
+
+    @pl.when(tiny)
+    def _():
+        run(True)
+
+    @pl.when(jnp.logical_not(tiny))
+    def _():
+        run(False)
+
+
 def _block_steps(bamax_bits: Array, params_ref, table_ref, tiny_tensor: bool | None = None):
     """The per-block steps on the block maxima' bits: `(scale_b, bits, inv_b, inv_sub)`,
     the reference's `_block_scales_exact` (see the module docstring for the inverse).
-    `tiny_tensor`: whether the tensor is tiny (`params_ref[3]`), where the caller knows it
-    (`Tiling.branch_once`); `None` branches here (a scalar `lax.cond`)."""
+    `tiny_tensor`: whether the tensor is tiny, where the caller knows it (`once_a_tile`);
+    `None` branches here (a scalar `lax.cond` on `is_tiny`)."""
     c, c_sub = params_ref[0], params_ref[1]
     scale_b, bits = _exact.block_scale(from_bits(bamax_bits), c, c_sub)
 
@@ -316,7 +340,7 @@ def _block_steps(bamax_bits: Array, params_ref, table_ref, tiny_tensor: bool | N
         return jnp.where(bits == 0, FLT_MAX, jnp.where(bits == 0x7F, jnp.nan, inv))
 
     if tiny_tensor is None:
-        inv = jax.lax.cond(params_ref[3] != 0.0, tiny, normal, scale_b, bits)
+        inv = jax.lax.cond(is_tiny(params_ref), tiny, normal, scale_b, bits)
     else:
         inv = (tiny if tiny_tensor else normal)(scale_b, bits)
     return scale_b, bits, inv, scale_down_149(inv)
@@ -507,7 +531,7 @@ def _dequantized(q: Array, output: str, params_ref, tiny: bool | None = None) ->
 
     if tiny is not None:
         return (exact if tiny else plain)(q)
-    return jax.lax.cond(params_ref[3] != 0.0, exact, plain, q)
+    return jax.lax.cond(is_tiny(params_ref), exact, plain, q)
 
 
 def _kernel(
@@ -615,12 +639,14 @@ def _kernel(
             jax.lax.fori_loop(0, tr // CHUNK_ROWS, body, 0, unroll=unroll)
 
     if branch_once and arithmetic and output != "codes":
-        # The tensor's tininess once a tile: the usual loop with no branch in it, and for
-        # a tiny tensor (rare) one of the exact steps in chunks of 128 columns (a quarter
-        # of the code of 512-wide chunks for Mosaic to compile).
-        tiny_tensor = params_ref[3] != 0.0
-        pl.when(tiny_tensor)(lambda: chunks(LANES, True, True, 1))
-        pl.when(jnp.logical_not(tiny_tensor))(lambda: chunks(chunk, looped, False, unroll))
+        # (a tiny tensor's loop in chunks of 128 columns: a quarter of the code of 512-wide
+        # chunks for Mosaic to compile)
+        once_a_tile(
+            params_ref,
+            lambda tiny: (
+                chunks(LANES, True, True, 1) if tiny else chunks(chunk, looped, False, unroll)
+            ),
+        )
     else:
         chunks(chunk, looped, None, unroll)
     if output == "codes":
