@@ -52,6 +52,26 @@ def edge_array(dtype, rows: int = 37, cols: int = 100) -> jax.Array:
     return jnp.asarray(x).astype(dtype)
 
 
+def scaled(x, scale):
+    """`x` with non-finite values replaced by 1, times `scale` (a tiny tensor), in NumPy:
+    XLA:CPU's product would flush subnormal results (and a subnormal `scale`) to zero."""
+    finite = np.where(np.isfinite(np.asarray(x, np.float32)), np.asarray(x, np.float32), 1.0)
+    out = jnp.asarray(finite.astype(np.float32) * np.float32(scale)).astype(x.dtype)
+    assert np.count_nonzero(np.asarray(out, np.float32)), "scaled to all zeros"
+    return out
+
+
+def tiny_like(x, amax: float = 1e-37):
+    """`x` with non-finite values replaced by 1, scaled so that its largest magnitude is
+    `amax` (a tiny tensor: `s_dec < 2^-64`, its small elements subnormal), in float64
+    rounded once to float32 (the scale may be below float32's range)."""
+    v = np.asarray(x, np.float32)
+    finite = np.where(np.isfinite(v), v, 1.0).astype(np.float64)
+    out = (finite * (amax / np.abs(finite).max())).astype(np.float32)
+    assert np.count_nonzero(out), "scaled to all zeros"
+    return jnp.asarray(out).astype(x.dtype)
+
+
 def same_nvfp4(a: nvfp4x.NVFP4Array, b: nvfp4x.NVFP4Array) -> None:
     np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
     np.testing.assert_array_equal(np.asarray(a.scale_bits), np.asarray(b.scale_bits))
@@ -118,12 +138,9 @@ def test_pallas_to_nvfp4_equals_reference(dtype):
     ids=["subnormal_amax", "tiny_tensor"],
 )
 def test_pallas_to_nvfp4_tiny_tensors(scale):
-    x = np.asarray(edge_array(jnp.float32, rows=7, cols=48))
-    # made in NumPy: XLA:CPU's product would flush the parts below 2^-126 (80% of the
-    # `1e-42` tensor) to zeros
-    tiny = jnp.asarray(np.where(np.isfinite(x), x, 1.0).astype(np.float32) * np.float32(scale))
-    assert np.count_nonzero(np.asarray(tiny))
-    check_kernel(tiny)
+    # (`scaled`: XLA:CPU's product would flush the parts below 2^-126, 80% of the `1e-42`
+    # tensor, to zeros)
+    check_kernel(scaled(edge_array(jnp.float32, rows=7, cols=48), scale))
 
 
 @pytest.mark.parametrize(

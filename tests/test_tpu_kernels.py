@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import edge_array, on_cpu, same_floats, same_nvfp4
+from test_kernels import edge_array, on_cpu, same_floats, same_nvfp4, scaled, tiny_like
 
 import nvfp4x
 from benchmarks.tpu_quantize_check import lowers_for_tpu, main
@@ -37,15 +37,6 @@ def traced_with(impl: str, fn, *args):
         traced = jax.jit(fn).trace(*(on_cpu(args) if impl == "xla" else args))
     assert ("pallas_call" in str(traced.jaxpr)) == (impl == "mosaic"), impl
     return traced.lower().compile()
-
-
-def scaled(x, scale):
-    """`x` with non-finite values replaced by 1, times `scale` (a tiny tensor), in NumPy:
-    XLA:CPU's product would flush subnormal results (and a subnormal `scale`) to zero."""
-    finite = np.where(np.isfinite(np.asarray(x, np.float32)), np.asarray(x, np.float32), 1.0)
-    out = jnp.asarray(finite.astype(np.float32) * np.float32(scale)).astype(x.dtype)
-    assert np.count_nonzero(np.asarray(out, np.float32)), "scaled to all zeros"
-    return out
 
 
 def test_mosaic_to_nvfp4_equals_reference():
@@ -88,7 +79,7 @@ def test_mosaic_fake_quantize_equals_reference(dtype):
     want, got = traced_with("xla", fq(), x, key), traced_with("mosaic", fq(), x, key)
     # (a subnormal decode scale, amax 1e-37: the kernel flushed its values on a TPU
     # v5e, so `fake_quantize` takes the XLA path there)
-    tiny = scaled(x, 1e-37 / float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))))
+    tiny = tiny_like(x)
     for data in (x, x * 1e-33, tiny):
         expected = want(*on_cpu((as_the_device_reads(data), key)))
         assert np.any(np.signbit(expected) & (expected == 0))  # -0.0 among them
@@ -126,7 +117,7 @@ def test_mosaic_values_both_ways_equal_reference():
     the interpreter, would flush them)."""
     fmt = Format("nvfp4", block=(1, 16), rounding="nearest")
     x = edge_array(jnp.float32, rows=40, cols=112)
-    tiny = scaled(x, 1e-37 / float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))))
+    tiny = tiny_like(x)
     for data, arithmetic in ((x, False), (tiny, True)):
         with _kernels.use("nvfp4_quantize", "xla"):
             want = jax.jit(lambda x: quantize_operand(x, fmt, 1, None))(*on_cpu((data,)))[0]
@@ -149,13 +140,7 @@ def reference_values(x, block, amax, seed):
     """The block values `e2m1 * scale_b` (bfloat16) by the reference's steps, to the
     nearest where `seed` is None, else stochastically as `reference_codes` draws."""
     v, scale_b, s_dec = scale_blocks(x, block, amax)
-    if seed is None:
-        q = _e2m1.round_nearest(v)
-    else:
-        index = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
-        h = _e2m1._fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed[0])
-        u = ((_e2m1._fmix32(h ^ seed[1]) >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
-        q = _e2m1.round_stochastic(v, u)
+    q = _e2m1.round_nearest(v) if seed is None else _e2m1.round_stochastic(v, thresholds(v, seed))
     return from_blocks(q * expand(scale_b, block), block).astype(jnp.bfloat16), s_dec
 
 
@@ -171,7 +156,7 @@ def test_tininess_branched_once_a_tile_keeps_the_bits(block, rounding):
     t = _tpu_quantize.Tiling(512, 512, 512, branch_once=True, unroll=2)
     x = jnp.tile(edge_array(jnp.float32, rows=40, cols=112), (7, 5))[:256, :512]
     x = jnp.where(jnp.isinf(x), 3.0, x)  # (a NaN block stays: its values NaN)
-    tiny = scaled(x, 1e-37 / float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))))
+    tiny = tiny_like(x)
     seed = jax.random.bits(jax.random.key(4), (2,), jnp.uint32) if rounding != "nearest" else None
     interpret = jax.default_backend() != "tpu"
     kw = dict(block=block, rounding=rounding, interpret=interpret)
@@ -218,14 +203,19 @@ def test_mosaic_tiles_overhanging_both_edges():
     assert np.asarray(s_dec).view(np.uint32) == np.asarray(s_want).view(np.uint32)
 
 
+def thresholds(v, seed):
+    """The SR thresholds of the elements of `v` (`scale_blocks`' view, flat in `x`'s
+    order) as `_e2m1.uniform` draws them from the seed words `seed`."""
+    index = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
+    h = _e2m1._fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed[0])
+    return ((_e2m1._fmix32(h ^ seed[1]) >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
+
+
 def reference_codes(x, block, amax, seed):
     """Packed SR codes, scale bits and `s_dec` by the reference's steps, the thresholds
     drawn as `_e2m1.uniform` draws them from the seed words `seed`."""
     v, scale_b, s_dec = scale_blocks(x, block, amax)
-    index = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)  # (flat: x's order)
-    h = _e2m1._fmix32(index * jnp.uint32(GOLDEN_RATIO_32) + seed[0])
-    u = ((_e2m1._fmix32(h ^ seed[1]) >> 16).astype(jnp.float32) + 0.5) * (1.0 / 65536.0)
-    codes = _e2m1.encode(_e2m1.round_stochastic(v, u)).reshape(x.shape)
+    codes = _e2m1.encode(_e2m1.round_stochastic(v, thresholds(v, seed))).reshape(x.shape)
     bits = jax.lax.bitcast_convert_type(scale_b.astype(jnp.float8_e4m3fn), jnp.uint8)
     return pack(codes), bits, s_dec
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import F32, assert_bits
+from test_kernels import tiny_like
 
 import nvfp4x
 from benchmarks.tpu_compile_check import inlined
@@ -102,8 +103,7 @@ def test_tininess_branched_once_is_the_reference(block, rounding, looped):
     product, a second loop for a tiny tensor): the reference's bits on float32 data and
     on a tiny tensor (`s_dec < 2^-64`) whose subnormal elements count."""
     x = data(272, 208)  # (tiles of 256 rows: the second overhangs)
-    finite = np.where(np.isfinite(x), x, 1.0).astype(F32)
-    tiny = (finite.astype(np.float64) * (1e-37 / float(np.abs(finite).max()))).astype(F32)
+    tiny = tiny_like(x)
     key = jax.random.key(5) if rounding == "stochastic" else None
     seed = None if key is None else seed_words(key)
     tile = dict(block=(16, 16)) if block == (16, 16) else {}
@@ -123,7 +123,7 @@ def test_tininess_branched_once_is_the_reference(block, rounding, looped):
         )
         assert_bits(np.asarray(got_v), np.asarray(want_v), "values")
         assert_bits(np.asarray(got_s), np.asarray(want_s), "tensor scale")
-    subnormal = np.abs(tiny) < np.finfo(F32).tiny
+    subnormal = np.abs(np.asarray(tiny)) < np.finfo(F32).tiny
     assert np.any(subnormal & (np.asarray(want_v, F32) != 0))  # (they count)
 
 
